@@ -1,0 +1,138 @@
+// Package runtime defines the seam every sandbox backend implements
+// (container, fncall, microvm, fullvm): create a sandbox from an ordered list
+// of read-only layers and resources, then exec, move files and destroy it.
+//
+// The edge talks only to this interface; each backend has its own package
+// under internal/runtime and runs the shared conformance suite in
+// internal/runtime/testsuite.
+package runtime
+
+import (
+	"context"
+	"errors"
+	"io"
+	"time"
+)
+
+// Kind names a backend; it is the value of the sandbox spec's backend field.
+type Kind string
+
+// The backends DSec knows about.
+const (
+	KindContainer Kind = "container"
+	KindFnCall    Kind = "fncall"
+	KindMicroVM   Kind = "microvm"
+	KindFullVM    Kind = "fullvm"
+)
+
+// Errors every backend reports the same way, so that the API layer can map
+// them to one status code.
+var (
+	// ErrInvalidSpec wraps a spec the backend refuses (the message names the field).
+	ErrInvalidSpec = errors.New("invalid sandbox spec")
+	// ErrSandboxGone is returned by operations on a sandbox that was destroyed
+	// or whose init process died: an infrastructure failure, not a task failure.
+	ErrSandboxGone = errors.New("sandbox is gone")
+)
+
+// Layer is one read-only EROFS layer of a sandbox's root filesystem.
+type Layer struct {
+	// Digest is "sha256:<hex>" of the EROFS file's bytes.
+	Digest string
+	// Path is the EROFS file on the local node.
+	Path string
+}
+
+// Resources bounds what a sandbox may use. Zero means "no limit set" for
+// each field, except Pids which backends default to a safe bound.
+type Resources struct {
+	// MilliCPU is the CPU quota in thousandths of a core (1000 = one core).
+	MilliCPU int64
+	// MemoryBytes is the memory limit (RAM; no swap).
+	MemoryBytes int64
+	// Pids bounds the number of tasks (a fork bomb stops there).
+	Pids int64
+}
+
+// Spec says what to create. Layers are ordered bottom first: the base
+// image's layers, then the workspace, then toolkits (top).
+type Spec struct {
+	ID        string
+	Layers    []Layer
+	Resources Resources
+	// Hostname inside the sandbox; defaults to the ID.
+	Hostname string
+	// Env, Workdir and User are defaults for every exec (from the image config).
+	Env     []string
+	Workdir string
+	User    string
+	// UserNamespace maps root inside the sandbox to an unprivileged host uid.
+	UserNamespace bool
+}
+
+// ExecRequest is one command to run inside a sandbox.
+type ExecRequest struct {
+	// Argv is the command; if empty, Shell is run with /bin/sh -c.
+	Argv  []string
+	Shell string
+	Env   []string // K=V, appended to the sandbox defaults
+	Cwd   string
+	User  string // name, uid or uid:gid
+	Stdin []byte
+	// Timeout kills the whole process tree of this exec; zero means none.
+	Timeout time.Duration
+	// MaxOutputBytes bounds captured stdout and stderr each; zero means the
+	// backend default. Streaming callers still receive everything.
+	MaxOutputBytes int64
+}
+
+// Stream identifies an output stream of an exec.
+type Stream int
+
+// Output streams.
+const (
+	Stdout Stream = 1
+	Stderr Stream = 2
+)
+
+// OutputFunc receives output as it is produced (the streaming form of Exec).
+// It must not retain data after returning.
+type OutputFunc func(s Stream, data []byte)
+
+// ExecResult is what happened to one exec.
+type ExecResult struct {
+	ExitCode        int
+	Signal          int // non-zero if the process was killed by a signal
+	Stdout          []byte
+	Stderr          []byte
+	StdoutTruncated bool
+	StderrTruncated bool
+	Duration        time.Duration
+	TimedOut        bool
+	OOMKilled       bool
+}
+
+// Backend creates sandboxes of one kind.
+type Backend interface {
+	Kind() Kind
+	// Create builds and starts a sandbox. On error nothing is left behind.
+	Create(ctx context.Context, spec Spec) (Sandbox, error)
+}
+
+// Sandbox is one live sandbox. All methods are safe for concurrent use.
+type Sandbox interface {
+	ID() string
+	// Exec runs a command; out, if not nil, receives output as it comes.
+	Exec(ctx context.Context, req ExecRequest, out OutputFunc) (ExecResult, error)
+	WriteFile(ctx context.Context, path string, data []byte, mode uint32) error
+	ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error)
+	// PutArchive extracts a tar stream into dir (created if missing).
+	PutArchive(ctx context.Context, dir string, tar io.Reader) error
+	// GetArchive writes dir as a tar stream to w.
+	GetArchive(ctx context.Context, dir string, w io.Writer) error
+	// Destroy kills every process and removes every mount, cgroup and
+	// directory of the sandbox. It is idempotent.
+	Destroy(ctx context.Context) error
+	// Done is closed when the sandbox's init process has exited.
+	Done() <-chan struct{}
+}
