@@ -1,0 +1,416 @@
+// Package blobstoretest is the conformance suite every blobstore.Store
+// implementation runs, so that layers, snapshots and refs behave the same on
+// a local directory, a shared file system or an object store.
+package blobstoretest
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dsec-dev/dsec/internal/blobstore"
+)
+
+// Run runs the suite. newStore returns a fresh, empty store for each
+// subtest. Ref tests run when the store also has a Refs() method (as a
+// blobstore.Repository does);
+// corruption tests run when it implements blobstore.Local (they need to
+// damage a stored blob behind the store's back).
+func Run(t *testing.T, newStore func(t *testing.T) blobstore.Store) {
+	tests := []struct {
+		name string
+		fn   func(t *testing.T, s blobstore.Store)
+	}{
+		{"PutOpenStat", testPutOpenStat},
+		{"PutIdempotent", testPutIdempotent},
+		{"EmptyBlob", testEmptyBlob},
+		{"LargeStream", testLargeStream},
+		{"NotFound", testNotFound},
+		{"InvalidDigest", testInvalidDigest},
+		{"Delete", testDelete},
+		{"Walk", testWalk},
+		{"CancelledPut", testCancelledPut},
+		{"Corrupt", testCorrupt},
+		{"ConcurrentSameContent", testConcurrentSame},
+		{"ConcurrentDifferentContent", testConcurrentDifferent},
+		{"Refs", testRefs},
+		{"RefsInvalid", testRefsInvalid},
+		{"RefsConcurrentSet", testRefsConcurrentSet},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.fn(t, newStore(t))
+		})
+	}
+}
+
+func randomBytes(t *testing.T, n int) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	_, err := rand.Read(b)
+	require.NoError(t, err)
+	return b
+}
+
+func put(t *testing.T, s blobstore.Store, b []byte) blobstore.Descriptor {
+	t.Helper()
+	d, err := s.Put(context.Background(), bytes.NewReader(b))
+	require.NoError(t, err)
+	return d
+}
+
+func walkAll(t *testing.T, s blobstore.Store) []blobstore.Descriptor {
+	t.Helper()
+	var all []blobstore.Descriptor
+	require.NoError(t, s.Walk(context.Background(), func(d blobstore.Descriptor) error {
+		all = append(all, d)
+		return nil
+	}))
+	return all
+}
+
+func testPutOpenStat(t *testing.T, s blobstore.Store) {
+	ctx := context.Background()
+	data := []byte("hello, sandbox")
+	d := put(t, s, data)
+	assert.Equal(t, blobstore.Digest(data), d.Digest)
+	assert.Equal(t, int64(len(data)), d.Size)
+
+	st, err := s.Stat(ctx, d.Digest)
+	require.NoError(t, err)
+	assert.Equal(t, d, st)
+
+	got, err := blobstore.ReadAll(ctx, s, d.Digest)
+	require.NoError(t, err)
+	assert.Equal(t, data, got)
+}
+
+func testPutIdempotent(t *testing.T, s blobstore.Store) {
+	data := randomBytes(t, 4096)
+	d1 := put(t, s, data)
+	d2 := put(t, s, data)
+	assert.Equal(t, d1, d2)
+	assert.Equal(t, []blobstore.Descriptor{d1}, walkAll(t, s))
+}
+
+func testEmptyBlob(t *testing.T, s blobstore.Store) {
+	d := put(t, s, nil)
+	assert.Equal(t, "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855", d.Digest)
+	got, err := blobstore.ReadAll(context.Background(), s, d.Digest)
+	require.NoError(t, err)
+	assert.Empty(t, got)
+}
+
+func testLargeStream(t *testing.T, s blobstore.Store) {
+	data := randomBytes(t, 8<<20+123)
+	// A plain io.Reader (no WriterTo, no Len) so the store must stream.
+	d, err := s.Put(context.Background(), struct{ io.Reader }{bytes.NewReader(data)})
+	require.NoError(t, err)
+	assert.Equal(t, int64(len(data)), d.Size)
+	got, err := blobstore.ReadAll(context.Background(), s, d.Digest)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(data, got), "large blob read back differs")
+}
+
+func testNotFound(t *testing.T, s blobstore.Store) {
+	ctx := context.Background()
+	missing := blobstore.Digest([]byte("never stored"))
+	_, err := s.Open(ctx, missing)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	assert.ErrorContains(t, err, missing)
+	_, err = s.Stat(ctx, missing)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	assert.ErrorContains(t, err, missing)
+	err = s.Delete(ctx, missing)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+}
+
+func testInvalidDigest(t *testing.T, s blobstore.Store) {
+	ctx := context.Background()
+	for _, bad := range []string{
+		"",
+		"sha256:",
+		"sha256:abc",
+		"md5:d41d8cd98f00b204e9800998ecf8427e",
+		"sha256:" + strings.Repeat("A", 64),
+		"sha256:" + strings.Repeat("0", 63) + "/",
+		"sha256:../../../../etc/passwd" + strings.Repeat("0", 40),
+		strings.Repeat("0", 64),
+	} {
+		_, err := s.Open(ctx, bad)
+		assert.ErrorIs(t, err, blobstore.ErrInvalidDigest, "Open(%q)", bad)
+		_, err = s.Stat(ctx, bad)
+		assert.ErrorIs(t, err, blobstore.ErrInvalidDigest, "Stat(%q)", bad)
+		assert.ErrorIs(t, s.Delete(ctx, bad), blobstore.ErrInvalidDigest, "Delete(%q)", bad)
+	}
+}
+
+func testDelete(t *testing.T, s blobstore.Store) {
+	ctx := context.Background()
+	keep := put(t, s, []byte("keep"))
+	gone := put(t, s, []byte("gone"))
+	require.NoError(t, s.Delete(ctx, gone.Digest))
+	_, err := s.Stat(ctx, gone.Digest)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	assert.Equal(t, []blobstore.Descriptor{keep}, walkAll(t, s))
+	// Content can be stored again after deletion.
+	again := put(t, s, []byte("gone"))
+	assert.Equal(t, gone, again)
+}
+
+func testWalk(t *testing.T, s blobstore.Store) {
+	var want []blobstore.Descriptor
+	for i := range 5 {
+		want = append(want, put(t, s, []byte(fmt.Sprintf("blob %d", i))))
+	}
+	got := walkAll(t, s)
+	sortDesc := func(a, b blobstore.Descriptor) int { return strings.Compare(a.Digest, b.Digest) }
+	slices.SortFunc(want, sortDesc)
+	slices.SortFunc(got, sortDesc)
+	assert.Equal(t, want, got)
+
+	stop := errors.New("stop")
+	calls := 0
+	err := s.Walk(context.Background(), func(blobstore.Descriptor) error {
+		calls++
+		return stop
+	})
+	assert.ErrorIs(t, err, stop)
+	assert.Equal(t, 1, calls)
+}
+
+func testCancelledPut(t *testing.T, s blobstore.Store) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := s.Put(ctx, bytes.NewReader(randomBytes(t, 1<<20)))
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.Empty(t, walkAll(t, s), "a cancelled Put must not leave a blob")
+}
+
+func testCorrupt(t *testing.T, s blobstore.Store) {
+	local, ok := s.(blobstore.Local)
+	if !ok {
+		t.Skip("store has no local files to corrupt")
+	}
+	ctx := context.Background()
+	data := randomBytes(t, 64<<10)
+	d := put(t, s, data)
+	p, err := local.Path(d.Digest)
+	require.NoError(t, err)
+
+	damage := func(mutate func([]byte) []byte) {
+		t.Helper()
+		require.NoError(t, os.Chmod(p, 0o644))
+		require.NoError(t, os.WriteFile(p, mutate(slices.Clone(data)), 0o644))
+	}
+	for _, tc := range []struct {
+		name   string
+		mutate func([]byte) []byte
+	}{
+		{"flipped byte", func(b []byte) []byte { b[len(b)/2] ^= 0xff; return b }},
+		{"truncated", func(b []byte) []byte { return b[:len(b)-1] }},
+		{"extended", func(b []byte) []byte { return append(b, 0) }},
+	} {
+		damage(tc.mutate)
+		_, err := blobstore.ReadAll(ctx, s, d.Digest)
+		assert.ErrorIs(t, err, blobstore.ErrDigestMismatch, tc.name)
+		assert.ErrorContains(t, err, d.Digest, tc.name)
+		if v, ok := s.(interface {
+			Verify(context.Context, string) error
+		}); ok {
+			assert.ErrorIs(t, v.Verify(ctx, d.Digest), blobstore.ErrDigestMismatch, tc.name)
+		}
+	}
+}
+
+func testConcurrentSame(t *testing.T, s blobstore.Store) {
+	data := randomBytes(t, 1<<20)
+	const n = 16
+	descs := make([]blobstore.Descriptor, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			descs[i], errs[i] = s.Put(context.Background(), bytes.NewReader(data))
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		require.NoError(t, errs[i])
+		assert.Equal(t, descs[0], descs[i])
+	}
+	assert.Len(t, walkAll(t, s), 1)
+	got, err := blobstore.ReadAll(context.Background(), s, descs[0].Digest)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(data, got))
+}
+
+func testConcurrentDifferent(t *testing.T, s blobstore.Store) {
+	const n = 16
+	datas := make([][]byte, n)
+	for i := range n {
+		datas[i] = randomBytes(t, 64<<10+i)
+	}
+	descs := make([]blobstore.Descriptor, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			descs[i], errs[i] = s.Put(context.Background(), bytes.NewReader(datas[i]))
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		require.NoError(t, errs[i])
+		got, err := blobstore.ReadAll(context.Background(), s, descs[i].Digest)
+		require.NoError(t, err)
+		assert.True(t, bytes.Equal(datas[i], got), "blob %d", i)
+	}
+	assert.Len(t, walkAll(t, s), n)
+}
+
+func refsOf(t *testing.T, s blobstore.Store) blobstore.Refs {
+	t.Helper()
+	r, ok := s.(interface{ Refs() blobstore.Refs })
+	if !ok {
+		t.Skip("store does not keep refs")
+	}
+	return r.Refs()
+}
+
+func testRefs(t *testing.T, s blobstore.Store) {
+	r := refsOf(t, s)
+	ctx := context.Background()
+	d1 := blobstore.Digest([]byte("one"))
+	d2 := blobstore.Digest([]byte("two"))
+
+	_, err := r.Get(ctx, "images/a:latest")
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	assert.ErrorContains(t, err, "images/a:latest")
+
+	require.NoError(t, r.Set(ctx, "images/a:latest", d1))
+	require.NoError(t, r.Set(ctx, "images/a:v2", d2))
+	require.NoError(t, r.Set(ctx, "images/lib/b:1.0", d2))
+	require.NoError(t, r.Set(ctx, "other/x", d1))
+
+	got, err := r.Get(ctx, "images/a:latest")
+	require.NoError(t, err)
+	assert.Equal(t, d1, got)
+
+	require.NoError(t, r.Set(ctx, "images/a:latest", d2), "moving a ref")
+	got, err = r.Get(ctx, "images/a:latest")
+	require.NoError(t, err)
+	assert.Equal(t, d2, got)
+
+	list, err := r.List(ctx, "images/")
+	require.NoError(t, err)
+	assert.Equal(t, []blobstore.Ref{
+		{Name: "images/a:latest", Digest: d2},
+		{Name: "images/a:v2", Digest: d2},
+		{Name: "images/lib/b:1.0", Digest: d2},
+	}, list)
+	list, err = r.List(ctx, "images/a:")
+	require.NoError(t, err)
+	assert.Len(t, list, 2)
+	list, err = r.List(ctx, "")
+	require.NoError(t, err)
+	assert.Len(t, list, 4)
+	list, err = r.List(ctx, "nothing/here/")
+	require.NoError(t, err)
+	assert.Empty(t, list)
+
+	require.NoError(t, r.Delete(ctx, "images/lib/b:1.0"))
+	_, err = r.Get(ctx, "images/lib/b:1.0")
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	assert.ErrorIs(t, r.Delete(ctx, "images/lib/b:1.0"), blobstore.ErrNotFound)
+	list, err = r.List(ctx, "images/")
+	require.NoError(t, err)
+	assert.Len(t, list, 2)
+}
+
+func testRefsInvalid(t *testing.T, s blobstore.Store) {
+	r := refsOf(t, s)
+	ctx := context.Background()
+	good := blobstore.Digest([]byte("x"))
+	for _, name := range []string{"", "/abs", "a//b", "a/../b", "..", "a/.", "a b", "a\x00b", "trailing/"} {
+		err := r.Set(ctx, name, good)
+		assert.ErrorIs(t, err, blobstore.ErrInvalidRef, "Set(%q)", name)
+		_, err = r.Get(ctx, name)
+		assert.ErrorIs(t, err, blobstore.ErrInvalidRef, "Get(%q)", name)
+	}
+	assert.ErrorIs(t, r.Set(ctx, "ok", "sha256:nope"), blobstore.ErrInvalidDigest)
+}
+
+// testRefsConcurrentSet moves one ref from many goroutines while others read
+// it: every read must return one of the written digests, never an error, an
+// empty value or a torn one.
+func testRefsConcurrentSet(t *testing.T, s blobstore.Store) {
+	r := refsOf(t, s)
+	ctx := context.Background()
+	const name = "images/race:latest"
+	const writers, rounds = 8, 20
+	valid := map[string]bool{}
+	var digests []string
+	for i := range writers {
+		d := blobstore.Digest([]byte(fmt.Sprint("value ", i)))
+		digests = append(digests, d)
+		valid[d] = true
+	}
+	require.NoError(t, r.Set(ctx, name, digests[0]))
+
+	done := make(chan struct{})
+	var readers sync.WaitGroup
+	readErrs := make(chan error, 4)
+	for range 4 {
+		readers.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				got, err := r.Get(ctx, name)
+				if err != nil || !valid[got] {
+					readErrs <- fmt.Errorf("Get(%q) = %q, %v during concurrent Set", name, got, err)
+					return
+				}
+			}
+		})
+	}
+	var writersWG sync.WaitGroup
+	setErrs := make([]error, writers)
+	for i := range writers {
+		writersWG.Go(func() {
+			for range rounds {
+				if err := r.Set(ctx, name, digests[i]); err != nil {
+					setErrs[i] = err
+					return
+				}
+			}
+		})
+	}
+	writersWG.Wait()
+	close(done)
+	readers.Wait()
+	close(readErrs)
+	for err := range readErrs {
+		t.Error(err)
+	}
+	for _, err := range setErrs {
+		require.NoError(t, err)
+	}
+	got, err := r.Get(ctx, name)
+	require.NoError(t, err)
+	assert.True(t, valid[got])
+}

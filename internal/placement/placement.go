@@ -1,0 +1,526 @@
+// Package placement chooses a node for each sandbox of a batch of create
+// requests, from the control plane's soft view of the nodes.
+//
+// It is pure: no I/O, no goroutines, no clocks. That keeps it fast enough
+// that a 32K-sandbox burst is never waiting on the scheduler, and lets every
+// policy decision be tested exactly. Placement is optimistic (Omega/Sparrow
+// style): the edge makes the final admission check, and a refused request
+// comes back with that node in Request.Exclude.
+//
+// Within a batch each placement is charged to its node before the next
+// request is considered, so a burst spreads over the nodes instead of piling
+// onto whichever node looked emptiest when the batch began. Placement does
+// not change the caller's NodeViews; the caller applies the Decisions to its
+// own state.
+package placement
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+
+	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// Capacity is an amount of each resource a backend accounts for on a node.
+// It is used both for what a node offers and for what is already allocated.
+type Capacity struct {
+	// MilliCPU is CPU in thousandths of a core.
+	MilliCPU int64
+	// MemoryBytes is RAM.
+	MemoryBytes int64
+	// Sandboxes is a count of sandboxes. Unlike CPU and memory it is never
+	// overcommitted: it stands for per-sandbox costs (mounts, PIDs, agent
+	// processes) the backend cannot stretch.
+	Sandboxes int64
+}
+
+// Overcommit multiplies a node's CPU and memory capacity: sandboxes rarely
+// use all they ask for, so a node can promise more than it has. A zero field
+// takes the batch default (see WithOvercommit).
+type Overcommit struct {
+	CPU    float64
+	Memory float64
+}
+
+// DefaultOvercommit is 4x CPU (idle agents mostly wait on the model, as E2B
+// assumes) and 1x memory (memory overcommit ends in OOM kills, which look
+// like task failures to the trainer).
+var DefaultOvercommit = Overcommit{CPU: 4, Memory: 1}
+
+// NodeView is what the control plane knows about one node, rebuilt from its
+// heartbeats.
+type NodeView struct {
+	ID string
+	// Only healthy nodes that are not draining receive sandboxes.
+	Healthy  bool
+	Draining bool
+	// Capacity says which backends the node runs and how much each may use;
+	// a backend missing from the map is not offered. Every field is a hard
+	// limit: zero Sandboxes means no sandbox of that backend fits.
+	Capacity map[runtime.Kind]Capacity
+	// Usage is what is already allocated per backend (requests of live
+	// sandboxes, and their count).
+	Usage map[runtime.Kind]Capacity
+	// Overcommit overrides the batch default for this node, field by field.
+	Overcommit Overcommit
+	// Layers is the set of layer digests the node holds (cached or mounted).
+	Layers map[string]struct{}
+	// Load is the node's measured busy fraction in [0, 1]. Scorers may treat
+	// a node hotter than its allocations suggest as that busy.
+	Load float64
+	// Labels are not used by the built-in policy; they keep room for
+	// affinity rules.
+	Labels map[string]string
+}
+
+// LayerRef is one layer a sandbox needs.
+type LayerRef struct {
+	Digest string
+	// Bytes weighs the layer for locality: holding a 2 GB base layer matters
+	// more than holding a 10 KB toolkit. Zero means unknown and weighs 1.
+	Bytes int64
+}
+
+// Request asks for one sandbox.
+type Request struct {
+	Kind        runtime.Kind
+	MilliCPU    int64
+	MemoryBytes int64
+	// Layers are bottom first, as in runtime.Spec.
+	Layers []LayerRef
+	// Exclude lists node IDs that already refused this request; unknown IDs
+	// are ignored.
+	Exclude []string
+	// Tenant and Labels are not used by the built-in policy; they keep room
+	// for quotas and affinity.
+	Tenant string
+	Labels map[string]string
+}
+
+// Decision is the outcome for the request at the same index.
+type Decision struct {
+	// NodeID and Node (an index into the nodes passed to Place) name the
+	// chosen node; Node is -1 when Err is set.
+	NodeID string
+	Node   int
+	Err    error
+}
+
+// ErrInvalidRequest wraps a per-item error for a request that can never be
+// placed as written (the message names the field).
+var ErrInvalidRequest = errors.New("invalid placement request")
+
+// ErrInvalidNode wraps the error Place returns for a malformed node view.
+var ErrInvalidNode = errors.New("invalid node view")
+
+type options struct {
+	scorer     Scorer
+	overcommit Overcommit
+	seed       uint64
+}
+
+// Option configures Place.
+type Option func(*options)
+
+// WithScorer replaces the scoring policy (default LeastLoaded with
+// DefaultLocalityWeight).
+func WithScorer(s Scorer) Option { return func(o *options) { o.scorer = s } }
+
+// WithLocalityWeight is shorthand for WithScorer(LeastLoaded{LocalityWeight: w}).
+func WithLocalityWeight(w float64) Option {
+	return func(o *options) { o.scorer = LeastLoaded{LocalityWeight: w} }
+}
+
+// WithOvercommit sets the ratios for nodes that do not set their own; zero
+// fields keep DefaultOvercommit's.
+func WithOvercommit(oc Overcommit) Option {
+	return func(o *options) {
+		if oc.CPU != 0 {
+			o.overcommit.CPU = oc.CPU
+		}
+		if oc.Memory != 0 {
+			o.overcommit.Memory = oc.Memory
+		}
+	}
+}
+
+// WithSeed seeds the random choice between equally scored nodes; the same
+// seed and input give the same decisions.
+func WithSeed(seed uint64) Option { return func(o *options) { o.seed = seed } }
+
+// Place chooses a node for each request, in order. Each Decision carries
+// either a node or its own error (a *CapacityError when nothing fits, or
+// ErrInvalidRequest); one request failing does not stop the rest. The
+// returned error is non-nil only when the node views or options are
+// malformed, in which case nothing is placed.
+func Place(nodes []NodeView, reqs []Request, opts ...Option) ([]Decision, error) {
+	o := options{scorer: LeastLoaded{LocalityWeight: DefaultLocalityWeight}, overcommit: DefaultOvercommit}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.scorer == nil {
+		return nil, errors.New("placement: scorer is nil")
+	}
+	if err := checkOvercommit("default overcommit", o.overcommit); err != nil {
+		return nil, err
+	}
+	p, err := newPlanner(nodes, reqs, &o)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Decision, len(reqs))
+	for i := range reqs {
+		out[i] = p.place(i)
+	}
+	return out, nil
+}
+
+// slot is one node's accounts for one backend, laid out flat so that the
+// inner loop touches no maps.
+type slot struct {
+	node                  int
+	capCPU, capMem, capSB int64 // after overcommit
+	useCPU, useMem, useSB int64
+	invCPU, invMem, invSB float64 // 1/cap, 0 when cap is 0
+}
+
+// pool holds the eligible nodes of one backend.
+type pool struct {
+	kind    runtime.Kind
+	slots   []slot
+	offered int // nodes offering the backend, eligible or not
+}
+
+// weighted is a request layer as a bit index into the node layer bitsets.
+type weighted struct {
+	bit    uint32
+	weight float64
+}
+
+type reqInfo struct {
+	pool   int // index into planner.pools, -1 if no node offers the kind
+	layers []weighted
+	total  float64
+	err    error
+}
+
+type planner struct {
+	nodes  []NodeView
+	reqs   []Request
+	scorer Scorer
+	rng    *rand.Rand
+	pools  []pool
+	info   []reqInfo
+	// held is a node-major bitset: bit d of node n's words is set when the
+	// node holds interned layer d.
+	held     []uint64
+	words    int
+	index    map[string]int // node ID → index, for exclusions
+	excluded []uint32       // per node: stamp of the request excluding it
+}
+
+func checkOvercommit(what string, oc Overcommit) error {
+	if !(oc.CPU >= 0) || !(oc.Memory >= 0) || math.IsInf(oc.CPU, 0) || math.IsInf(oc.Memory, 0) {
+		return fmt.Errorf("%w: %s %+v must be finite and non-negative", ErrInvalidNode, what, oc)
+	}
+	return nil
+}
+
+func checkCapacity(node string, kind runtime.Kind, field string, c Capacity) error {
+	if c.MilliCPU < 0 || c.MemoryBytes < 0 || c.Sandboxes < 0 {
+		return fmt.Errorf("%w: node %q %s[%s] %+v has a negative field", ErrInvalidNode, node, field, kind, c)
+	}
+	return nil
+}
+
+func effective(capacity int64, ratio float64) int64 {
+	if ratio == 1 {
+		return capacity
+	}
+	v := float64(capacity) * ratio
+	if v >= math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(v)
+}
+
+func inverse(v int64) float64 {
+	if v <= 0 {
+		return 0
+	}
+	return 1 / float64(v)
+}
+
+func newPlanner(nodes []NodeView, reqs []Request, o *options) (*planner, error) {
+	p := &planner{
+		nodes:  nodes,
+		reqs:   reqs,
+		scorer: o.scorer,
+		rng:    rand.New(rand.NewPCG(o.seed, o.seed^0x9e3779b97f4a7c15)),
+		info:   make([]reqInfo, len(reqs)),
+	}
+	if err := p.buildPools(nodes, o.overcommit); err != nil {
+		return nil, err
+	}
+	p.internLayers()
+	for i := range reqs {
+		if len(reqs[i].Exclude) > 0 {
+			p.excluded = make([]uint32, len(nodes))
+			break
+		}
+	}
+	return p, nil
+}
+
+func (p *planner) buildPools(nodes []NodeView, def Overcommit) error {
+	p.index = make(map[string]int, len(nodes))
+	kinds := make(map[runtime.Kind]int)
+	for n := range nodes {
+		nv := &nodes[n]
+		if nv.ID == "" {
+			return fmt.Errorf("%w: node %d has an empty ID", ErrInvalidNode, n)
+		}
+		if _, dup := p.index[nv.ID]; dup {
+			return fmt.Errorf("%w: node ID %q appears twice", ErrInvalidNode, nv.ID)
+		}
+		p.index[nv.ID] = n
+		if math.IsNaN(nv.Load) || math.IsInf(nv.Load, 0) {
+			return fmt.Errorf("%w: node %q load %v is not finite", ErrInvalidNode, nv.ID, nv.Load)
+		}
+		if err := checkOvercommit(fmt.Sprintf("node %q overcommit", nv.ID), nv.Overcommit); err != nil {
+			return err
+		}
+		oc := nv.Overcommit
+		if oc.CPU == 0 {
+			oc.CPU = def.CPU
+		}
+		if oc.Memory == 0 {
+			oc.Memory = def.Memory
+		}
+		eligible := nv.Healthy && !nv.Draining
+		for kind, c := range nv.Capacity {
+			if err := checkCapacity(nv.ID, kind, "Capacity", c); err != nil {
+				return err
+			}
+			u := nv.Usage[kind]
+			if err := checkCapacity(nv.ID, kind, "Usage", u); err != nil {
+				return err
+			}
+			pi, ok := kinds[kind]
+			if !ok {
+				pi = len(p.pools)
+				kinds[kind] = pi
+				p.pools = append(p.pools, pool{kind: kind})
+			}
+			pl := &p.pools[pi]
+			pl.offered++
+			if !eligible {
+				continue
+			}
+			s := slot{
+				node:   n,
+				capCPU: effective(c.MilliCPU, oc.CPU),
+				capMem: effective(c.MemoryBytes, oc.Memory),
+				capSB:  c.Sandboxes,
+				useCPU: u.MilliCPU,
+				useMem: u.MemoryBytes,
+				useSB:  u.Sandboxes,
+			}
+			s.invCPU, s.invMem, s.invSB = inverse(s.capCPU), inverse(s.capMem), inverse(s.capSB)
+			pl.slots = append(pl.slots, s)
+		}
+	}
+	// Map iteration order must not leak into decisions: slots are in node
+	// order within each pool already; pool order only affects lookups.
+	for i := range p.reqs {
+		p.info[i].pool = -1
+		if pi, ok := kinds[p.reqs[i].Kind]; ok {
+			p.info[i].pool = pi
+		}
+	}
+	return nil
+}
+
+// internLayers numbers every distinct digest the batch asks for and builds
+// one bitset per node, so that locality costs a few bit tests per candidate
+// instead of map lookups.
+func (p *planner) internLayers() {
+	intern := make(map[string]uint32)
+	var digests []string
+	total := 0
+	for i := range p.reqs {
+		total += len(p.reqs[i].Layers)
+	}
+	backing := make([]weighted, 0, total)
+	for i := range p.reqs {
+		r, info := &p.reqs[i], &p.info[i]
+		if err := validate(r); err != nil {
+			info.err = err
+			continue
+		}
+		start := len(backing)
+		for _, l := range r.Layers {
+			bit, ok := intern[l.Digest]
+			if !ok {
+				bit = uint32(len(digests))
+				intern[l.Digest] = bit
+				digests = append(digests, l.Digest)
+			}
+			w := float64(l.Bytes)
+			if w == 0 {
+				w = 1
+			}
+			backing = append(backing, weighted{bit: bit, weight: w})
+			info.total += w
+		}
+		info.layers = backing[start:len(backing):len(backing)]
+	}
+	if len(digests) == 0 {
+		return
+	}
+	p.words = (len(digests) + 63) / 64
+	p.held = make([]uint64, len(p.nodes)*p.words)
+	for n := range p.nodes {
+		held := p.nodes[n].Layers
+		row := p.held[n*p.words : (n+1)*p.words]
+		// Walk whichever side is smaller: a node may cache thousands of
+		// layers while the batch needs three, or the other way round.
+		if len(held) < len(digests) {
+			for d := range held {
+				if bit, ok := intern[d]; ok {
+					row[bit>>6] |= 1 << (bit & 63)
+				}
+			}
+		} else {
+			for bit, d := range digests {
+				if _, ok := held[d]; ok {
+					row[bit>>6] |= 1 << (uint(bit) & 63)
+				}
+			}
+		}
+	}
+}
+
+func validate(r *Request) error {
+	switch {
+	case r.Kind == "":
+		return fmt.Errorf("%w: kind is empty", ErrInvalidRequest)
+	case r.MilliCPU < 0:
+		return fmt.Errorf("%w: milliCPU %d is negative", ErrInvalidRequest, r.MilliCPU)
+	case r.MemoryBytes < 0:
+		return fmt.Errorf("%w: memoryBytes %d is negative", ErrInvalidRequest, r.MemoryBytes)
+	}
+	for i, l := range r.Layers {
+		if l.Digest == "" {
+			return fmt.Errorf("%w: layers[%d].digest is empty", ErrInvalidRequest, i)
+		}
+		if l.Bytes < 0 {
+			return fmt.Errorf("%w: layers[%d].bytes %d is negative", ErrInvalidRequest, i, l.Bytes)
+		}
+	}
+	return nil
+}
+
+func (p *planner) place(i int) Decision {
+	r, info := &p.reqs[i], &p.info[i]
+	if info.err != nil {
+		return Decision{Node: -1, Err: info.err}
+	}
+	if info.pool < 0 {
+		return Decision{Node: -1, Err: &CapacityError{Kind: r.Kind, Need: need(r)}}
+	}
+	pl := &p.pools[info.pool]
+	stamp := uint32(i + 1)
+	if len(r.Exclude) > 0 {
+		for _, id := range r.Exclude {
+			if n, ok := p.index[id]; ok {
+				p.excluded[n] = stamp
+			}
+		}
+	}
+	best, ties := -1, 0
+	bestScore := 0.0
+	for s := range pl.slots {
+		sl := &pl.slots[s]
+		if p.excluded != nil && p.excluded[sl.node] == stamp {
+			continue
+		}
+		if r.MilliCPU > sl.capCPU-sl.useCPU || r.MemoryBytes > sl.capMem-sl.useMem || sl.useSB >= sl.capSB {
+			continue
+		}
+		util := float64(sl.useCPU+r.MilliCPU) * sl.invCPU
+		if m := float64(sl.useMem+r.MemoryBytes) * sl.invMem; m > util {
+			util = m
+		}
+		if c := float64(sl.useSB+1) * sl.invSB; c > util {
+			util = c
+		}
+		loc := 0.0
+		if info.total > 0 {
+			row := p.held[sl.node*p.words:]
+			var h float64
+			for _, l := range info.layers {
+				if row[l.bit>>6]&(1<<(l.bit&63)) != 0 {
+					h += l.weight
+				}
+			}
+			loc = h / info.total
+		}
+		score := p.scorer.Score(r, Candidate{Node: &p.nodes[sl.node], Index: sl.node, Utilization: util, Locality: loc})
+		switch {
+		case best < 0 || score > bestScore:
+			best, bestScore, ties = s, score, 1
+		case score == bestScore:
+			// Reservoir sampling: each of the k tied nodes ends up chosen
+			// with probability 1/k, reproducibly for a given seed.
+			ties++
+			if p.rng.IntN(ties) == 0 {
+				best = s
+			}
+		}
+	}
+	if best < 0 {
+		return Decision{Node: -1, Err: p.diagnose(pl, r, stamp)}
+	}
+	sl := &pl.slots[best]
+	sl.useCPU += r.MilliCPU
+	sl.useMem += r.MemoryBytes
+	sl.useSB++
+	return Decision{NodeID: p.nodes[sl.node].ID, Node: sl.node}
+}
+
+func need(r *Request) Capacity {
+	return Capacity{MilliCPU: r.MilliCPU, MemoryBytes: r.MemoryBytes, Sandboxes: 1}
+}
+
+// diagnose says what ran out. It runs only on failure, so it may rescan.
+func (p *planner) diagnose(pl *pool, r *Request, stamp uint32) error {
+	e := &CapacityError{Kind: r.Kind, Need: need(r), Offered: pl.offered}
+	var cpu, mem, sb bool
+	for s := range pl.slots {
+		sl := &pl.slots[s]
+		if p.excluded != nil && p.excluded[sl.node] == stamp {
+			e.Excluded++
+			continue
+		}
+		e.Eligible++
+		cpu = cpu || r.MilliCPU <= sl.capCPU-sl.useCPU
+		mem = mem || r.MemoryBytes <= sl.capMem-sl.useMem
+		sb = sb || sl.useSB < sl.capSB
+	}
+	if e.Eligible == 0 {
+		return e
+	}
+	if !cpu {
+		e.Short = append(e.Short, ResourceCPU)
+	}
+	if !mem {
+		e.Short = append(e.Short, ResourceMemory)
+	}
+	if !sb {
+		e.Short = append(e.Short, ResourceSandboxes)
+	}
+	return e
+}
