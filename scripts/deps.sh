@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the system packages DSec needs that this machine lacks (Debian).
+# Idempotent: does nothing when everything is present.
+set -euo pipefail
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have mkfs.erofs || need+=(erofs-utils)
+[ -x /bin/busybox ] || need+=(busybox-static)
+[ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import httpx' 2>/dev/null || need+=(python3-httpx)
+/usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
+if [ "${DSEC_BENCH_DEPS:-}" = 1 ]; then
+  have crun || need+=(crun)
+  have runc || need+=(runc)
+  have bwrap || need+=(bubblewrap)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  if [ "$(id -u)" != 0 ]; then echo "deps.sh: run as root to install ${need[*]}" >&2; exit 1; fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+if ! command -v go >/dev/null 2>&1 && [ -x /usr/local/go/bin/go ]; then
+  echo "note: add /usr/local/go/bin to PATH" >&2
+fi
