@@ -1,0 +1,16 @@
+// Package agent is the control protocol between the edge and dsec-agent, the
+// small init process inside every sandbox: the server that runs inside the
+// sandbox (Serve) and the client the edge uses (Client).
+//
+// The protocol runs over any byte stream — a socket for containers,
+// virtio-serial for VM guests — so it needs no fd passing and no connection
+// semantics: length-prefixed protobuf frames (agentpb) carrying a stream id,
+// many streams in flight at once, bulk data chunked and flow controlled per
+// stream (see Window) so a slow reader of one exec's output never holds up
+// another.
+//
+// Inside the sandbox the agent is PID 1, so it also reaps orphans. One
+// goroutine owns wait4 (see procTable): statuses of the processes the agent
+// started are handed to the exec that started them, everything else is
+// reaped and dropped. That is why the server never uses os/exec.
+package agent

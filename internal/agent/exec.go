@@ -1,0 +1,353 @@
+package agent
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/agent/agentpb"
+)
+
+// execSpec is a validated exec request, ready to fork.
+type execSpec struct {
+	path string
+	argv []string
+	env  []string
+	dir  string
+	cred *syscall.Credential
+}
+
+func (srv *server) prepare(r *agentpb.ExecRequest) (*execSpec, error) {
+	argv := r.GetArgv()
+	if len(argv) == 0 {
+		if r.GetShell() == "" {
+			return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: argv and shell are both empty")
+		}
+		argv = []string{"/bin/sh", "-c", r.GetShell()}
+	}
+	if argv[0] == "" {
+		return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: argv[0] is empty")
+	}
+	dir := r.GetCwd()
+	if dir == "" {
+		dir = srv.opts.Workdir
+	} else if !filepath.IsAbs(dir) {
+		dir = filepath.Join(srv.opts.Workdir, dir)
+	}
+	if fi, err := os.Stat(dir); err != nil {
+		return nil, errorf(codeOf(err), "exec: cwd %s: %v", dir, unwrapPath(err))
+	} else if !fi.IsDir() {
+		return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: cwd %s is not a directory", dir)
+	}
+
+	sp := &execSpec{argv: argv, dir: dir}
+	home := ""
+	if u := r.GetUser(); u != "" {
+		id, err := lookupUser(srv.opts.EtcDir, u)
+		if err != nil {
+			return nil, err
+		}
+		sp.cred = &syscall.Credential{Uid: id.uid, Gid: id.gid, Groups: id.groups}
+		home = id.home
+	}
+	sp.env = mergeEnv(srv.opts.Env, r.GetEnv())
+	if envGet(sp.env, "PATH") == "" {
+		sp.env = append(sp.env, "PATH="+defaultPath)
+	}
+	if envGet(sp.env, "HOME") == "" {
+		if home == "" {
+			home = homeOf(srv.opts.EtcDir, os.Getuid())
+		}
+		sp.env = append(sp.env, "HOME="+home)
+	}
+	path, err := lookPath(argv[0], envGet(sp.env, "PATH"), dir)
+	if err != nil {
+		return nil, err
+	}
+	sp.path = path
+	return sp, nil
+}
+
+// exec runs one command and streams its output. The response is the exit
+// status; errors are reserved for commands that could not be started.
+func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
+	sp, err := srv.prepare(r)
+	if err != nil {
+		return errResponse(err)
+	}
+	maxOut := r.GetMaxOutputBytes()
+	if maxOut <= 0 {
+		maxOut = DefaultMaxOutputBytes
+	}
+
+	// The child's ends of the pipes are blocking (taken with Fd), ours stay
+	// in the runtime poller so deadlines work.
+	var pipes [6]*os.File
+	closeAll := func() {
+		for _, f := range pipes {
+			if f != nil {
+				f.Close()
+			}
+		}
+	}
+	for i := 0; i < 6; i += 2 {
+		if pipes[i], pipes[i+1], err = os.Pipe(); err != nil {
+			closeAll()
+			return errResponse(errorf(agentpb.Code_CODE_UNAVAILABLE, "exec %s: pipe: %v", sp.argv[0], err))
+		}
+	}
+	stdinR, stdinW := pipes[0], pipes[1]
+	outR, outW := pipes[2], pipes[3]
+	errR, errW := pipes[4], pipes[5]
+
+	attr := &syscall.ProcAttr{
+		Dir:   sp.dir,
+		Env:   sp.env,
+		Files: []uintptr{stdinR.Fd(), outW.Fd(), errW.Fd()},
+		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: sp.cred},
+	}
+	started := time.Now()
+	pid, wait, err := srv.procs.start(sp.path, sp.argv, attr)
+	stdinR.Close()
+	outW.Close()
+	errW.Close()
+	if err != nil {
+		stdinW.Close()
+		outR.Close()
+		errR.Close()
+		return errResponse(startError(sp.argv[0], sp.path, err))
+	}
+	if srv.oom {
+		if err := os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0); err != nil {
+			srv.log.Warn("cannot reset oom_score_adj of exec", "pid", pid, "err", err)
+		}
+	}
+
+	// stdin: feed the request body, then keep draining it after the
+	// process stops reading so the client's sender never stalls.
+	if r.GetHasStdin() {
+		s.bg.Add(1)
+		go func() {
+			defer s.bg.Done()
+			defer stdinW.Close()
+			body := &bodyReader{ctx: s.ctx, s: s}
+			buf := make([]byte, MaxChunk)
+			broken := false
+			for {
+				n, err := body.Read(buf)
+				if n > 0 && !broken {
+					if _, werr := stdinW.Write(buf[:n]); werr != nil {
+						broken = true
+					}
+				}
+				if err != nil {
+					return
+				}
+			}
+		}()
+	} else {
+		stdinW.Close()
+	}
+
+	res := &agentpb.ExecResult{}
+	var readers sync.WaitGroup
+	readers.Add(2)
+	go func() {
+		defer readers.Done()
+		res.StdoutTruncated = srv.pump(s, outR, agentpb.Channel_CHANNEL_STDOUT, r.GetStreamOutput(), maxOut)
+	}()
+	go func() {
+		defer readers.Done()
+		res.StderrTruncated = srv.pump(s, errR, agentpb.Channel_CHANNEL_STDERR, r.GetStreamOutput(), maxOut)
+	}()
+
+	var timeout <-chan time.Time
+	if d := r.GetTimeoutNanos(); d > 0 {
+		t := time.NewTimer(time.Duration(d))
+		defer t.Stop()
+		timeout = t.C
+	}
+	// Kill only while the main process has not been waited for: once it
+	// has, its pid (the session id) may be recycled.
+	var ws syscall.WaitStatus
+	kill := func(timedOut bool) {
+		select {
+		case ws = <-wait:
+		default:
+			res.TimedOut = timedOut
+			killSession(pid, srv.level, srv.log)
+			ws = <-wait
+		}
+	}
+	select {
+	case ws = <-wait:
+	case <-timeout:
+		kill(true)
+	case <-s.ctx.Done():
+		kill(false)
+	}
+	res.DurationNanos = int64(time.Since(started))
+	switch {
+	case ws.Exited():
+		res.ExitCode = int32(ws.ExitStatus())
+	case ws.Signaled():
+		res.Signal = int32(ws.Signal())
+		res.ExitCode = 128 + res.Signal
+	}
+
+	deadline := time.Now().Add(srv.opts.OutputGrace)
+	outR.SetReadDeadline(deadline)
+	errR.SetReadDeadline(deadline)
+	readers.Wait()
+	outR.Close()
+	errR.Close()
+	// A background child may hold stdin open without reading it; stop
+	// writing to it (the stdin goroutine then just drains the body).
+	stdinW.SetWriteDeadline(time.Now())
+	return &agentpb.Response{Exec: res}
+}
+
+// pump copies one output pipe to the client until end of file, or until the
+// read deadline (set when the main process exits) passes; then it takes what
+// is already buffered in the pipe without waiting and stops. Output beyond
+// limit is counted but sent only when the client streams everything.
+// It reports whether the output exceeded limit.
+func (srv *server) pump(s *stream, f *os.File, ch agentpb.Channel, sendAll bool, limit int64) bool {
+	buf := make([]byte, MaxChunk)
+	var total int64
+	sendFailed := false
+	emit := func(p []byte) {
+		send := p
+		if !sendAll {
+			send = send[:max(0, min(int64(len(p)), limit-total))]
+		}
+		total += int64(len(p))
+		if len(send) > 0 && !sendFailed {
+			// A canceled stream or dead connection: keep draining the pipe
+			// so the writer is not blocked, but stop sending.
+			sendFailed = s.sendData(s.ctx, ch, send, false) != nil
+		}
+	}
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			emit(buf[:n])
+		}
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			drainNow(f, buf, emit)
+		}
+		return total > limit
+	}
+}
+
+// drainNow reads what is in the pipe right now, without waiting for more,
+// up to the pipe's capacity (a background writer could otherwise keep it
+// going forever).
+func drainNow(f *os.File, buf []byte, emit func([]byte)) {
+	f.SetReadDeadline(time.Time{})
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return
+	}
+	limit := 1 << 20
+	rc.Control(func(fd uintptr) {
+		if n, err := unix.FcntlInt(fd, unix.F_GETPIPE_SZ, 0); err == nil && n > 0 {
+			limit = n
+		}
+	})
+	for limit > 0 {
+		var n int
+		var rerr error
+		// Returning true means "done": RawRead never parks on the poller.
+		if err := rc.Read(func(fd uintptr) bool {
+			n, rerr = unix.Read(int(fd), buf)
+			return true
+		}); err != nil || rerr != nil || n <= 0 {
+			return
+		}
+		emit(buf[:n])
+		limit -= n
+	}
+}
+
+// startError classifies a failed fork/exec.
+func startError(name, path string, err error) error {
+	switch {
+	case errors.Is(err, syscall.ENOENT):
+		return errorf(agentpb.Code_CODE_NOT_FOUND, "exec %s: %s not found (or its interpreter is missing)", name, path)
+	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
+		return errorf(agentpb.Code_CODE_PERMISSION_DENIED, "exec %s: %v", name, err)
+	case errors.Is(err, syscall.ENOEXEC), errors.Is(err, syscall.ENOTDIR):
+		return errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec %s: %v", name, err)
+	case errors.Is(err, syscall.EAGAIN), errors.Is(err, syscall.ENOMEM):
+		return errorf(agentpb.Code_CODE_UNAVAILABLE, "exec %s: %v", name, err)
+	}
+	return errorf(agentpb.Code_CODE_UNKNOWN, "exec %s: %v", name, err)
+}
+
+// lookPath finds name in PATH the way a shell does; names with a slash are
+// used as given (relative to dir, where the child chdirs before exec).
+func lookPath(name, pathEnv, dir string) (string, error) {
+	if strings.Contains(name, "/") {
+		return name, nil
+	}
+	for p := range strings.SplitSeq(pathEnv, ":") {
+		if p == "" {
+			p = "."
+		}
+		cand := filepath.Join(p, name)
+		if !filepath.IsAbs(cand) {
+			cand = filepath.Join(dir, cand)
+		}
+		if fi, err := os.Stat(cand); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+			return cand, nil
+		}
+	}
+	return "", errorf(agentpb.Code_CODE_NOT_FOUND, "exec %s: executable file not found in PATH %q", name, pathEnv)
+}
+
+// mergeEnv appends extra to base, later entries replacing earlier ones with
+// the same key.
+func mergeEnv(base, extra []string) []string {
+	out := make([]string, 0, len(base)+len(extra)+2)
+	idx := make(map[string]int, len(base)+len(extra))
+	for _, kv := range append(base[:len(base):len(base)], extra...) {
+		k, _, _ := strings.Cut(kv, "=")
+		if i, ok := idx[k]; ok {
+			out[i] = kv
+			continue
+		}
+		idx[k] = len(out)
+		out = append(out, kv)
+	}
+	return out
+}
+
+func envGet(env []string, key string) string {
+	for i := len(env) - 1; i >= 0; i-- {
+		if k, v, _ := strings.Cut(env[i], "="); k == key {
+			return v
+		}
+	}
+	return ""
+}
+
+// unwrapPath drops the *PathError wrapper when the message names the path
+// itself already.
+func unwrapPath(err error) error {
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
+}

@@ -1,0 +1,168 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dsec-dev/dsec/internal/agent/agentpb"
+)
+
+// Defaults the server applies when a request leaves a bound at zero.
+const (
+	// DefaultMaxOutputBytes bounds captured stdout and stderr each.
+	DefaultMaxOutputBytes = 1 << 20
+	// DefaultMaxReadBytes bounds ReadFile.
+	DefaultMaxReadBytes = 64 << 20
+	// DefaultOutputGrace is how long an exec's output is still collected
+	// after its main process exited. Background children that inherited
+	// stdout/stderr (`server &`) would otherwise keep the exec open for as
+	// long as they live; after the grace the agent takes what is already in
+	// the pipes and finishes.
+	DefaultOutputGrace = 100 * time.Millisecond
+)
+
+// defaultPath is used when neither the sandbox nor the request sets PATH.
+const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// Options configures Serve. The zero value is ready to use.
+type Options struct {
+	// ReapAll makes the agent the single owner of wait4(-1): it reaps every
+	// child, including orphans re-parented to it. It is forced on when the
+	// agent is PID 1. Leave it off when Serve runs inside a process that
+	// waits for its own children (tests), or their statuses would be stolen.
+	ReapAll bool
+	// Env, Workdir are defaults for every exec (the image config); request
+	// env entries override Env by key.
+	Env     []string
+	Workdir string
+	// EtcDir holds the passwd and group files users are resolved from;
+	// default /etc.
+	EtcDir string
+	// OutputGrace overrides DefaultOutputGrace.
+	OutputGrace time.Duration
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// OnIdle, if set, is called (from a handler goroutine) each time the
+	// last request in flight finishes; dsec-agent uses it to hand memory
+	// back to the kernel while the sandbox sits idle.
+	OnIdle func()
+}
+
+type server struct {
+	opts  Options
+	log   *slog.Logger
+	procs *procTable
+	level int  // see nsLevel
+	oom   bool // reset children's oom_score_adj to 0
+}
+
+// Serve answers requests on conn until conn fails or ctx ends. On return
+// every exec still running has had its process tree killed. A clean end of
+// the connection (EOF) returns nil.
+func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
+	if opts.Workdir == "" {
+		opts.Workdir = "/"
+	}
+	if opts.EtcDir == "" {
+		opts.EtcDir = "/etc"
+	}
+	if opts.OutputGrace <= 0 {
+		opts.OutputGrace = DefaultOutputGrace
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	srv := &server{
+		opts:  opts,
+		log:   log,
+		procs: newProcTable(opts.ReapAll || os.Getpid() == 1, log),
+		level: nsLevel(),
+	}
+	// The runtime shields the agent from the OOM killer; its children must
+	// not inherit that, or a runaway process would take the agent's place
+	// at the back of the queue. /proc/<pid> only names our children when
+	// /proc is our own pid namespace's.
+	if b, err := os.ReadFile("/proc/self/oom_score_adj"); err == nil && strings.TrimSpace(string(b)) == "-1000" && srv.level == 0 {
+		srv.oom = true
+	}
+
+	connCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	m := newMux(conn)
+	var handlers sync.WaitGroup
+	var inFlight atomic.Int64
+	m.onRequest = func(s *stream, req *agentpb.Request) {
+		s.ctx, s.cancel = context.WithCancel(connCtx)
+		handlers.Add(1)
+		inFlight.Add(1)
+		go func() {
+			defer handlers.Done()
+			defer func() {
+				if inFlight.Add(-1) == 0 && opts.OnIdle != nil {
+					opts.OnIdle()
+				}
+			}()
+			defer s.cancel()
+			resp := srv.handle(s, req)
+			// If the connection is gone there is nobody to tell.
+			_ = m.send(&agentpb.Frame{Stream: s.id, Msg: &agentpb.Frame_Response{Response: resp}})
+			m.remove(s)
+			s.bg.Wait()
+		}()
+	}
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-ctx.Done():
+			m.fail(ctx.Err())
+		case <-stop:
+		}
+	}()
+
+	err := m.readLoop()
+	m.fail(err)
+	cancel()
+	handlers.Wait()
+	switch {
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case errors.Is(err, io.EOF):
+		return nil
+	}
+	return err
+}
+
+func (srv *server) handle(s *stream, req *agentpb.Request) *agentpb.Response {
+	var err error
+	switch op := req.Op.(type) {
+	case *agentpb.Request_Exec:
+		return srv.exec(s, op.Exec)
+	case *agentpb.Request_WriteFile:
+		err = srv.writeFile(s, op.WriteFile)
+	case *agentpb.Request_ReadFile:
+		err = srv.readFile(s, op.ReadFile)
+	case *agentpb.Request_PutArchive:
+		err = srv.putArchive(s, op.PutArchive)
+	case *agentpb.Request_GetArchive:
+		err = srv.getArchive(s, op.GetArchive)
+	case *agentpb.Request_Ping:
+	default:
+		err = errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "request on stream %d names no operation", s.id)
+	}
+	if err != nil {
+		if s.ctx.Err() != nil && codeOf(err) == agentpb.Code_CODE_UNKNOWN {
+			err = errCanceled
+		}
+		return errResponse(err)
+	}
+	return &agentpb.Response{}
+}
