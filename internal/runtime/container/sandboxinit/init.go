@@ -1,0 +1,329 @@
+// Package sandboxinit is the part of the container backend that runs inside
+// the sandbox: dsec-agent calls Run as PID 1 of fresh namespaces, before it
+// starts serving requests. It mounts the overlay root filesystem and the
+// minimal /dev, /proc and /sys inside the sandbox's own mount namespace (so the
+// host mount table never sees them), pivots into it, brings loopback up, sets
+// the hostname and finally locks the process down (capabilities, no_new_privs,
+// seccomp), so that every command the agent forks inherits the restrictions.
+//
+// The package is linked into dsec-agent: keep its imports small, because the
+// agent's memory is paid once per sandbox.
+package sandboxinit
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Config is what the edge sends to a new sandbox's init, as the first message
+// on the control socket.
+type Config struct {
+	// Lower are the read-only layer directories, top first (overlay order).
+	Lower []string `json:"lower"`
+	// Upper and Work are the sandbox's private overlay directories.
+	Upper string `json:"upper"`
+	Work  string `json:"work"`
+	// Rootfs is an empty directory (on the host) where the overlay is mounted
+	// inside the sandbox's mount namespace before pivot_root.
+	Rootfs   string `json:"rootfs"`
+	Hostname string `json:"hostname"`
+	// UserNS is set when the sandbox runs in its own user namespace: device
+	// nodes are then bind-mounted from the host instead of created.
+	UserNS bool `json:"userns,omitempty"`
+	// Seccomp is a compiled classic-BPF program (8 bytes per instruction) to
+	// install on every thread; empty means none.
+	Seccomp []byte `json:"seccomp,omitempty"`
+	// Caps is the capability set kept; nil means keep all (tests only).
+	Caps []int `json:"caps,omitempty"`
+	// NoLockdown skips capabilities, no_new_privs and seccomp (tests only).
+	NoLockdown bool `json:"no_lockdown,omitempty"`
+}
+
+// Reply is init's answer: empty Error means the sandbox is ready.
+type Reply struct {
+	Error string `json:"error,omitempty"`
+}
+
+// maxMessage bounds an init message, so a confused peer cannot make the
+// other side allocate without limit.
+const maxMessage = 1 << 20
+
+// WriteMessage writes v as one length-prefixed JSON message.
+func WriteMessage(w io.Writer, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, 4+len(b))
+	binary.BigEndian.PutUint32(buf, uint32(len(b)))
+	copy(buf[4:], b)
+	_, err = w.Write(buf)
+	return err
+}
+
+// ReadMessage reads one length-prefixed JSON message into v.
+func ReadMessage(r io.Reader, v any) error {
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return err
+	}
+	n := binary.BigEndian.Uint32(hdr[:])
+	if n > maxMessage {
+		return fmt.Errorf("init message of %d bytes exceeds %d", n, maxMessage)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}
+
+// Lockdown applies the capability set, no_new_privs and the seccomp program
+// to every thread of the calling process. It is provided by the agent (which
+// links the audit packages) so that this package stays free of them.
+type Lockdown func(caps []int, seccomp []byte) error
+
+// Run reads the Config from conn, builds the sandbox and replies. It returns
+// an error (already reported to the edge) if the sandbox could not be built;
+// the caller must then exit.
+func Run(conn io.ReadWriter, lock Lockdown) error {
+	var cfg Config
+	if err := ReadMessage(conn, &cfg); err != nil {
+		return fmt.Errorf("read init config: %w", err)
+	}
+	err := setup(&cfg, lock)
+	reply := Reply{}
+	if err != nil {
+		reply.Error = err.Error()
+	}
+	if werr := WriteMessage(conn, reply); werr != nil && err == nil {
+		err = werr
+	}
+	return err
+}
+
+func setup(cfg *Config, lock Lockdown) error {
+	if len(cfg.Lower) == 0 {
+		return errors.New("no lower layers")
+	}
+	// Stop mount events from propagating back to the host (or from it).
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make mounts private: %w", err)
+	}
+	if err := mountRootfs(cfg); err != nil {
+		return err
+	}
+	if err := pivot(cfg.Rootfs); err != nil {
+		return err
+	}
+	if err := loopbackUp(); err != nil {
+		return err
+	}
+	if cfg.Hostname != "" {
+		if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+			return fmt.Errorf("sethostname: %w", err)
+		}
+	}
+	// The OOM killer must pick the user's processes, never the agent: losing
+	// PID 1 would tear the whole sandbox down. The agent resets the score of
+	// each child it starts. Lowering the score needs CAP_SYS_RESOURCE, which
+	// some hosts (nested or restricted VMs) do not grant even to root; the
+	// sandbox still works there, only with a less protected agent.
+	if err := os.WriteFile("/proc/self/oom_score_adj", []byte("-1000"), 0); err != nil &&
+		!errors.Is(err, os.ErrPermission) {
+		return fmt.Errorf("oom_score_adj: %w", err)
+	}
+	if cfg.NoLockdown || lock == nil {
+		return nil
+	}
+	if err := lock(cfg.Caps, cfg.Seccomp); err != nil {
+		return fmt.Errorf("lock down: %w", err)
+	}
+	return nil
+}
+
+type mnt struct {
+	source, target, fstype string
+	flags                  uintptr
+	data                   string
+}
+
+func mountRootfs(cfg *Config) error {
+	// index=off, redirect_dir=off and metacopy=off keep the upper directory
+	// self-contained, so pack_diff can turn it into a layer on its own.
+	// volatile skips syncfs of the upper: a sandbox's writable layer does not
+	// outlive a host crash anyway, and agents calling sync must not stall the
+	// node's disk.
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s,index=off,redirect_dir=off,metacopy=off,volatile",
+		strings.Join(cfg.Lower, ":"), cfg.Upper, cfg.Work)
+	r := cfg.Rootfs
+	if err := unix.Mount("overlay", r, "overlay", unix.MS_NODEV, opts); err != nil {
+		return fmt.Errorf("mount overlay (%d layers): %w", len(cfg.Lower), err)
+	}
+	for _, d := range []string{"proc", "dev", "sys", "tmp"} {
+		if err := os.MkdirAll(filepath.Join(r, d), 0o755); err != nil {
+			return fmt.Errorf("mkdir /%s: %w", d, err)
+		}
+	}
+	// Only touch /tmp's mode when the image got it wrong: a chmod copies the
+	// directory up into the sandbox's upper layer.
+	if fi, err := os.Stat(filepath.Join(r, "tmp")); err == nil && fi.Mode()&(os.ModePerm|os.ModeSticky) != 0o777|os.ModeSticky {
+		if err := os.Chmod(filepath.Join(r, "tmp"), 0o777|os.ModeSticky); err != nil {
+			return fmt.Errorf("chmod /tmp: %w", err)
+		}
+	}
+	const nsd = unix.MS_NOSUID | unix.MS_NODEV
+	mounts := []mnt{
+		{"proc", "proc", "proc", nsd | unix.MS_NOEXEC, ""},
+		{"tmpfs", "dev", "tmpfs", unix.MS_NOSUID | unix.MS_STRICTATIME, "mode=755,size=65536k"},
+		{"sysfs", "sys", "sysfs", nsd | unix.MS_NOEXEC | unix.MS_RDONLY, ""},
+	}
+	for _, m := range mounts {
+		if err := unix.Mount(m.source, filepath.Join(r, m.target), m.fstype, m.flags, m.data); err != nil {
+			return fmt.Errorf("mount /%s: %w", m.target, err)
+		}
+	}
+	if err := populateDev(filepath.Join(r, "dev"), cfg.UserNS); err != nil {
+		return err
+	}
+	return maskProc(filepath.Join(r, "proc"))
+}
+
+var devices = []struct {
+	name         string
+	major, minor uint32
+}{
+	{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7},
+	{"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0},
+}
+
+func populateDev(dev string, userNS bool) error {
+	for _, d := range devices {
+		p := filepath.Join(dev, d.name)
+		if userNS {
+			// mknod is not allowed in a user namespace: bind the host's node.
+			f, err := os.OpenFile(p, os.O_CREATE|os.O_WRONLY, 0o666)
+			if err != nil {
+				return fmt.Errorf("create /dev/%s: %w", d.name, err)
+			}
+			f.Close()
+			if err := unix.Mount("/dev/"+d.name, p, "", unix.MS_BIND, ""); err != nil {
+				return fmt.Errorf("bind /dev/%s: %w", d.name, err)
+			}
+			continue
+		}
+		if err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(d.major, d.minor))); err != nil {
+			return fmt.Errorf("mknod /dev/%s: %w", d.name, err)
+		}
+		// mknod honours the umask; devices must be usable by every user.
+		if err := unix.Chmod(p, 0o666); err != nil {
+			return fmt.Errorf("chmod /dev/%s: %w", d.name, err)
+		}
+	}
+	for _, d := range []string{"pts", "shm"} {
+		if err := os.Mkdir(filepath.Join(dev, d), 0o755); err != nil {
+			return fmt.Errorf("mkdir /dev/%s: %w", d, err)
+		}
+	}
+	if err := unix.Mount("devpts", filepath.Join(dev, "pts"), "devpts", unix.MS_NOSUID|unix.MS_NOEXEC,
+		"newinstance,ptmxmode=0666,mode=0620"); err != nil {
+		return fmt.Errorf("mount /dev/pts: %w", err)
+	}
+	if err := unix.Mount("shm", filepath.Join(dev, "shm"), "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC,
+		"mode=1777,size=65536k"); err != nil {
+		return fmt.Errorf("mount /dev/shm: %w", err)
+	}
+	links := [][2]string{
+		{"pts/ptmx", "ptmx"}, {"/proc/self/fd", "fd"},
+		{"/proc/self/fd/0", "stdin"}, {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"},
+	}
+	for _, l := range links {
+		if err := os.Symlink(l[0], filepath.Join(dev, l[1])); err != nil {
+			return fmt.Errorf("symlink /dev/%s: %w", l[1], err)
+		}
+	}
+	return nil
+}
+
+// maskProc hides the /proc entries that leak host information or allow host
+// changes, as Docker does: some are covered by an empty read-only file
+// system, the rest become read-only.
+func maskProc(proc string) error {
+	for _, p := range []string{"kcore", "keys", "timer_list", "sched_debug", "latency_stats"} {
+		t := filepath.Join(proc, p)
+		if _, err := os.Stat(t); err != nil {
+			continue
+		}
+		if err := unix.Mount("/dev/null", t, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("mask /proc/%s: %w", p, err)
+		}
+	}
+	for _, p := range []string{"acpi", "scsi"} {
+		t := filepath.Join(proc, p)
+		if fi, err := os.Stat(t); err != nil || !fi.IsDir() {
+			continue
+		}
+		if err := unix.Mount("tmpfs", t, "tmpfs", unix.MS_RDONLY, "size=0"); err != nil {
+			return fmt.Errorf("mask /proc/%s: %w", p, err)
+		}
+	}
+	for _, p := range []string{"bus", "fs", "irq", "sys", "sysrq-trigger"} {
+		t := filepath.Join(proc, p)
+		if _, err := os.Stat(t); err != nil {
+			continue
+		}
+		if err := unix.Mount(t, t, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind /proc/%s: %w", p, err)
+		}
+		if err := unix.Mount("", t, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("read-only /proc/%s: %w", p, err)
+		}
+	}
+	return nil
+}
+
+// pivot makes rootfs the root of the mount namespace and drops the host's
+// mounts from it (pivot_root(".", ".") stacks the old root on the new one,
+// so it can be detached without a temporary directory).
+func pivot(rootfs string) error {
+	if err := unix.Chdir(rootfs); err != nil {
+		return fmt.Errorf("chdir rootfs: %w", err)
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("pivot_root: %w", err)
+	}
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("detach old root: %w", err)
+	}
+	return unix.Chdir("/")
+}
+
+// loopbackUp sets IFF_UP on "lo" in the sandbox's fresh network namespace
+// with one ioctl: cheaper than netlink and enough for the only interface.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("socket for lo: %w", err)
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("get lo flags: %w", err)
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("set lo up: %w", err)
+	}
+	return nil
+}
