@@ -184,6 +184,13 @@ func unmountDir(dir string) error {
 		return fmt.Errorf("unmount %s: %w", dir, err)
 	}
 	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		// EBUSY: a sandbox being created right now still has a copy of this
+		// mount in its new mount namespace (it detaches the host's mounts a
+		// moment later). The empty directory is harmless: the next Acquire
+		// mounts on it again and NewMounts removes leftovers.
+		if errors.Is(err, unix.EBUSY) {
+			return nil
+		}
 		return err
 	}
 	return nil
