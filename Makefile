@@ -25,6 +25,13 @@ vet:
 test: deps build vet
 	$(GO) test -count=1 -timeout 15m $(PKGS)
 
+# One-node DSec in the foreground: system packages, binaries, and a starter
+# image busybox:latest (imported only if missing), then `dsec up`.
+DATA_DIR ?= /var/lib/dsec
+up: deps build
+	./scripts/busybox-rootfs.sh $(BIN)/busybox-rootfs
+	$(BIN)/dsec up --data-dir $(DATA_DIR) --import busybox:latest=$(BIN)/busybox-rootfs
+
 proto:
 	./scripts/proto.sh
 

@@ -43,9 +43,11 @@ func main() {
 	}
 	conn := os.NewFile(3, "control")
 
+	var fork sandboxinit.Fork
 	if len(os.Args) > 1 && os.Args[1] == "container-init" {
+		var err error
 		// The edge waits for the outcome on the socket; nothing else to do.
-		if err := sandboxinit.Run(conn, lockdown); err != nil {
+		if fork, err = sandboxinit.Run(conn, lockdown); err != nil {
 			os.Exit(3)
 		}
 	}
@@ -53,6 +55,7 @@ func main() {
 	err := agent.Serve(context.Background(), conn, agent.Options{
 		ReapAll: os.Getpid() == 1,
 		OnIdle:  releaseWhenIdle(),
+		Fork:    fork,
 	})
 	if err != nil {
 		log.Error("agent stopped", "err", err)

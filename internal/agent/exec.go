@@ -114,7 +114,17 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: sp.cred},
 	}
 	started := time.Now()
-	pid, wait, err := srv.procs.start(sp.path, sp.argv, attr)
+	var pid int
+	var wait <-chan syscall.WaitStatus
+	start := func() (err error) {
+		pid, wait, err = srv.procs.start(sp.path, sp.argv, attr)
+		return err
+	}
+	if srv.opts.Fork != nil {
+		err = srv.opts.Fork(attr.Sys, start)
+	} else {
+		err = start()
+	}
 	stdinR.Close()
 	outW.Close()
 	errW.Close()

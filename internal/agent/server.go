@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/agent/agentpb"
@@ -53,6 +54,11 @@ type Options struct {
 	// last request in flight finishes; dsec-agent uses it to hand memory
 	// back to the kernel while the sandbox sits idle.
 	OnIdle func()
+	// Fork, if set, wraps every process start: it may adjust attr and must
+	// call start exactly once. The container runtime uses it to have user
+	// processes born in a child cgroup whose pids limit excludes the agent,
+	// so a fork bomb cannot starve the agent of threads.
+	Fork func(attr *syscall.SysProcAttr, start func() error) error
 }
 
 type server struct {

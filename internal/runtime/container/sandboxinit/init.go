@@ -18,7 +18,10 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
+	"strconv"
 	"strings"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -45,6 +48,16 @@ type Config struct {
 	Caps []int `json:"caps,omitempty"`
 	// NoLockdown skips capabilities, no_new_privs and seccomp (tests only).
 	NoLockdown bool `json:"no_lockdown,omitempty"`
+	// User processes are born in a child cgroup whose pids limit excludes
+	// the agent's own threads, so a fork bomb cannot starve the agent (a Go
+	// program dies when it cannot create a thread). On cgroup v1 the agent
+	// moves its forking thread into UserTasks and back to HomeTasks (the
+	// "tasks" files); on v2 it forks with CLONE_INTO_CGROUP into
+	// UserCgroupDir. The files are opened before pivot_root, while the host
+	// cgroup file system is still visible.
+	UserTasks     string `json:"user_tasks,omitempty"`
+	HomeTasks     string `json:"home_tasks,omitempty"`
+	UserCgroupDir string `json:"user_cgroup_dir,omitempty"`
 }
 
 // Reply is init's answer: empty Error means the sandbox is ready.
@@ -91,15 +104,20 @@ func ReadMessage(r io.Reader, v any) error {
 // links the audit packages) so that this package stays free of them.
 type Lockdown func(caps []int, seccomp []byte) error
 
+// Fork wraps a process start so that the process is born in the sandbox's
+// user cgroup (see Config.UserTasks); it matches agent.Options.Fork.
+type Fork func(attr *syscall.SysProcAttr, start func() error) error
+
 // Run reads the Config from conn, builds the sandbox and replies. It returns
 // an error (already reported to the edge) if the sandbox could not be built;
-// the caller must then exit.
-func Run(conn io.ReadWriter, lock Lockdown) error {
+// the caller must then exit. The returned Fork (nil if the config names no
+// user cgroup) must wrap every process the agent starts.
+func Run(conn io.ReadWriter, lock Lockdown) (Fork, error) {
 	var cfg Config
 	if err := ReadMessage(conn, &cfg); err != nil {
-		return fmt.Errorf("read init config: %w", err)
+		return nil, fmt.Errorf("read init config: %w", err)
 	}
-	err := setup(&cfg, lock)
+	fork, err := setup(&cfg, lock)
 	reply := Reply{}
 	if err != nil {
 		reply.Error = err.Error()
@@ -107,13 +125,65 @@ func Run(conn io.ReadWriter, lock Lockdown) error {
 	if werr := WriteMessage(conn, reply); werr != nil && err == nil {
 		err = werr
 	}
-	return err
+	return fork, err
 }
 
-func setup(cfg *Config, lock Lockdown) error {
+func setup(cfg *Config, lock Lockdown) (Fork, error) {
 	if len(cfg.Lower) == 0 {
-		return errors.New("no lower layers")
+		return nil, errors.New("no lower layers")
 	}
+	fork, err := userCgroup(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return fork, setupRoot(cfg, lock)
+}
+
+// userCgroup opens the user cgroup's files and returns the Fork using them.
+func userCgroup(cfg *Config) (Fork, error) {
+	switch {
+	case cfg.UserCgroupDir != "":
+		fd, err := unix.Open(cfg.UserCgroupDir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, fmt.Errorf("open user cgroup: %w", err)
+		}
+		return func(attr *syscall.SysProcAttr, start func() error) error {
+			attr.UseCgroupFD = true
+			attr.CgroupFD = fd
+			return start()
+		}, nil
+	case cfg.UserTasks != "":
+		user, err := os.OpenFile(cfg.UserTasks, os.O_WRONLY, 0)
+		if err != nil {
+			return nil, fmt.Errorf("open user cgroup: %w", err)
+		}
+		home, err := os.OpenFile(cfg.HomeTasks, os.O_WRONLY, 0)
+		if err != nil {
+			user.Close()
+			return nil, fmt.Errorf("open sandbox cgroup: %w", err)
+		}
+		return func(_ *syscall.SysProcAttr, start func() error) error {
+			runtime.LockOSThread()
+			tid := []byte(strconv.Itoa(unix.Gettid()))
+			if _, err := user.Write(tid); err != nil {
+				runtime.UnlockOSThread()
+				return fmt.Errorf("enter user cgroup: %w", err)
+			}
+			err := start()
+			if _, werr := home.Write(tid); werr != nil {
+				// Stay locked: the runtime ends this thread when the
+				// goroutine exits, instead of running the agent inside
+				// the user's pids limit.
+				return errors.Join(err, fmt.Errorf("leave user cgroup: %w", werr))
+			}
+			runtime.UnlockOSThread()
+			return err
+		}, nil
+	}
+	return nil, nil
+}
+
+func setupRoot(cfg *Config, lock Lockdown) error {
 	// Stop mount events from propagating back to the host (or from it).
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)

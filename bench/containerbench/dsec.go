@@ -1,0 +1,124 @@
+package main
+
+// DSec's own row: the native container backend (internal/runtime/container)
+// over the same busybox tree, packed as one EROFS layer.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/layer"
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container"
+)
+
+type dsecSystem struct {
+	backend *container.Backend
+	layer   rt.Layer
+	parent  string
+	n       atomic.Int64
+}
+
+func newDSec() System { return &dsecSystem{} }
+
+func (d *dsecSystem) Name() string { return "dsec" }
+
+func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
+	agent := filepath.Join(env.WorkDir, "dsec-agent")
+	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", agent, "./cmd/dsec-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return fmt.Errorf("build dsec-agent (run from the repository root): %v\n%s", err, out)
+	}
+	store, err := blobstore.NewDir(filepath.Join(env.WorkDir, "blobs"))
+	if err != nil {
+		return err
+	}
+	desc, err := layer.Build(ctx, store, env.Rootfs)
+	if err != nil {
+		return err
+	}
+	path, err := store.Path(desc.Digest)
+	if err != nil {
+		return err
+	}
+	mounts, err := layer.NewMounts(filepath.Join(env.WorkDir, "layers"))
+	if err != nil {
+		return err
+	}
+	d.parent = "dsec-bench-" + strconv.Itoa(os.Getpid())
+	d.backend, err = container.New(container.Options{
+		StateDir:     filepath.Join(env.WorkDir, "sandboxes"),
+		AgentPath:    agent,
+		Layers:       mounts,
+		CgroupParent: d.parent,
+	})
+	if err != nil {
+		return err
+	}
+	d.layer = rt.Layer{Digest: desc.Digest, Path: path}
+	return nil
+}
+
+func (d *dsecSystem) create(ctx context.Context) (rt.Sandbox, error) {
+	return d.backend.Create(ctx, rt.Spec{
+		ID:     "b" + strconv.FormatInt(d.n.Add(1), 10),
+		Layers: []rt.Layer{d.layer},
+	})
+}
+
+func (d *dsecSystem) Cycle(ctx context.Context) error {
+	sb, err := d.create(ctx)
+	if err != nil {
+		return err
+	}
+	res, err := sb.Exec(ctx, rt.ExecRequest{Argv: []string{"/bin/true"}}, nil)
+	derr := sb.Destroy(ctx)
+	if err != nil {
+		return err
+	}
+	if res.ExitCode != 0 {
+		return fmt.Errorf("/bin/true exited %d", res.ExitCode)
+	}
+	return derr
+}
+
+func (d *dsecSystem) StartIdle(ctx context.Context, _ int) (func(context.Context) error, error) {
+	sb, err := d.create(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return sb.Destroy, nil
+}
+
+// CgroupMemory sums the memory charged to every sandbox (v1 hierarchy, or
+// the unified one on v2 hosts).
+func (d *dsecSystem) CgroupMemory() (int64, error) {
+	for _, f := range []string{
+		filepath.Join("/sys/fs/cgroup/memory", d.parent, "memory.usage_in_bytes"),
+		filepath.Join("/sys/fs/cgroup", d.parent, "memory.current"),
+	} {
+		b, err := os.ReadFile(f)
+		if err == nil {
+			return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("no memory accounting for cgroup %s", d.parent)
+}
+
+func (d *dsecSystem) Teardown(context.Context) error {
+	if d.backend == nil {
+		return nil
+	}
+	for _, dir := range d.backend.CgroupDirs() {
+		os.Remove(dir)
+	}
+	return nil
+}

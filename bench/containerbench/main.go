@@ -1,0 +1,337 @@
+// Command containerbench measures DSec's container backend side by side
+// with crun, runc, bubblewrap and Docker, in the same run and on the same
+// busybox rootfs, and prints each peer's figures with DSec's ratio against
+// it. Ratios from one run on one machine are the only fair comparison on
+// shared, noisy VMs; absolute numbers from different runs are not.
+//
+// Three figures per system: (a) sequential create -> /bin/true -> destroy
+// latency, (b) creates per second with C in flight, (c) memory per idle
+// sandbox with K alive. Two floor rows (a bare os/exec and a bare
+// namespaced spawn) show what process creation alone costs here.
+//
+// Each system runs in its own worker process (this binary re-executed with
+// -worker), so one system's heap, zombies or crash cannot skew or stop
+// another's, and so a system can get its own mount namespace (overlays
+// never touch the host mount table; crun gets the cgroup v1-only view it
+// needs on this hybrid host).
+//
+// Usage (as root):
+//
+//	go run ./bench/containerbench [-n 100] [-total 300] [-c 16,64] [-idle 1000] \
+//	    [-systems host-exec,ns-spawn,dsec,crun,runc,bwrap,docker-nonet,docker] [-json]
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// config is what one worker measures.
+type config struct {
+	n, warmup, total, idle int
+	cs                     []int
+	phases                 map[string]bool
+}
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == cgexecFlag {
+		err := cgexecMain(os.Args[2:])
+		fmt.Fprintln(os.Stderr, "containerbench -cgexec:", err)
+		os.Exit(127)
+	}
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
+	if err := mainErr(); err != nil {
+		fmt.Fprintln(os.Stderr, "containerbench:", err)
+		os.Exit(1)
+	}
+}
+
+func mainErr() error {
+	var (
+		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
+		n         = flag.Int("n", 100, "sequential: timed create->true->destroy cycles")
+		warmup    = flag.Int("warmup", 10, "sequential: untimed cycles first")
+		total     = flag.Int("total", 300, "concurrent: cycles per concurrency level")
+		cList     = flag.String("c", "16,64", "concurrent: comma-separated numbers of cycles in flight")
+		idle      = flag.Int("idle", 1000, "idle: sandboxes held at once for dsec and the floor rows")
+		peerIdle  = flag.Int("peer-idle", 300, "idle: sandboxes held at once for crun, runc and bwrap")
+		slowN     = flag.Int("slow-n", 15, "sequential cycles for the slow peers (docker)")
+		slowTotal = flag.Int("slow-total", 30, "concurrent cycles per level for the slow peers (docker)")
+		slowIdle  = flag.Int("slow-idle", 50, "idle sandboxes for the slow peers (docker)")
+		phaseList = flag.String("phases", "seq,conc,idle", "which figures to measure: seq, conc, idle")
+		baseline  = flag.String("baseline", "dsec", "system the ratios are computed against")
+		asJSON    = flag.Bool("json", false, "print results as JSON instead of a table")
+
+		// Worker mode: internal, set by the parent when it re-executes itself.
+		worker      = flag.String("worker", "", "internal: measure this one system and print its Result as JSON")
+		workDir     = flag.String("workdir", "", "internal: worker's scratch dir")
+		rootfs      = flag.String("rootfs", "", "internal: busybox rootfs dir")
+		erofs       = flag.String("erofs", "", "internal: busybox rootfs EROFS image")
+		hideCgroup2 = flag.Bool("hide-cgroup2", false, "internal: unmount /sys/fs/cgroup/unified in this (private) mount namespace")
+	)
+	flag.Parse()
+
+	cs, err := parseInts(*cList)
+	if err != nil {
+		return fmt.Errorf("-c: %w", err)
+	}
+	phases := map[string]bool{}
+	for _, p := range strings.Split(*phaseList, ",") {
+		switch p = strings.TrimSpace(p); p {
+		case "seq", "conc", "idle":
+			phases[p] = true
+		default:
+			return fmt.Errorf("-phases: unknown phase %q (want seq, conc, idle)", p)
+		}
+	}
+	for name, v := range map[string]int{"n": *n, "total": *total, "idle": *idle, "peer-idle": *peerIdle, "slow-n": *slowN, "slow-total": *slowTotal, "slow-idle": *slowIdle} {
+		if v < 1 {
+			return fmt.Errorf("-%s must be at least 1, got %d", name, v)
+		}
+	}
+	if *warmup < 0 {
+		return fmt.Errorf("-warmup must not be negative, got %d", *warmup)
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("must run as root (namespaces, mounts, cgroups, runtimes)")
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	if *worker != "" {
+		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, cs: cs, phases: phases}
+		env := Env{Rootfs: *rootfs, RootfsEROFS: *erofs, WorkDir: *workDir}
+		res := runWorker(ctx, *worker, env, cfg, *hideCgroup2)
+		return json.NewEncoder(os.Stdout).Encode(res)
+	}
+
+	var entries []entry
+	for _, name := range strings.Split(*systems, ",") {
+		e, err := lookup(strings.TrimSpace(name))
+		if err != nil {
+			return err
+		}
+		entries = append(entries, e)
+	}
+
+	base, err := os.MkdirTemp("", "dsecbench-")
+	if err != nil {
+		return fmt.Errorf("work dir: %w", err)
+	}
+	defer func() {
+		if err := removeWorkDir(base); err != nil {
+			slog.Error("cleanup", "err", err)
+		}
+	}()
+	rootDir := filepath.Join(base, "rootfs")
+	if err := buildRootfs(ctx, rootDir); err != nil {
+		return err
+	}
+	img := filepath.Join(base, "rootfs.erofs")
+	if err := buildEROFS(ctx, rootDir, img); err != nil {
+		slog.Warn("no EROFS image of the rootfs; systems that need one will fail", "err", err)
+		img = ""
+	}
+
+	started := time.Now()
+	var results []Result
+	for _, e := range entries {
+		if ctx.Err() != nil {
+			break
+		}
+		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, cs: cs, phases: phases}
+		switch {
+		case strings.HasPrefix(e.name, "docker"):
+			cfg.n, cfg.total, cfg.idle = *slowN, *slowTotal, *slowIdle
+		case e.peer:
+			cfg.idle = *peerIdle
+		}
+		slog.Info("measuring", "system", e.name, "n", cfg.n, "total", cfg.total, "c", cfg.cs, "idle", cfg.idle)
+		t0 := time.Now()
+		res := runInWorker(ctx, e, base, rootDir, img, cfg)
+		slog.Info("measured", "system", e.name, "took", time.Since(t0).Round(time.Second), "error", res.Err)
+		results = append(results, res)
+	}
+
+	if *asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(results)
+	}
+	fmt.Printf("containerbench %s\n", strings.Join(os.Args[1:], " "))
+	printHost(ctx, entries)
+	fmt.Printf("total wall time %s\n\n", time.Since(started).Round(time.Second))
+	printTable(os.Stdout, results)
+	fmt.Println()
+	printRatios(os.Stdout, results, *baseline)
+	return ctx.Err()
+}
+
+// runInWorker re-executes this binary to measure one system and decodes
+// the Result it prints. The worker gets SIGTERM when ctx ends so it can
+// still tear down; WaitDelay bounds how long that may take.
+func runInWorker(ctx context.Context, e entry, base, rootDir, img string, cfg config) Result {
+	fail := func(err error) Result { return Result{System: e.name, Err: err.Error()} }
+	wd := filepath.Join(base, e.name)
+	if err := os.Mkdir(wd, 0o700); err != nil {
+		return fail(fmt.Errorf("worker dir: %w", err))
+	}
+	defer func() {
+		if err := removeWorkDir(wd); err != nil {
+			slog.Error("cleanup", "system", e.name, "err", err)
+		}
+	}()
+	self, err := os.Executable()
+	if err != nil {
+		return fail(fmt.Errorf("find own executable: %w", err))
+	}
+	phases := make([]string, 0, len(cfg.phases))
+	for p := range cfg.phases {
+		phases = append(phases, p)
+	}
+	args := []string{"-worker", e.name, "-workdir", wd, "-rootfs", rootDir, "-erofs", img,
+		"-n", strconv.Itoa(cfg.n), "-warmup", strconv.Itoa(cfg.warmup), "-total", strconv.Itoa(cfg.total),
+		"-c", joinInts(cfg.cs), "-idle", strconv.Itoa(cfg.idle), "-phases", strings.Join(phases, ",")}
+	if e.hideCgroup2 {
+		args = append(args, "-hide-cgroup2")
+	}
+	cmd := exec.CommandContext(ctx, self, args...)
+	cmd.Stderr = os.Stderr
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 10 * time.Minute
+	if e.privateMounts {
+		// Go makes / recursively private in the child when it unshares
+		// the mount namespace, so nothing propagates back to the host.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
+	}
+	out, err := cmd.Output()
+	var res Result
+	if jerr := json.Unmarshal(out, &res); jerr != nil {
+		return fail(fmt.Errorf("worker %s: %w (output %q)", e.name, errors.Join(err, jerr), out))
+	}
+	return res
+}
+
+// runWorker measures one system in this process and always tears it down.
+func runWorker(ctx context.Context, name string, env Env, cfg config, hideCgroup2 bool) Result {
+	res := Result{System: name}
+	e, err := lookup(name)
+	if err != nil {
+		res.Err = err.Error()
+		return res
+	}
+	if hideCgroup2 {
+		if err := hideUnifiedCgroup(); err != nil {
+			res.Err = err.Error()
+			return res
+		}
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		res.Err = err.Error()
+		return res
+	}
+	env.SelfExe = exe
+	s := e.new()
+	var errs []error
+	if err := s.Setup(ctx, env); err != nil {
+		errs = append(errs, fmt.Errorf("setup: %w", err))
+	} else {
+		errs = append(errs, measureAll(ctx, s, cfg, &res))
+	}
+	tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Minute)
+	defer cancel()
+	if err := s.Teardown(tctx); err != nil {
+		errs = append(errs, fmt.Errorf("teardown: %w", err))
+	}
+	if err := errors.Join(errs...); err != nil {
+		res.Err = err.Error()
+	}
+	return res
+}
+
+// measureAll runs the selected phases in order and stops at the first
+// failure, keeping the figures already measured.
+func measureAll(ctx context.Context, s System, cfg config, res *Result) error {
+	if cfg.phases["seq"] {
+		seq, err := measureSequential(ctx, s, cfg.warmup, cfg.n)
+		if err != nil {
+			return err
+		}
+		res.Seq = seq
+		slog.Info("sequential", "system", s.Name(), "median_ms", seq.MedianMs, "p90_ms", seq.P90Ms)
+	}
+	if cfg.phases["conc"] {
+		for _, c := range cfg.cs {
+			cr, err := measureConcurrent(ctx, s, c, cfg.total)
+			if err != nil {
+				return err
+			}
+			res.Conc = append(res.Conc, cr)
+			slog.Info("concurrent", "system", s.Name(), "c", c, "per_sec", cr.PerSec)
+		}
+	}
+	if cfg.phases["idle"] {
+		idle, err := measureIdle(ctx, s, cfg.idle)
+		if idle != nil {
+			res.Idle = idle
+		}
+		if err != nil {
+			return err
+		}
+		slog.Info("idle", "system", s.Name(), "k", idle.K, "host_bytes_per_sandbox", idle.HostPerSandbox)
+	}
+	return nil
+}
+
+func parseInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("%q is not a positive integer", f)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+func joinInts(vs []int) string {
+	ss := make([]string, len(vs))
+	for i, v := range vs {
+		ss[i] = strconv.Itoa(v)
+	}
+	return strings.Join(ss, ",")
+}
+
+// hideUnifiedCgroup makes this (private) mount namespace look cgroup
+// v1-only, which crun needs on a hybrid host. The unified mount is replaced
+// by an empty tmpfs rather than just removed: crun still writes a
+// cgroup.procs file per container under that path, and without the tmpfs
+// those writes would land in the host's /sys/fs/cgroup tmpfs, hidden
+// under the host's unified mount and never cleaned up.
+func hideUnifiedCgroup() error {
+	const unified = "/sys/fs/cgroup/unified"
+	if err := unix.Unmount(unified, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("unmount %s in private namespace: %w", unified, err)
+	}
+	if err := unix.Mount("dsecbench-no-cgroup2", unified, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=755,size=16m"); err != nil {
+		return fmt.Errorf("mount scratch tmpfs on %s: %w", unified, err)
+	}
+	return nil
+}

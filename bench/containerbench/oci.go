@@ -1,0 +1,263 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+)
+
+// ociRuntime drives an OCI runtime binary (crun or runc) the way a minimal
+// engine would: one bundle per container whose root is a fresh overlay
+// mounted on the host side from the shared busybox lower dir, then
+// `RUNTIME run` (create, start, wait, delete in one process) for a cycle,
+// and `RUNTIME run --detach` for idle containers.
+type ociRuntime struct {
+	bin    string // crun or runc
+	rootfs string
+	work   string
+	state  string // the runtime's --root, private to this run
+	cgroup string // cgroup parent (relative), one per runtime
+	seq    atomic.Int64
+
+	mu   sync.Mutex
+	pids map[string]int // detached containers still alive: id -> init pid
+}
+
+func newOCI(bin string) System { return &ociRuntime{bin: bin} }
+
+func (o *ociRuntime) Name() string { return o.bin }
+
+func (o *ociRuntime) Setup(ctx context.Context, env Env) error {
+	if _, err := exec.LookPath(o.bin); err != nil {
+		return fmt.Errorf("%s not installed (apt-get install -y %s): %w", o.bin, o.bin, err)
+	}
+	o.rootfs = env.Rootfs
+	o.work = env.WorkDir
+	o.state = filepath.Join(env.WorkDir, "state")
+	o.cgroup = cgroupName(o.bin)
+	o.pids = map[string]int{}
+	if err := os.MkdirAll(o.state, 0o700); err != nil {
+		return fmt.Errorf("%s state dir: %w", o.bin, err)
+	}
+	// Detached containers are orphaned when `run --detach` returns; as
+	// subreaper the harness inherits them and can reap them.
+	return becomeSubreaper()
+}
+
+// bundle makes the bundle directory for container id: an overlay of the
+// shared rootfs with a private upper dir, and its config.json.
+func (o *ociRuntime) bundle(id string, args []string) (string, error) {
+	dir := filepath.Join(o.work, "b", id)
+	upper, wk, merged := filepath.Join(dir, "upper"), filepath.Join(dir, "work"), filepath.Join(dir, "rootfs")
+	for _, d := range []string{upper, wk, merged} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return "", fmt.Errorf("bundle %s: %w", id, err)
+		}
+	}
+	opts := "lowerdir=" + o.rootfs + ",upperdir=" + upper + ",workdir=" + wk
+	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+		_ = os.RemoveAll(dir)
+		return "", fmt.Errorf("overlay for %s: %w", id, err)
+	}
+	cfg, err := json.Marshal(ociSpec(id, args, "/"+o.cgroup+"/"+id))
+	if err == nil {
+		err = os.WriteFile(filepath.Join(dir, "config.json"), cfg, 0o644)
+	}
+	if err != nil {
+		_ = o.removeBundle(dir)
+		return "", fmt.Errorf("config.json for %s: %w", id, err)
+	}
+	return dir, nil
+}
+
+func (o *ociRuntime) removeBundle(dir string) error {
+	if err := unix.Unmount(filepath.Join(dir, "rootfs"), unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("unmount bundle %s: %w", dir, err)
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("remove bundle: %w", err)
+	}
+	return nil
+}
+
+func (o *ociRuntime) Cycle(ctx context.Context) error {
+	id := fmt.Sprintf("cb%d", o.seq.Add(1))
+	dir, err := o.bundle(id, []string{"/bin/true"})
+	if err != nil {
+		return err
+	}
+	// run returns the container's exit status: a non-zero /bin/true
+	// surfaces here as an error.
+	runErr := run(ctx, o.bin, "--root", o.state, "run", "--bundle", dir, id)
+	return errors.Join(runErr, o.removeBundle(dir))
+}
+
+func (o *ociRuntime) StartIdle(ctx context.Context, i int) (func(context.Context) error, error) {
+	id := fmt.Sprintf("idle%d", i)
+	dir, err := o.bundle(id, []string{"/bin/sleep", "1000000"})
+	if err != nil {
+		return nil, err
+	}
+	pidFile := filepath.Join(dir, "pid")
+	// The detached container inherits the runtime's stdio; a pipe would
+	// keep Wait from returning while it lives, so use a file.
+	logf, err := os.Create(filepath.Join(dir, "stderr.log"))
+	if err != nil {
+		_ = o.removeBundle(dir)
+		return nil, fmt.Errorf("idle %s log: %w", id, err)
+	}
+	cmd := exec.CommandContext(ctx, o.bin, "--root", o.state, "run", "--detach", "--pid-file", pidFile, "--bundle", dir, id)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	err = cmd.Run()
+	logf.Close()
+	if err != nil {
+		msg, _ := os.ReadFile(logf.Name())
+		_ = run(context.WithoutCancel(ctx), o.bin, "--root", o.state, "delete", "--force", id)
+		_ = o.removeBundle(dir)
+		return nil, fmt.Errorf("%s run --detach %s: %w: %s", o.bin, id, err, strings.TrimSpace(string(msg)))
+	}
+	b, err := os.ReadFile(pidFile)
+	pid, perr := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || perr != nil || pid <= 0 {
+		_ = run(context.WithoutCancel(ctx), o.bin, "--root", o.state, "delete", "--force", id)
+		_ = o.removeBundle(dir)
+		return nil, fmt.Errorf("%s pid file of %s: %w", o.bin, id, errors.Join(err, perr))
+	}
+	o.mu.Lock()
+	o.pids[id] = pid
+	o.mu.Unlock()
+	return func(ctx context.Context) error { return o.stopIdle(ctx, id, dir, pid) }, nil
+}
+
+// stopIdle kills and reaps the container's init before asking the runtime
+// to delete it: the harness is the init's parent (subreaper), and a runtime
+// that waits for the process to vanish would wait forever on our zombie.
+func (o *ociRuntime) stopIdle(ctx context.Context, id, dir string, pid int) error {
+	var errs []error
+	if err := unix.Kill(pid, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+		errs = append(errs, fmt.Errorf("kill %s pid %d: %w", id, pid, err))
+	}
+	reap(pid)
+	if err := run(ctx, o.bin, "--root", o.state, "delete", "--force", id); err != nil {
+		errs = append(errs, err)
+	}
+	if err := o.removeBundle(dir); err != nil {
+		errs = append(errs, err)
+	}
+	o.mu.Lock()
+	delete(o.pids, id)
+	o.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+// reap waits for pid if it is our child (ECHILD means it is not, and
+// someone else reaps it).
+func reap(pid int) {
+	for {
+		_, err := unix.Wait4(pid, nil, 0, nil)
+		if !errors.Is(err, unix.EINTR) {
+			return
+		}
+	}
+}
+
+func (o *ociRuntime) Teardown(ctx context.Context) error {
+	var errs []error
+	o.mu.Lock()
+	left := o.pids
+	o.pids = map[string]int{}
+	o.mu.Unlock()
+	for _, pid := range left {
+		_ = unix.Kill(pid, unix.SIGKILL)
+		reap(pid)
+	}
+	// Whatever a cancelled or failed cycle left in the runtime's state.
+	if out, err := output(ctx, o.bin, "--root", o.state, "list", "--quiet"); err == nil {
+		for _, id := range strings.Fields(string(out)) {
+			if id == "ID" || id == "NAME" {
+				continue // crun prints a header even with --quiet in some versions
+			}
+			if err := run(ctx, o.bin, "--root", o.state, "delete", "--force", id); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	} else if o.state != "" {
+		errs = append(errs, err)
+	}
+	if o.work != "" {
+		if err := unmountUnder(o.work); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if o.cgroup != "" {
+		if err := removeCgroupTree(o.cgroup); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (o *ociRuntime) CgroupMemory() (int64, error) { return cgroupMemoryUsage(o.cgroup) }
+
+// ociSpec is the config `runc spec` generates, changed where the harness
+// needs it: no terminal, a writable root (the overlay is private), the
+// namespaces DSec uses (plus cgroup), and a cgroup path the harness can
+// measure and remove.
+func ociSpec(id string, args []string, cgroupsPath string) *specs.Spec {
+	caps := []string{"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"}
+	return &specs.Spec{
+		Version: "1.0.2",
+		Process: &specs.Process{
+			User: specs.User{UID: 0, GID: 0},
+			Args: args,
+			Env:  []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+			Cwd:  "/",
+			Capabilities: &specs.LinuxCapabilities{
+				Bounding: caps, Effective: caps, Permitted: caps,
+			},
+			Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: 1024, Soft: 1024}},
+			NoNewPrivileges: true,
+		},
+		Root:     &specs.Root{Path: "rootfs"},
+		Hostname: id,
+		Mounts: []specs.Mount{
+			{Destination: "/proc", Type: "proc", Source: "proc"},
+			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
+			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
+			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
+			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
+		},
+		Linux: &specs.Linux{
+			CgroupsPath: cgroupsPath,
+			Resources: &specs.LinuxResources{
+				Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}},
+			},
+			Namespaces: []specs.LinuxNamespace{
+				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
+				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace}, {Type: specs.CgroupNamespace},
+			},
+			MaskedPaths: []string{
+				"/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+				"/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
+			},
+			ReadonlyPaths: []string{
+				"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+			},
+		},
+	}
+}

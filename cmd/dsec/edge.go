@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/cobra"
+
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/layer"
+	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container"
+)
+
+// edgeFlags are the node's own settings, shared by edge and up.
+type edgeFlags struct {
+	nodeID       string
+	agentPath    string
+	cpu, memory  string
+	maxSandboxes int64
+	heartbeat    time.Duration
+	oc           placement.Overcommit
+}
+
+func (f *edgeFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	fl.StringVar(&f.nodeID, "node-id", defaultNodeID(), "this node's id (1-32 of [a-z0-9-]); sandbox ids start with it")
+	fl.StringVar(&f.agentPath, "agent", "", "dsec-agent binary (default: next to this executable)")
+	fl.StringVar(&f.cpu, "cpu", "", "CPU cores offered to sandboxes (default: all)")
+	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g (default: all RAM)")
+	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d)", edge.DefaultMaxSandboxes))
+	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
+	fl.Float64Var(&f.oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the servers')")
+	fl.Float64Var(&f.oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the servers')")
+}
+
+// build makes the node's container backend and its edge. Sandbox state and
+// layer mounts live under dataDir, which must be this node's own even when
+// the blob store is shared.
+func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, advertise string, servers []string,
+	log *slog.Logger, reg prometheus.Registerer) (*edge.Edge, error) {
+	if err := validNodeFlag(f.nodeID); err != nil {
+		return nil, err
+	}
+	capacity := placement.Capacity{Sandboxes: f.maxSandboxes}
+	var err error
+	if f.cpu != "" {
+		if capacity.MilliCPU, err = parseCPU("cpu", f.cpu); err != nil {
+			return nil, usageError{err}
+		}
+	}
+	if f.memory != "" {
+		if capacity.MemoryBytes, err = parseSize("memory", f.memory); err != nil {
+			return nil, usageError{err}
+		}
+	}
+	mounts, err := layer.NewMounts(filepath.Join(dataDir, "layers"))
+	if err != nil {
+		return nil, fmt.Errorf("layer mounts: %w", err)
+	}
+	backend, err := container.New(container.Options{
+		StateDir:  filepath.Join(dataDir, "sandboxes"),
+		AgentPath: f.agentPath,
+		Layers:    mounts,
+		Logger:    log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return edge.New(edge.Config{
+		NodeID:            f.nodeID,
+		DataDir:           dataDir,
+		Store:             store,
+		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend},
+		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: capacity},
+		Overcommit:        f.oc,
+		AdvertiseURL:      advertise,
+		Servers:           servers,
+		ClusterToken:      token,
+		HeartbeatInterval: f.heartbeat,
+		Logger:            log,
+		Registry:          reg,
+	})
+}
+
+func validNodeFlag(id string) error {
+	if err := validNode(id); err != nil {
+		return usagef("--node-id: %v", err)
+	}
+	return nil
+}
+
+// closeEdge destroys the edge's sandboxes with a deadline of its own: the
+// command's context is already cancelled when a signal stops it.
+func closeEdge(ctx context.Context, e *edge.Edge, log *slog.Logger) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownTimeout)
+	defer cancel()
+	if err := e.Close(cctx); err != nil {
+		log.Warn("edge shutdown", "err", err)
+	}
+}
+
+func newEdgeCmd() *cobra.Command {
+	var (
+		f         daemonFlags
+		ef        edgeFlags
+		servers   []string
+		advertise string
+	)
+	cmd := &cobra.Command{
+		Use:   "edge --server URL[,URL...]",
+		Short: "Run a node agent: own this node's sandboxes, heartbeat to every server",
+		Args:  exactArgs(0, "no arguments"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(servers) == 0 {
+				return usagef("--server is required (the control plane's URL; repeat or comma-separate for replicas)")
+			}
+			for i, s := range servers {
+				if !strings.Contains(s, "://") {
+					servers[i] = "http://" + s
+				}
+			}
+			log, err := f.logger()
+			if err != nil {
+				return err
+			}
+			store, err := f.openStore()
+			if err != nil {
+				return err
+			}
+			token, err := f.clusterToken(false)
+			if err != nil {
+				return err
+			}
+			ln, err := net.Listen("tcp", f.listen)
+			if err != nil {
+				return usagef("--listen %s: %v", f.listen, err)
+			}
+			defer ln.Close()
+			if advertise == "" {
+				advertise = loopbackURL(ln.Addr())
+			}
+			reg := newRegistry()
+			e, err := ef.build(f.dataDir, store, token, advertise, servers, log, reg)
+			if err != nil {
+				return err
+			}
+			mux := newMux(reg)
+			e.Mount(mux)
+			log.Info("dsec edge listening", "node", ef.nodeID, "advertise", advertise, "servers", servers)
+			ctx, cancel := context.WithCancel(cmd.Context())
+			defer cancel()
+			var wg sync.WaitGroup
+			wg.Go(func() { e.Run(ctx) })
+			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
+			cancel()
+			wg.Wait()
+			closeEdge(cmd.Context(), e, log)
+			return err
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringSliceVar(&servers, "server", nil, "control-plane URL(s) to heartbeat to (repeatable or comma-separated)")
+	fl.StringVar(&advertise, "advertise", "", "URL servers reach this edge at (default http://LISTEN-ADDR)")
+	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "this node's data directory (sandbox state, layer mounts)")
+	fl.StringVar(&f.listen, "listen", defaultEdgeListen, "address to serve EdgeService on")
+	fl.StringVar(&f.store, "store", "", "blob store URL shared with the servers (default DATA-DIR/blobs)")
+	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "the servers' shared secret (default DATA-DIR/cluster.token)")
+	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	ef.register(cmd)
+	return cmd
+}

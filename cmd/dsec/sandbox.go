@@ -1,0 +1,441 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/dsec-dev/dsec/sdk/go/dsec"
+)
+
+func newSandboxCmd(g *globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sb"}, Short: "Manage sandboxes"}
+	cmd.AddCommand(
+		newSandboxCreateCmd(g),
+		newSandboxExecCmd(g),
+		newSandboxCpCmd(g),
+		newSandboxLsCmd(g),
+		newSandboxGetCmd(g),
+		newSandboxRmCmd(g),
+	)
+	return cmd
+}
+
+// createFlags are the flags of `sandbox create`, shared with `run`.
+type createFlags struct {
+	image, workspace, backend string
+	toolkits, labels, env     []string
+	cpu, memory               string
+	ttl, idle                 time.Duration
+}
+
+func (f *createFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	fl.StringVar(&f.image, "image", "", "base image NAME:TAG (required)")
+	fl.StringVar(&f.workspace, "workspace", "", "workspace image NAME:TAG layered over the base")
+	fl.StringArrayVar(&f.toolkits, "toolkit", nil, "toolkit image NAME:TAG layered on top (repeatable; last on top)")
+	fl.StringVar(&f.backend, "backend", "container", "backend: container")
+	fl.StringVar(&f.cpu, "cpu", "", "CPU limit in cores, e.g. 1 or 0.5")
+	fl.StringVar(&f.memory, "memory", "", "memory limit, e.g. 512m, 1g, 1GiB or bytes")
+	fl.StringArrayVar(&f.labels, "label", nil, "label KEY=VALUE (repeatable)")
+	fl.StringArrayVar(&f.env, "sandbox-env", nil, "environment KEY=VALUE for every exec in the sandbox (repeatable)")
+	fl.DurationVar(&f.ttl, "ttl", 0, "maximum lifetime, e.g. 1h (default none)")
+	fl.DurationVar(&f.idle, "idle-timeout", 0, "destroy after this long without an operation (default none)")
+}
+
+func (f *createFlags) spec() (dsec.Spec, error) {
+	if f.image == "" {
+		return dsec.Spec{}, usagef("--image is required")
+	}
+	if f.ttl < 0 {
+		return dsec.Spec{}, usagef("--ttl %s: must not be negative", f.ttl)
+	}
+	if f.idle < 0 {
+		return dsec.Spec{}, usagef("--idle-timeout %s: must not be negative", f.idle)
+	}
+	s := dsec.Spec{
+		Backend:     f.backend,
+		Image:       f.image,
+		Workspace:   f.workspace,
+		Toolkits:    f.toolkits,
+		TTL:         f.ttl,
+		IdleTimeout: f.idle,
+		Env:         f.env,
+	}
+	var err error
+	if f.cpu != "" {
+		if s.Resources.MilliCPU, err = parseCPU("cpu", f.cpu); err != nil {
+			return s, usageError{err}
+		}
+	}
+	if f.memory != "" {
+		if s.Resources.MemoryBytes, err = parseSize("memory", f.memory); err != nil {
+			return s, usageError{err}
+		}
+	}
+	if s.Labels, err = parseLabels("label", f.labels); err != nil {
+		return s, usageError{err}
+	}
+	if err := checkEnv("sandbox-env", f.env); err != nil {
+		return s, usageError{err}
+	}
+	return s, nil
+}
+
+func newSandboxCreateCmd(g *globals) *cobra.Command {
+	var f createFlags
+	cmd := &cobra.Command{
+		Use:   "create --image NAME:TAG [flags]",
+		Short: "Create a sandbox and print its ID",
+		Args:  exactArgs(0, "no arguments (options are flags)"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			spec, err := f.spec()
+			if err != nil {
+				return err
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			sb, err := c.Create(cmd.Context(), spec)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), sb.ID)
+			return nil
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+// execFlags are the flags of `sandbox exec`, shared with `run`.
+type execFlags struct {
+	timeout time.Duration
+	env     []string
+	cwd     string
+	user    string
+}
+
+func (f *execFlags) register(cmd *cobra.Command) {
+	cmd.Flags().DurationVar(&f.timeout, "timeout", 0, "kill the command after this long, e.g. 30s (default none)")
+	cmd.Flags().StringArrayVarP(&f.env, "env", "e", nil, "environment KEY=VALUE for this command (repeatable)")
+	cmd.Flags().StringVarP(&f.cwd, "cwd", "w", "", "working directory inside the sandbox")
+	cmd.Flags().StringVarP(&f.user, "user", "u", "", "user (name, uid or uid:gid)")
+}
+
+func (f *execFlags) options(argv []string) (dsec.ExecOptions, error) {
+	if len(argv) == 0 {
+		return dsec.ExecOptions{}, usagef("missing command: put it after --, e.g. -- echo hello")
+	}
+	if f.timeout < 0 {
+		return dsec.ExecOptions{}, usagef("--timeout %s: must not be negative", f.timeout)
+	}
+	if err := checkEnv("env", f.env); err != nil {
+		return dsec.ExecOptions{}, usageError{err}
+	}
+	return dsec.ExecOptions{Argv: argv, Env: f.env, Cwd: f.cwd, User: f.user, Timeout: f.timeout}, nil
+}
+
+// streamExec runs opts in sb with output copied to the command's stdout and
+// stderr, and turns the result into the process exit code.
+func streamExec(cmd *cobra.Command, sb *dsec.Sandbox, opts dsec.ExecOptions) error {
+	res, err := sb.ExecStream(cmd.Context(), opts, cmd.OutOrStdout(), cmd.ErrOrStderr())
+	if err != nil {
+		return &exitCodeError{code: exitInfra, msg: err.Error()}
+	}
+	return resultExit(res)
+}
+
+// resultExit maps an exec result to an exit code; see the package comment.
+func resultExit(res *dsec.ExecResult) error {
+	switch {
+	case res.Outcome == dsec.OutcomeInfraError:
+		return &exitCodeError{code: exitInfra, msg: "infra_error: " + res.InfraError}
+	case res.TimedOut || res.Outcome == dsec.OutcomeTimeout:
+		return &exitCodeError{code: exitTimeout, msg: "command timed out"}
+	case res.Signal != 0:
+		return &exitCodeError{code: 128 + res.Signal}
+	case res.ExitCode != 0:
+		return &exitCodeError{code: res.ExitCode}
+	}
+	return nil
+}
+
+func newSandboxExecCmd(g *globals) *cobra.Command {
+	var f execFlags
+	cmd := &cobra.Command{
+		Use:   "exec [flags] ID -- CMD [ARG...]",
+		Short: "Run a command in a sandbox, streaming its output; exit with its exit code",
+		Args: func(cmd *cobra.Command, args []string) error {
+			if cmd.ArgsLenAtDash() != 1 {
+				return usagef("want ID -- CMD [ARG...]")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			opts, err := f.options(args[1:])
+			if err != nil {
+				return err
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			return streamExec(cmd, c.Sandbox(args[0]), opts)
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+// maxCopyBytes bounds a file read from a sandbox by `cp`.
+const maxCopyBytes = 1 << 30
+
+func newSandboxCpCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "cp SRC DST",
+		Short: "Copy a file into or out of a sandbox (one side is ID:PATH; - is stdin/stdout)",
+		Args:  exactArgs(2, "SRC DST"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			from, to, err := parseCopyArgs(args[0], args[1])
+			if err != nil {
+				return usageError{err}
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			if to.Sandbox != "" {
+				data, mode, err := readLocal(cmd.InOrStdin(), from.Path)
+				if err != nil {
+					return err
+				}
+				dst := to.Path
+				if strings.HasSuffix(dst, "/") && from.Path != "-" {
+					dst = path.Join(dst, filepath.Base(from.Path))
+				}
+				return c.Sandbox(to.Sandbox).WriteFile(ctx, dst, data, mode)
+			}
+			data, err := c.Sandbox(from.Sandbox).ReadFile(ctx, from.Path, maxCopyBytes)
+			if err != nil {
+				return err
+			}
+			return writeLocal(cmd.OutOrStdout(), to.Path, path.Base(from.Path), data)
+		},
+	}
+}
+
+func readLocal(stdin io.Reader, p string) ([]byte, uint32, error) {
+	if p == "-" {
+		b, err := io.ReadAll(stdin)
+		return b, 0o644, err
+	}
+	info, err := os.Stat(p)
+	if err != nil {
+		return nil, 0, err
+	}
+	if info.IsDir() {
+		return nil, 0, fmt.Errorf("%s is a directory; cp copies single files", p)
+	}
+	b, err := os.ReadFile(p)
+	return b, uint32(info.Mode().Perm()), err
+}
+
+func writeLocal(stdout io.Writer, p, base string, data []byte) error {
+	if p == "-" {
+		_, err := stdout.Write(data)
+		return err
+	}
+	if info, err := os.Stat(p); err == nil && info.IsDir() {
+		p = filepath.Join(p, base)
+	} else if strings.HasSuffix(p, string(filepath.Separator)) {
+		return fmt.Errorf("directory %s does not exist", p)
+	}
+	return os.WriteFile(p, data, 0o644)
+}
+
+// sandboxJSON is the --json form of a sandbox.
+type sandboxJSON struct {
+	ID           string            `json:"id"`
+	Node         string            `json:"node"`
+	Tenant       string            `json:"tenant,omitempty"`
+	State        string            `json:"state"`
+	Reason       string            `json:"reason,omitempty"`
+	Backend      string            `json:"backend"`
+	Image        string            `json:"image"`
+	Workspace    string            `json:"workspace,omitempty"`
+	Toolkits     []string          `json:"toolkits,omitempty"`
+	MilliCPU     int64             `json:"milli_cpu,omitempty"`
+	MemoryBytes  int64             `json:"memory_bytes,omitempty"`
+	Labels       map[string]string `json:"labels,omitempty"`
+	TTL          string            `json:"ttl,omitempty"`
+	IdleTimeout  string            `json:"idle_timeout,omitempty"`
+	CreatedAt    time.Time         `json:"created_at"`
+	LastActiveAt time.Time         `json:"last_active_at"`
+	Layers       []string          `json:"layers,omitempty"`
+}
+
+func toJSON(sb *dsec.Sandbox) sandboxJSON {
+	j := sandboxJSON{
+		ID: sb.ID, Node: sb.Node, Tenant: sb.Tenant, State: sb.State, Reason: sb.Reason,
+		Backend: sb.Spec.Backend, Image: sb.Spec.Image, Workspace: sb.Spec.Workspace, Toolkits: sb.Spec.Toolkits,
+		MilliCPU: sb.Spec.Resources.MilliCPU, MemoryBytes: sb.Spec.Resources.MemoryBytes,
+		Labels: sb.Spec.Labels, CreatedAt: sb.CreatedAt, LastActiveAt: sb.LastActiveAt, Layers: sb.Layers,
+	}
+	if sb.Spec.TTL > 0 {
+		j.TTL = sb.Spec.TTL.String()
+	}
+	if sb.Spec.IdleTimeout > 0 {
+		j.IdleTimeout = sb.Spec.IdleTimeout.String()
+	}
+	return j
+}
+
+func formatLabels(m map[string]string) string {
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		parts = append(parts, k+"="+m[k])
+	}
+	return strings.Join(parts, ",")
+}
+
+func newSandboxLsCmd(g *globals) *cobra.Command {
+	var labels []string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "ls [--label k=v]...",
+		Short: "List sandboxes",
+		Args:  exactArgs(0, "no arguments"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			sel, err := parseLabels("label", labels)
+			if err != nil {
+				return usageError{err}
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			list, err := c.List(cmd.Context(), sel)
+			if err != nil {
+				return err
+			}
+			slices.SortFunc(list, func(a, b *dsec.Sandbox) int { return a.CreatedAt.Compare(b.CreatedAt) })
+			out := cmd.OutOrStdout()
+			if asJSON {
+				js := make([]sandboxJSON, 0, len(list))
+				for _, sb := range list {
+					js = append(js, toJSON(sb))
+				}
+				return writeJSON(out, js)
+			}
+			tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "ID\tNODE\tSTATE\tIMAGE\tCREATED\tLABELS")
+			for _, sb := range list {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", sb.ID, sb.Node, sb.State, sb.Spec.Image, ago(sb.CreatedAt), formatLabels(sb.Spec.Labels))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringArrayVar(&labels, "label", nil, "only sandboxes with label KEY=VALUE (repeatable; all must match)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newSandboxGetCmd(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "get ID",
+		Short: "Describe a sandbox",
+		Args:  exactArgs(1, "ID"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			sb, err := c.Get(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			out := cmd.OutOrStdout()
+			if asJSON {
+				return writeJSON(out, toJSON(sb))
+			}
+			tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+			j := toJSON(sb)
+			rows := [][2]string{
+				{"id", j.ID}, {"node", j.Node}, {"tenant", j.Tenant}, {"state", j.State}, {"reason", j.Reason},
+				{"backend", j.Backend}, {"image", j.Image}, {"workspace", j.Workspace},
+				{"toolkits", strings.Join(j.Toolkits, ",")}, {"cpu", cpuString(j.MilliCPU)},
+				{"memory", memString(j.MemoryBytes)}, {"labels", formatLabels(j.Labels)},
+				{"ttl", j.TTL}, {"idle_timeout", j.IdleTimeout}, {"created", ago(j.CreatedAt)},
+				{"last_active", ago(j.LastActiveAt)},
+			}
+			for _, r := range rows {
+				if r[1] != "" {
+					fmt.Fprintf(tw, "%s:\t%s\n", r[0], r[1])
+				}
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newSandboxRmCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "rm ID...",
+		Short: "Destroy sandboxes",
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usagef("want at least one ID")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			if len(args) == 1 {
+				return c.Destroy(cmd.Context(), args[0])
+			}
+			err = c.DestroyMany(cmd.Context(), args...)
+			var be *dsec.BatchError
+			if errors.As(err, &be) {
+				for _, e := range be.Errs {
+					fmt.Fprintln(cmd.ErrOrStderr(), "dsec:", e)
+				}
+				return &exitCodeError{code: exitError}
+			}
+			return err
+		},
+	}
+}
+
+func cpuString(m int64) string {
+	if m == 0 {
+		return ""
+	}
+	return strconv.FormatFloat(float64(m)/1000, 'f', -1, 64)
+}
+
+func memString(b int64) string {
+	if b == 0 {
+		return ""
+	}
+	return humanBytes(b)
+}

@@ -1,0 +1,140 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/spf13/cobra"
+
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/controlplane"
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/layer"
+)
+
+func newUpCmd() *cobra.Command {
+	var (
+		f       daemonFlags
+		ef      edgeFlags
+		imports []string
+	)
+	cmd := &cobra.Command{
+		Use:   "up",
+		Short: "Run a server and one edge in one process: a one-node DSec with no configuration",
+		Long: `Run a control-plane server and one edge in one process, sharing the data
+directory and one port. The server reaches the edge over loopback exactly as
+it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
+		Args: exactArgs(0, "no arguments"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			log, err := f.logger()
+			if err != nil {
+				return err
+			}
+			if err := validNodeFlag(ef.nodeID); err != nil {
+				return err
+			}
+			if err := os.MkdirAll(f.dataDir, 0o755); err != nil {
+				return fmt.Errorf("--data-dir: %w", err)
+			}
+			store, err := f.openStore()
+			if err != nil {
+				return err
+			}
+			token, err := f.clusterToken(true)
+			if err != nil {
+				return err
+			}
+			if err := seedImages(cmd.Context(), store, imports, log); err != nil {
+				return err
+			}
+			ln, err := net.Listen("tcp", f.listen)
+			if err != nil {
+				return usagef("--listen %s: %v", f.listen, err)
+			}
+			defer ln.Close()
+			self := loopbackURL(ln.Addr())
+			reg := newRegistry()
+			srv, err := controlplane.New(controlplane.Config{
+				DataDir:      f.dataDir,
+				Store:        store,
+				ClusterToken: token,
+				Overcommit:   ef.oc,
+				Logger:       log,
+				Registry:     reg,
+			})
+			if err != nil {
+				return err
+			}
+			e, err := ef.build(f.dataDir, store, token, self, []string{self}, log, reg)
+			if err != nil {
+				return err
+			}
+			mux := newMux(reg)
+			srv.Mount(mux)
+			e.Mount(mux)
+
+			ctx, cancel := context.WithCancel(cmd.Context())
+			defer cancel()
+			var wg sync.WaitGroup
+			wg.Go(func() { srv.Run(ctx) })
+			wg.Go(func() { e.Run(ctx) })
+			tokenPath := filepath.Join(f.dataDir, iam.AdminTokenFile)
+			fmt.Fprintf(cmd.OutOrStdout(), "dsec up: serving on %s (node %s)\nadmin token: %s\n", self, ef.nodeID, tokenPath)
+			if f.dataDir != defaultDataDir || self != "http://"+defaultListen {
+				fmt.Fprintf(cmd.OutOrStdout(), "clients: export DSEC_ENDPOINT=%s DSEC_TOKEN=$(cat %s)\n", self, tokenPath)
+			}
+			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
+			cancel()
+			wg.Wait()
+			log.Info("shutting down: destroying sandboxes")
+			closeEdge(cmd.Context(), e, log)
+			return err
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "data directory (blobs, sandboxes, layers, tokens)")
+	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve the API on")
+	fl.StringVar(&f.store, "store", "", "blob store URL (default DATA-DIR/blobs)")
+	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "shared secret for extra edges (default DATA-DIR/cluster.token)")
+	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fl.StringArrayVar(&imports, "import", nil, "NAME:TAG=PATH: import PATH as a public image before serving, unless NAME:TAG exists (repeatable)")
+	ef.register(cmd)
+	return cmd
+}
+
+// seedImages imports starter images straight into the local store, so that
+// `make up` needs no running server to provide one. An existing ref is left
+// alone: restarting keeps whatever the user has tagged since.
+func seedImages(ctx context.Context, store blobstore.Repository, specs []string, log *slog.Logger) error {
+	images := image.NewStore(store, store.Refs())
+	for _, spec := range specs {
+		ref, path, ok := strings.Cut(spec, "=")
+		if !ok || ref == "" || path == "" {
+			return usagef("--import %q: want NAME:TAG=PATH", spec)
+		}
+		if _, err := image.ParseRef(ref); err != nil {
+			return usagef("--import %q: %v", spec, err)
+		}
+		_, _, err := images.Get(ctx, ref)
+		if err == nil {
+			continue
+		}
+		if !errors.Is(err, image.ErrNotFound) {
+			return fmt.Errorf("--import %s: %w", ref, err)
+		}
+		m, err := layer.Import(ctx, store, images, ref, path, nil)
+		if err != nil {
+			return fmt.Errorf("--import %s: %w", ref, err)
+		}
+		log.Info("imported starter image", "ref", ref, "path", path, "layers", len(m.Layers))
+	}
+	return nil
+}

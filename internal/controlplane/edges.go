@@ -1,0 +1,79 @@
+package controlplane
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+)
+
+const (
+	// edgeCallTimeout bounds edge calls that do not run user commands.
+	edgeCallTimeout = 30 * time.Second
+	// createTimeout bounds CreateOnEdge: a cold node may first fetch layers.
+	createTimeout = 2 * time.Minute
+	// execSlack is added to an exec's own timeout for the edge round trip.
+	execSlack = 30 * time.Second
+)
+
+// edgeClients caches one EdgeService client per edge URL. They share one
+// http.Client whose only timeouts are on connecting and on waiting for
+// response headers of a dead peer's TCP connection; how long a call may
+// take is the caller's context's business, since an exec can legitimately
+// run for an hour.
+type edgeClients struct {
+	http *http.Client
+	mu   sync.Mutex
+	m    map[string]dsecv1connect.EdgeServiceClient
+}
+
+func newEdgeClients(hc *http.Client, clusterToken string) *edgeClients {
+	base := http.RoundTripper(http.DefaultTransport)
+	if hc == nil {
+		base = &http.Transport{
+			Proxy:               nil,
+			DialContext:         (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 15 * time.Second}).DialContext,
+			MaxIdleConns:        4096,
+			MaxIdleConnsPerHost: 512,
+			IdleConnTimeout:     90 * time.Second,
+		}
+	} else if hc.Transport != nil {
+		base = hc.Transport
+	}
+	c := &http.Client{Transport: &bearerTransport{base: base, header: "Bearer " + clusterToken}}
+	if hc != nil {
+		c.CheckRedirect, c.Jar, c.Timeout = hc.CheckRedirect, hc.Jar, hc.Timeout
+	}
+	return &edgeClients{http: c, m: map[string]dsecv1connect.EdgeServiceClient{}}
+}
+
+func (e *edgeClients) get(url string) dsecv1connect.EdgeServiceClient {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.m[url]
+	if !ok {
+		c = dsecv1connect.NewEdgeServiceClient(e.http, url)
+		e.m[url] = c
+	}
+	return c
+}
+
+// bearerTransport presents the cluster token on every edge call.
+type bearerTransport struct {
+	base   http.RoundTripper
+	header string
+}
+
+func (t *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context())
+	req.Header.Set("Authorization", t.header)
+	return t.base.RoundTrip(req)
+}
+
+// callContext bounds a non-exec edge call.
+func callContext(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d)
+}

@@ -1,0 +1,548 @@
+package controlplane
+
+import (
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/ids"
+	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// Sandbox states as the API reports them.
+const (
+	stateCreating  = "creating"
+	stateRunning   = "running"
+	stateLost      = "lost"
+	stateDestroyed = "destroyed"
+	stateFailed    = "failed"
+)
+
+// registry is the control plane's soft state: what each node last said in
+// its heartbeat, plus the creates this replica has placed but not yet seen
+// in a heartbeat. All of it is rebuilt from heartbeats after a restart.
+//
+// One mutex guards everything; placement runs under it so that two
+// concurrent creates never both take the last slot of a node or the last
+// unit of a tenant's quota (within this replica).
+type registry struct {
+	now       func() time.Time
+	timeout   time.Duration
+	retention time.Duration
+	// pendingGrace is how long a finished create stays charged after it
+	// completed while no heartbeat has listed it yet.
+	pendingGrace time.Duration
+
+	mu      sync.Mutex
+	nodes   map[string]*node
+	pending map[string]*pendingCreate
+	// pendingUse is the usage of pending creates per tenant.
+	pendingUse map[string]iam.Usage
+}
+
+type node struct {
+	id, url, bootID string
+	capacity        map[runtime.Kind]placement.Capacity
+	usage           map[runtime.Kind]placement.Capacity
+	layers          map[string]struct{}
+	load            float64
+	sandboxes       map[string]*dsecv1.SandboxSummary
+	// tenantUse sums the live (not destroyed or failed) sandboxes per tenant.
+	tenantUse map[string]iam.Usage
+	// lost holds sandboxes an earlier boot of this node owned.
+	lost     map[string]lostSandbox
+	lastSeen time.Time
+	// pendingUse charges this replica's pending creates to the node.
+	pendingUse map[runtime.Kind]placement.Capacity
+	// deadLogged records that the node's death has been reported.
+	deadLogged bool
+}
+
+type lostSandbox struct {
+	summary *dsecv1.SandboxSummary
+	reason  string
+	since   time.Time
+}
+
+type pendingCreate struct {
+	id, node, tenant string
+	kind             runtime.Kind
+	use              iam.Usage
+	labels           map[string]string
+	doneAt           time.Time // zero while the edge call is in flight
+}
+
+func newRegistry(timeout, retention time.Duration) *registry {
+	return &registry{
+		now:          time.Now,
+		timeout:      timeout,
+		retention:    retention,
+		pendingGrace: max(2*timeout, 5*time.Second),
+		nodes:        map[string]*node{},
+		pending:      map[string]*pendingCreate{},
+		pendingUse:   map[string]iam.Usage{},
+	}
+}
+
+func (r *registry) alive(n *node, now time.Time) bool { return now.Sub(n.lastSeen) <= r.timeout }
+
+func countsAgainstQuota(state string) bool {
+	return state != stateDestroyed && state != stateFailed && state != stateLost
+}
+
+// heartbeat records what a node says about itself.
+func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
+	if err := ids.ValidNode(hb.GetNodeId()); err != nil {
+		return fmt.Errorf("node_id: %w", err)
+	}
+	if hb.GetUrl() == "" {
+		return fmt.Errorf("url: empty for node %q", hb.GetNodeId())
+	}
+	capacity := make(map[runtime.Kind]placement.Capacity, len(hb.GetCapacity()))
+	usage := make(map[runtime.Kind]placement.Capacity, len(hb.GetCapacity()))
+	for i, c := range hb.GetCapacity() {
+		if c.GetBackend() == "" {
+			return fmt.Errorf("capacity[%d].backend: empty", i)
+		}
+		k := runtime.Kind(c.GetBackend())
+		capacity[k] = placement.Capacity{MilliCPU: c.GetMilliCpu(), MemoryBytes: c.GetMemoryBytes(), Sandboxes: c.GetSandboxes()}
+		usage[k] = placement.Capacity{MilliCPU: c.GetUsedMilliCpu(), MemoryBytes: c.GetUsedMemoryBytes(), Sandboxes: c.GetUsedSandboxes()}
+		if err := checkNonNegative(capacity[k], usage[k]); err != nil {
+			return fmt.Errorf("capacity[%d] (%s): %w", i, k, err)
+		}
+	}
+	layers := make(map[string]struct{}, len(hb.GetLayers()))
+	for _, l := range hb.GetLayers() {
+		layers[l] = struct{}{}
+	}
+	sandboxes := make(map[string]*dsecv1.SandboxSummary, len(hb.GetSandboxes()))
+	tenantUse := map[string]iam.Usage{}
+	for _, s := range hb.GetSandboxes() {
+		sandboxes[s.GetId()] = s
+		if countsAgainstQuota(s.GetState()) {
+			tenantUse[s.GetTenant()] = tenantUse[s.GetTenant()].Add(iam.Usage{Sandboxes: 1, MilliCPU: s.GetMilliCpu(), MemoryBytes: s.GetMemoryBytes()})
+		}
+	}
+	load := hb.GetLoad()
+	if !(load >= 0) || load > 1e6 {
+		load = 0
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	n := r.nodes[hb.GetNodeId()]
+	if n == nil {
+		n = &node{id: hb.GetNodeId(), lost: map[string]lostSandbox{}, pendingUse: map[runtime.Kind]placement.Capacity{}}
+		r.nodes[n.id] = n
+	}
+	if n.bootID != "" && n.bootID != hb.GetBootId() {
+		// The edge restarted: sandboxes of its previous life are gone even
+		// if an ID were to reappear.
+		reason := fmt.Sprintf("node %s restarted", n.id)
+		for id, s := range n.sandboxes {
+			if _, again := sandboxes[id]; !again {
+				n.lost[id] = lostSandbox{summary: s, reason: reason, since: now}
+			}
+		}
+		for id, p := range r.pending {
+			if p.node == n.id && !p.doneAt.IsZero() {
+				if _, again := sandboxes[id]; !again {
+					n.lost[id] = lostSandbox{summary: p.summary(), reason: reason, since: now}
+				}
+				r.dropPendingLocked(p)
+			}
+		}
+	}
+	n.url, n.bootID = hb.GetUrl(), hb.GetBootId()
+	n.capacity, n.usage, n.layers, n.load = capacity, usage, layers, load
+	n.sandboxes, n.tenantUse = sandboxes, tenantUse
+	n.lastSeen = now
+	n.deadLogged = false
+	// A pending create the node now reports is counted by the heartbeat.
+	// Walk the smaller side: usually a few pending creates against
+	// thousands of reported sandboxes, but a burst can invert that.
+	if len(r.pending) < len(sandboxes) {
+		for id, p := range r.pending {
+			if _, ok := sandboxes[id]; ok && p.node == n.id {
+				r.dropPendingLocked(p)
+			}
+		}
+	} else {
+		for id := range sandboxes {
+			if p := r.pending[id]; p != nil && p.node == n.id {
+				r.dropPendingLocked(p)
+			}
+		}
+	}
+	return nil
+}
+
+func checkNonNegative(cs ...placement.Capacity) error {
+	for _, c := range cs {
+		if c.MilliCPU < 0 || c.MemoryBytes < 0 || c.Sandboxes < 0 {
+			return fmt.Errorf("negative amount in %+v", c)
+		}
+	}
+	return nil
+}
+
+func (p *pendingCreate) summary() *dsecv1.SandboxSummary {
+	return &dsecv1.SandboxSummary{
+		Id: p.id, Tenant: p.tenant, State: stateCreating, Labels: p.labels,
+		MilliCpu: p.use.MilliCPU, MemoryBytes: p.use.MemoryBytes, Backend: string(p.kind),
+	}
+}
+
+func (r *registry) dropPendingLocked(p *pendingCreate) {
+	delete(r.pending, p.id)
+	r.pendingUse[p.tenant] = r.pendingUse[p.tenant].Sub(p.use)
+	if u := r.pendingUse[p.tenant]; u == (iam.Usage{}) {
+		delete(r.pendingUse, p.tenant)
+	}
+	if n := r.nodes[p.node]; n != nil {
+		c := n.pendingUse[p.kind]
+		c.MilliCPU -= p.use.MilliCPU
+		c.MemoryBytes -= p.use.MemoryBytes
+		c.Sandboxes--
+		n.pendingUse[p.kind] = c
+	}
+}
+
+// placeReq is one sandbox to place, with the tenant it is charged to.
+type placeReq struct {
+	tenant string
+	quota  *iam.Quota // nil: not limited (admin)
+	req    placement.Request
+	labels map[string]string
+}
+
+// reservation is where one placeReq goes, or why it cannot.
+type reservation struct {
+	id, node, url string
+	err           error
+}
+
+// reserve checks quotas and places a batch in one placement.Place call,
+// charging each placed request to its tenant and node until the create
+// completes and a heartbeat reports it (or it is released).
+func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservation, error) {
+	out := make([]reservation, len(reqs))
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+
+	// Quota admission first, in order, so a batch that overruns a quota
+	// gets its tail refused rather than random items.
+	// used starts at each tenant's current usage (computed once per call:
+	// it walks every node) and grows as items are admitted.
+	used := map[string]iam.Usage{}
+	var admitted []int
+	for i, pr := range reqs {
+		need := iam.Usage{Sandboxes: 1, MilliCPU: pr.req.MilliCPU, MemoryBytes: pr.req.MemoryBytes}
+		u, ok := used[pr.tenant]
+		if !ok {
+			u = r.tenantUseLocked(pr.tenant, now)
+		}
+		if pr.quota != nil {
+			if err := pr.quota.Admit(pr.tenant, u, need); err != nil {
+				used[pr.tenant] = u
+				out[i].err = err
+				continue
+			}
+		}
+		used[pr.tenant] = u.Add(need)
+		admitted = append(admitted, i)
+	}
+	if len(admitted) == 0 {
+		return out, nil
+	}
+
+	views := r.viewsLocked(now)
+	preqs := make([]placement.Request, len(admitted))
+	for j, i := range admitted {
+		preqs[j] = reqs[i].req
+	}
+	decisions, err := placement.Place(views, preqs, placement.WithOvercommit(oc), placement.WithSeed(rand.Uint64()))
+	if err != nil {
+		return nil, err
+	}
+	for j, d := range decisions {
+		i := admitted[j]
+		if d.Err != nil {
+			out[i].err = d.Err
+			continue
+		}
+		n := r.nodes[d.NodeID]
+		pr := reqs[i]
+		p := &pendingCreate{
+			id: ids.NewSandbox(n.id), node: n.id, tenant: pr.tenant, kind: pr.req.Kind, labels: pr.labels,
+			use: iam.Usage{Sandboxes: 1, MilliCPU: pr.req.MilliCPU, MemoryBytes: pr.req.MemoryBytes},
+		}
+		r.pending[p.id] = p
+		r.pendingUse[p.tenant] = r.pendingUse[p.tenant].Add(p.use)
+		c := n.pendingUse[p.kind]
+		c.MilliCPU += p.use.MilliCPU
+		c.MemoryBytes += p.use.MemoryBytes
+		c.Sandboxes++
+		n.pendingUse[p.kind] = c
+		out[i] = reservation{id: p.id, node: n.id, url: n.url}
+	}
+	return out, nil
+}
+
+// tenantUseLocked is what tenant's sandboxes hold on live nodes plus its
+// pending creates.
+func (r *registry) tenantUseLocked(tenant string, now time.Time) iam.Usage {
+	u := r.pendingUse[tenant]
+	for _, n := range r.nodes {
+		if r.alive(n, now) {
+			u = u.Add(n.tenantUse[tenant])
+		}
+	}
+	return u
+}
+
+func (r *registry) viewsLocked(now time.Time) []placement.NodeView {
+	views := make([]placement.NodeView, 0, len(r.nodes))
+	for _, n := range r.nodes {
+		if !r.alive(n, now) {
+			continue
+		}
+		usage := n.usage
+		if len(n.pendingUse) > 0 {
+			usage = make(map[runtime.Kind]placement.Capacity, len(n.usage))
+			maps.Copy(usage, n.usage)
+			for k, p := range n.pendingUse {
+				u := usage[k]
+				u.MilliCPU += max(p.MilliCPU, 0)
+				u.MemoryBytes += max(p.MemoryBytes, 0)
+				u.Sandboxes += max(p.Sandboxes, 0)
+				usage[k] = u
+			}
+		}
+		views = append(views, placement.NodeView{
+			ID: n.id, Healthy: true, Capacity: n.capacity, Usage: usage, Layers: n.layers, Load: min(n.load, 1),
+		})
+	}
+	return views
+}
+
+// completed marks a reserved create as done on its edge: it stays charged
+// until a heartbeat lists it or the grace period passes.
+func (r *registry) completed(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if p := r.pending[id]; p != nil {
+		p.doneAt = r.now()
+	}
+}
+
+// release drops a reservation whose create failed.
+func (r *registry) release(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if p := r.pending[id]; p != nil {
+		r.dropPendingLocked(p)
+	}
+}
+
+// forget drops everything known about a destroyed sandbox, so its quota
+// frees at once rather than at the next heartbeat.
+func (r *registry) forget(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if p := r.pending[id]; p != nil {
+		r.dropPendingLocked(p)
+	}
+	nodeID, err := ids.NodeOf(id)
+	if err != nil {
+		return
+	}
+	n := r.nodes[nodeID]
+	if n == nil {
+		return
+	}
+	delete(n.lost, id)
+	if s, ok := n.sandboxes[id]; ok {
+		delete(n.sandboxes, id)
+		if countsAgainstQuota(s.GetState()) {
+			n.tenantUse[s.GetTenant()] = n.tenantUse[s.GetTenant()].Sub(iam.Usage{Sandboxes: 1, MilliCPU: s.GetMilliCpu(), MemoryBytes: s.GetMemoryBytes()})
+		}
+	}
+}
+
+// route is what the registry knows about the node owning a sandbox.
+type route struct {
+	node, url string
+	known     bool // the node has heartbeated to this replica
+	alive     bool
+	// summary is the sandbox as last reported (or as pending), nil if unknown.
+	summary *dsecv1.SandboxSummary
+	// lostReason is set when the sandbox is lost: its node is dead or
+	// restarted since.
+	lostReason string
+}
+
+func (r *registry) route(id string) (route, error) {
+	nodeID, err := ids.NodeOf(id)
+	if err != nil {
+		return route{}, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := r.nodes[nodeID]
+	if n == nil {
+		return route{node: nodeID}, nil
+	}
+	rt := route{node: n.id, url: n.url, known: true, alive: r.alive(n, r.now())}
+	if l, ok := n.lost[id]; ok {
+		rt.summary, rt.lostReason = l.summary, l.reason
+		return rt, nil
+	}
+	if s, ok := n.sandboxes[id]; ok {
+		rt.summary = s
+	} else if p := r.pending[id]; p != nil {
+		rt.summary = p.summary()
+	}
+	if !rt.alive && rt.summary != nil {
+		rt.lostReason = notResponding(n.id)
+	}
+	return rt, nil
+}
+
+func notResponding(node string) string { return fmt.Sprintf("node %s is not responding", node) }
+
+// edgeRef names a live node to fan out to.
+type edgeRef struct{ id, url string }
+
+// snapshot returns the live nodes and every lost sandbox (of dead nodes and
+// of earlier boots), the latter with their node and reason.
+func (r *registry) snapshot() (live []edgeRef, lost []lostEntry) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for _, n := range r.nodes {
+		for _, l := range n.lost {
+			lost = append(lost, lostEntry{node: n.id, summary: l.summary, reason: l.reason})
+		}
+		if r.alive(n, now) {
+			live = append(live, edgeRef{id: n.id, url: n.url})
+			continue
+		}
+		for _, s := range n.sandboxes {
+			if s.GetState() != stateDestroyed {
+				lost = append(lost, lostEntry{node: n.id, summary: s, reason: notResponding(n.id)})
+			}
+		}
+		for _, p := range r.pending {
+			if p.node == n.id && !p.doneAt.IsZero() {
+				lost = append(lost, lostEntry{node: n.id, summary: p.summary(), reason: notResponding(n.id)})
+			}
+		}
+	}
+	return live, lost
+}
+
+type lostEntry struct {
+	node    string
+	summary *dsecv1.SandboxSummary
+	reason  string
+}
+
+// liveSummaries returns the last reported sandboxes of one node, for when
+// the node is alive but did not answer a fan-out.
+func (r *registry) liveSummaries(nodeID string) []*dsecv1.SandboxSummary {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := r.nodes[nodeID]
+	if n == nil {
+		return nil
+	}
+	out := make([]*dsecv1.SandboxSummary, 0, len(n.sandboxes))
+	for _, s := range n.sandboxes {
+		out = append(out, s)
+	}
+	return out
+}
+
+// sweep expires what heartbeats no longer vouch for: finished creates never
+// reported, lost sandboxes and dead nodes past the retention. It returns the
+// nodes that died since the last sweep, for logging.
+func (r *registry) sweep() (died []string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for _, p := range r.pending {
+		if !p.doneAt.IsZero() && now.Sub(p.doneAt) > r.pendingGrace {
+			if n := r.nodes[p.node]; n != nil && r.alive(n, now) {
+				r.dropPendingLocked(p)
+			}
+		}
+	}
+	for id, n := range r.nodes {
+		for sid, l := range n.lost {
+			if now.Sub(l.since) > r.retention {
+				delete(n.lost, sid)
+			}
+		}
+		if r.alive(n, now) {
+			continue
+		}
+		if !n.deadLogged {
+			n.deadLogged = true
+			died = append(died, id)
+		}
+		if now.Sub(n.lastSeen) > r.retention {
+			for _, p := range r.pending {
+				if p.node == id {
+					r.dropPendingLocked(p)
+				}
+			}
+			delete(r.nodes, id)
+		}
+	}
+	return died
+}
+
+// stateCounts counts sandboxes by backend and state, lost ones included.
+func (r *registry) stateCounts() map[[2]string]int {
+	out := map[[2]string]int{}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for _, n := range r.nodes {
+		alive := r.alive(n, now)
+		for _, s := range n.sandboxes {
+			st := s.GetState()
+			if !alive && st != stateDestroyed {
+				st = stateLost
+			}
+			out[[2]string{s.GetBackend(), st}]++
+		}
+		for _, l := range n.lost {
+			out[[2]string{l.summary.GetBackend(), stateLost}]++
+		}
+	}
+	return out
+}
+
+// nodeCounts returns how many known nodes are alive and dead.
+func (r *registry) nodeCounts() (alive, dead int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for _, n := range r.nodes {
+		if r.alive(n, now) {
+			alive++
+		} else {
+			dead++
+		}
+	}
+	return alive, dead
+}

@@ -1,0 +1,673 @@
+package controlplane
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+type sandboxService struct{ s *Server }
+
+// prepared is a validated create: the spec as the user wrote it (defaults
+// filled), the spec the edge gets (internal image names), and what
+// placement needs to know.
+type prepared struct {
+	user, edge *dsecv1.SandboxSpec
+	req        placement.Request
+}
+
+var knownBackends = map[runtime.Kind]bool{
+	runtime.KindContainer: true, runtime.KindFnCall: true, runtime.KindMicroVM: true, runtime.KindFullVM: true,
+}
+
+func validDuration(field string, d *durationpb.Duration) error {
+	if d == nil {
+		return nil
+	}
+	if err := d.CheckValid(); err != nil {
+		return errf(connect.CodeInvalidArgument, "%s: %w", field, err)
+	}
+	if d.AsDuration() < 0 {
+		return errf(connect.CodeInvalidArgument, "%s: %v is negative", field, d.AsDuration())
+	}
+	return nil
+}
+
+func (s *Server) prepare(ctx context.Context, p iam.Principal, spec *dsecv1.SandboxSpec) (*prepared, error) {
+	if spec == nil {
+		return nil, errf(connect.CodeInvalidArgument, "spec: required")
+	}
+	user := proto.Clone(spec).(*dsecv1.SandboxSpec)
+	if user.Backend == "" {
+		user.Backend = string(runtime.KindContainer)
+	}
+	if !knownBackends[runtime.Kind(user.Backend)] {
+		return nil, errf(connect.CodeInvalidArgument, "spec.backend: unknown backend %q (want container, fncall, microvm or fullvm)", user.Backend)
+	}
+	res := user.GetResources()
+	switch {
+	case res.GetMilliCpu() < 0:
+		return nil, errf(connect.CodeInvalidArgument, "spec.resources.milli_cpu: %d is negative", res.GetMilliCpu())
+	case res.GetMemoryBytes() < 0:
+		return nil, errf(connect.CodeInvalidArgument, "spec.resources.memory_bytes: %d is negative", res.GetMemoryBytes())
+	case res.GetPids() < 0:
+		return nil, errf(connect.CodeInvalidArgument, "spec.resources.pids: %d is negative", res.GetPids())
+	}
+	if err := validDuration("spec.ttl", user.Ttl); err != nil {
+		return nil, err
+	}
+	if err := validDuration("spec.idle_timeout", user.IdleTimeout); err != nil {
+		return nil, err
+	}
+	for k := range user.Labels {
+		if k == "" || strings.ContainsAny(k, "=,") {
+			return nil, errf(connect.CodeInvalidArgument, "spec.labels: key %q must be non-empty without '=' or ','", k)
+		}
+	}
+	for i, e := range user.Env {
+		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
+			return nil, errf(connect.CodeInvalidArgument, "spec.env[%d]: %q is not K=V", i, e)
+		}
+	}
+
+	edge := proto.Clone(user).(*dsecv1.SandboxSpec)
+	seen := map[string]bool{}
+	var layers []placement.LayerRef
+	resolve := func(field, ref string) (string, error) {
+		internal, m, _, err := s.resolveImage(ctx, p, field, ref)
+		if err != nil {
+			return "", err
+		}
+		for _, l := range m.Layers {
+			if !seen[l.Digest] {
+				seen[l.Digest] = true
+				layers = append(layers, placement.LayerRef{Digest: l.Digest, Bytes: l.Size})
+			}
+		}
+		return internal, nil
+	}
+	var err error
+	if edge.Image, err = resolve("spec.image", user.Image); err != nil {
+		return nil, err
+	}
+	if user.Workspace != "" {
+		if edge.Workspace, err = resolve("spec.workspace", user.Workspace); err != nil {
+			return nil, err
+		}
+	}
+	for i, t := range user.Toolkits {
+		if edge.Toolkits[i], err = resolve(fmt.Sprintf("spec.toolkits[%d]", i), t); err != nil {
+			return nil, err
+		}
+	}
+	return &prepared{
+		user: user,
+		edge: edge,
+		req: placement.Request{
+			Kind: runtime.Kind(user.Backend), MilliCPU: res.GetMilliCpu(), MemoryBytes: res.GetMemoryBytes(),
+			Layers: layers, Tenant: p.Tenant, Labels: user.Labels,
+		},
+	}, nil
+}
+
+// quotaOf returns the caller's quota; nil means unlimited (the admin).
+func (s *Server) quotaOf(ctx context.Context, p iam.Principal) (*iam.Quota, error) {
+	if p.Admin {
+		return nil, nil
+	}
+	t, err := s.iam.Tenant(ctx, p.Tenant)
+	if err != nil {
+		return nil, errf(connect.CodeUnavailable, "tenant %q: %w", p.Tenant, err)
+	}
+	return &t.Quota, nil
+}
+
+// toUser rewrites a sandbox from an edge for display: image names back to
+// what the owner wrote.
+func toUser(sb *dsecv1.Sandbox) *dsecv1.Sandbox {
+	if sb == nil || sb.Spec == nil {
+		return sb
+	}
+	owner := sb.Tenant
+	sb.Spec.Image = userRef(sb.Spec.Image, owner)
+	sb.Spec.Workspace = userRef(sb.Spec.Workspace, owner)
+	for i, t := range sb.Spec.Toolkits {
+		sb.Spec.Toolkits[i] = userRef(t, owner)
+	}
+	return sb
+}
+
+// place reserves one sandbox of prep, avoiding the excluded nodes.
+func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclude []string) (reservation, error) {
+	req := prep.req
+	req.Exclude = exclude
+	out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
+	if err != nil {
+		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
+	}
+	return out[0], out[0].err
+}
+
+// create finishes a create whose first placement is res: it calls the edge
+// and, when the edge refuses or cannot be reached, places the sandbox again
+// elsewhere, up to maxCreateAttempts edges in all.
+func (s *Server) create(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, res reservation) (*dsecv1.Sandbox, error) {
+	var exclude []string
+	for attempt := 1; ; attempt++ {
+		sb, err := s.createOnEdge(ctx, p, prep, res)
+		if err == nil {
+			s.reg.completed(res.id)
+			s.metrics.creates.WithLabelValues(prep.user.Backend).Inc()
+			return sb, nil
+		}
+		s.reg.release(res.id)
+		if !retryable(err) || attempt >= maxCreateAttempts || ctx.Err() != nil {
+			return nil, err
+		}
+		s.log.Debug("edge refused create; placing elsewhere", "node", res.node, "attempt", attempt, "err", err)
+		s.metrics.retries.Inc()
+		exclude = append(exclude, res.node)
+		if res, err = s.place(p, quota, prep, exclude); err != nil {
+			return nil, toConnect(err)
+		}
+	}
+}
+
+func (s *Server) createOnEdge(ctx context.Context, p iam.Principal, prep *prepared, res reservation) (*dsecv1.Sandbox, error) {
+	ctx, cancel := callContext(ctx, createTimeout)
+	defer cancel()
+	resp, err := s.edges.get(res.url).CreateOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeCreateRequest{
+		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge,
+	}))
+	if err != nil {
+		return nil, err
+	}
+	sb := resp.Msg.GetSandbox()
+	if sb == nil {
+		return nil, errf(connect.CodeInternal, "node %s returned no sandbox for %s", res.node, res.id)
+	}
+	return toUser(sb), nil
+}
+
+func (ss *sandboxService) Create(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.CreateSandboxResponse], error) {
+	s := ss.s
+	sb, err := func() (*dsecv1.Sandbox, error) {
+		p, err := principal(ctx)
+		if err != nil {
+			return nil, err
+		}
+		prep, err := s.prepare(ctx, p, req.Msg.GetSpec())
+		if err != nil {
+			return nil, err
+		}
+		quota, err := s.quotaOf(ctx, p)
+		if err != nil {
+			return nil, err
+		}
+		res, err := s.place(p, quota, prep, nil)
+		if err != nil {
+			return nil, toConnect(err)
+		}
+		return s.create(ctx, p, quota, prep, res)
+	}()
+	if err != nil {
+		s.metrics.fail("create", err)
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.CreateSandboxResponse{Sandbox: sb}), nil
+}
+
+func (ss *sandboxService) BatchCreate(ctx context.Context, req *connect.Request[dsecv1.BatchCreateSandboxesRequest]) (*connect.Response[dsecv1.BatchCreateSandboxesResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	n := int(req.Msg.GetCount())
+	if n < 1 || n > maxBatch {
+		return nil, errf(connect.CodeInvalidArgument, "count: %d is outside [1, %d]", req.Msg.GetCount(), maxBatch)
+	}
+	prep, err := s.prepare(ctx, p, req.Msg.GetSpec())
+	if err != nil {
+		return nil, err
+	}
+	quota, err := s.quotaOf(ctx, p)
+	if err != nil {
+		return nil, err
+	}
+	reqs := make([]placeReq, n)
+	for i := range reqs {
+		reqs[i] = placeReq{tenant: p.Tenant, quota: quota, req: prep.req, labels: prep.user.Labels}
+	}
+	// One placement call for the whole batch spreads it over the nodes.
+	placed, err := s.reg.reserve(reqs, s.cfg.Overcommit)
+	if err != nil {
+		return nil, errf(connect.CodeInternal, "placement: %w", err)
+	}
+	results := make([]*dsecv1.BatchCreateResult, n)
+	sem := make(chan struct{}, fanout)
+	var wg sync.WaitGroup
+	for i, res := range placed {
+		if res.err != nil {
+			s.metrics.fail("create", toConnect(res.err))
+			results[i] = &dsecv1.BatchCreateResult{Error: itemError(res.err)}
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			sb, err := s.create(ctx, p, quota, prep, res)
+			if err != nil {
+				s.metrics.fail("create", err)
+				results[i] = &dsecv1.BatchCreateResult{Error: itemError(err)}
+				return
+			}
+			results[i] = &dsecv1.BatchCreateResult{Sandbox: sb}
+		}()
+	}
+	wg.Wait()
+	return connect.NewResponse(&dsecv1.BatchCreateSandboxesResponse{Results: results}), nil
+}
+
+// visible reports whether p may see a sandbox owned by tenant.
+func visible(p iam.Principal, tenant string) bool { return p.Admin || tenant == p.Tenant }
+
+func notFound(id string) error { return errf(connect.CodeNotFound, "sandbox %q not found", id) }
+
+// locate routes a sandbox ID for p. It returns NotFound for sandboxes p may
+// not see and for unknown ones alike.
+func (s *Server) locate(p iam.Principal, field, id string) (route, error) {
+	if id == "" {
+		return route{}, errf(connect.CodeInvalidArgument, "%s: required", field)
+	}
+	rt, err := s.reg.route(id)
+	if err != nil {
+		return route{}, errf(connect.CodeInvalidArgument, "%s: %w", field, err)
+	}
+	if rt.lostReason != "" && !visible(p, rt.summary.GetTenant()) {
+		return route{}, notFound(id)
+	}
+	if rt.lostReason == "" && !rt.alive {
+		// An unknown node, or a dead one that never reported this sandbox.
+		return route{}, notFound(id)
+	}
+	return rt, nil
+}
+
+func lostView(node string, sum *dsecv1.SandboxSummary, reason string) *dsecv1.Sandbox {
+	return summaryToSandbox(node, sum, stateLost, reason)
+}
+
+func summaryToSandbox(node string, sum *dsecv1.SandboxSummary, state, reason string) *dsecv1.Sandbox {
+	return &dsecv1.Sandbox{
+		Id: sum.GetId(), Node: node, Tenant: sum.GetTenant(), State: state, Reason: reason,
+		Spec: &dsecv1.SandboxSpec{
+			Backend:   sum.GetBackend(),
+			Labels:    sum.GetLabels(),
+			Resources: &dsecv1.Resources{MilliCpu: sum.GetMilliCpu(), MemoryBytes: sum.GetMemoryBytes()},
+		},
+	}
+}
+
+// edgeFailure turns a transport failure of an edge call into Unavailable
+// naming the node; answers from the edge pass through.
+func edgeFailure(node string, err error) error {
+	if unreachable(err) {
+		return errf(connect.CodeUnavailable, "node %s is not responding: %w", node, err)
+	}
+	return err
+}
+
+func (ss *sandboxService) Get(ctx context.Context, req *connect.Request[dsecv1.GetSandboxRequest]) (*connect.Response[dsecv1.GetSandboxResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	rt, err := s.locate(p, "id", req.Msg.GetId())
+	if err != nil {
+		return nil, err
+	}
+	if rt.lostReason != "" {
+		return connect.NewResponse(&dsecv1.GetSandboxResponse{Sandbox: lostView(rt.node, rt.summary, rt.lostReason)}), nil
+	}
+	cctx, cancel := callContext(ctx, edgeCallTimeout)
+	defer cancel()
+	resp, err := s.edges.get(rt.url).GetOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: callerOf(p), SandboxId: req.Msg.GetId()}))
+	if err != nil {
+		return nil, edgeFailure(rt.node, err)
+	}
+	return connect.NewResponse(&dsecv1.GetSandboxResponse{Sandbox: toUser(resp.Msg.GetSandbox())}), nil
+}
+
+func labelsMatch(have, want map[string]string) bool {
+	for k, v := range want {
+		if hv, ok := have[k]; !ok || hv != v {
+			return false
+		}
+	}
+	return true
+}
+
+func (ss *sandboxService) List(ctx context.Context, req *connect.Request[dsecv1.ListSandboxesRequest]) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	want := req.Msg.GetLabels()
+	live, lost := s.reg.snapshot()
+	var (
+		mu  sync.Mutex
+		out []*dsecv1.Sandbox
+		wg  sync.WaitGroup
+	)
+	for _, e := range live {
+		wg.Go(func() {
+			cctx, cancel := callContext(ctx, edgeCallTimeout)
+			defer cancel()
+			resp, err := s.edges.get(e.url).ListOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeListRequest{Caller: callerOf(p), Labels: want}))
+			var got []*dsecv1.Sandbox
+			if err != nil {
+				// Better a heartbeat-old view of this node than a list
+				// that silently misses its sandboxes.
+				s.log.Warn("list: node did not answer; using its last heartbeat", "node", e.id, "err", err)
+				for _, sum := range s.reg.liveSummaries(e.id) {
+					if visible(p, sum.GetTenant()) && labelsMatch(sum.GetLabels(), want) {
+						got = append(got, summaryToSandbox(e.id, sum, sum.GetState(), ""))
+					}
+				}
+			} else {
+				for _, sb := range resp.Msg.GetSandboxes() {
+					if visible(p, sb.GetTenant()) && labelsMatch(sb.GetSpec().GetLabels(), want) {
+						got = append(got, toUser(sb))
+					}
+				}
+			}
+			mu.Lock()
+			out = append(out, got...)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	for _, l := range lost {
+		if visible(p, l.summary.GetTenant()) && labelsMatch(l.summary.GetLabels(), want) {
+			out = append(out, lostView(l.node, l.summary, l.reason))
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].GetId() < out[j].GetId() })
+	return connect.NewResponse(&dsecv1.ListSandboxesResponse{Sandboxes: out}), nil
+}
+
+func infraResult(reason string) *dsecv1.ExecResult {
+	return &dsecv1.ExecResult{Outcome: "infra_error", InfraError: reason}
+}
+
+func validateExec(r *dsecv1.ExecRequest) error {
+	if len(r.GetArgv()) == 0 && r.GetShell() == "" {
+		return errf(connect.CodeInvalidArgument, "argv: empty and shell not set; give a command")
+	}
+	if err := validDuration("timeout", r.GetTimeout()); err != nil {
+		return err
+	}
+	if r.GetMaxOutputBytes() < 0 {
+		return errf(connect.CodeInvalidArgument, "max_output_bytes: %d is negative", r.GetMaxOutputBytes())
+	}
+	return nil
+}
+
+// execContext bounds an exec by its own timeout plus slack for the round
+// trip; without a timeout only the caller's context bounds it.
+func execContext(ctx context.Context, r *dsecv1.ExecRequest) (context.Context, context.CancelFunc) {
+	if d := r.GetTimeout().AsDuration(); r.GetTimeout() != nil && d > 0 {
+		return context.WithTimeout(ctx, d+execSlack)
+	}
+	return context.WithCancel(ctx)
+}
+
+func (ss *sandboxService) Exec(ctx context.Context, req *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResponse], error) {
+	s := ss.s
+	start := time.Now()
+	res, err := s.exec(ctx, req.Msg)
+	if err != nil {
+		s.metrics.fail("exec", err)
+		return nil, err
+	}
+	s.metrics.execTime.WithLabelValues(res.GetOutcome()).Observe(time.Since(start).Seconds())
+	return connect.NewResponse(&dsecv1.ExecResponse{Result: res}), nil
+}
+
+func (s *Server) exec(ctx context.Context, r *dsecv1.ExecRequest) (*dsecv1.ExecResult, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateExec(r); err != nil {
+		return nil, err
+	}
+	rt, err := s.locate(p, "sandbox_id", r.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	if rt.lostReason != "" {
+		return infraResult(rt.lostReason), nil
+	}
+	cctx, cancel := execContext(ctx, r)
+	defer cancel()
+	resp, err := s.edges.get(rt.url).ExecOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeExecRequest{Caller: callerOf(p), Request: r}))
+	if err != nil {
+		if unreachable(err) && ctx.Err() == nil {
+			return infraResult(fmt.Sprintf("node %s is not responding: %v", rt.node, err)), nil
+		}
+		return nil, err
+	}
+	if resp.Msg.GetResult() == nil {
+		return infraResult(fmt.Sprintf("node %s returned no exec result", rt.node)), nil
+	}
+	return resp.Msg.GetResult(), nil
+}
+
+func (ss *sandboxService) ExecStream(ctx context.Context, req *connect.Request[dsecv1.ExecRequest], out *connect.ServerStream[dsecv1.ExecStreamResponse]) error {
+	s := ss.s
+	start := time.Now()
+	outcome, err := s.execStream(ctx, req.Msg, out)
+	if err != nil {
+		s.metrics.fail("exec", err)
+		return err
+	}
+	s.metrics.execTime.WithLabelValues(outcome).Observe(time.Since(start).Seconds())
+	return nil
+}
+
+func (s *Server) execStream(ctx context.Context, r *dsecv1.ExecRequest, out *connect.ServerStream[dsecv1.ExecStreamResponse]) (string, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return "", err
+	}
+	if err := validateExec(r); err != nil {
+		return "", err
+	}
+	rt, err := s.locate(p, "sandbox_id", r.GetSandboxId())
+	if err != nil {
+		return "", err
+	}
+	sendInfra := func(reason string) (string, error) {
+		res := infraResult(reason)
+		return res.Outcome, out.Send(&dsecv1.ExecStreamResponse{Event: &dsecv1.ExecStreamResponse_Result{Result: res}})
+	}
+	if rt.lostReason != "" {
+		return sendInfra(rt.lostReason)
+	}
+	cctx, cancel := execContext(ctx, r)
+	defer cancel()
+	stream, err := s.edges.get(rt.url).ExecStreamOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeExecRequest{Caller: callerOf(p), Request: r}))
+	if err != nil {
+		if unreachable(err) && ctx.Err() == nil {
+			return sendInfra(fmt.Sprintf("node %s is not responding: %v", rt.node, err))
+		}
+		return "", err
+	}
+	defer stream.Close()
+	outcome := ""
+	for stream.Receive() {
+		msg := stream.Msg()
+		if res := msg.GetResult(); res != nil {
+			outcome = res.GetOutcome()
+		}
+		if err := out.Send(msg); err != nil {
+			return "", err
+		}
+	}
+	err = stream.Err()
+	switch {
+	case outcome != "":
+		return outcome, nil
+	case err != nil && !unreachable(err):
+		return "", err
+	case ctx.Err() != nil:
+		return "", toConnect(ctx.Err())
+	case err != nil:
+		return sendInfra(fmt.Sprintf("node %s stopped answering mid-exec: %v", rt.node, err))
+	default:
+		return sendInfra(fmt.Sprintf("node %s ended the exec stream without a result", rt.node))
+	}
+}
+
+// live routes a call that needs a running sandbox: lost sandboxes are
+// Unavailable (there is nothing to act on).
+func (s *Server) live(p iam.Principal, id string) (route, error) {
+	rt, err := s.locate(p, "sandbox_id", id)
+	if err != nil {
+		return route{}, err
+	}
+	if rt.lostReason != "" {
+		return route{}, errf(connect.CodeUnavailable, "sandbox %q is lost: %s", id, rt.lostReason)
+	}
+	return rt, nil
+}
+
+func (ss *sandboxService) WriteFile(ctx context.Context, req *connect.Request[dsecv1.WriteFileRequest]) (*connect.Response[dsecv1.WriteFileResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if req.Msg.GetPath() == "" {
+		return nil, errf(connect.CodeInvalidArgument, "path: required")
+	}
+	rt, err := s.live(p, req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	cctx, cancel := callContext(ctx, edgeCallTimeout)
+	defer cancel()
+	resp, err := s.edges.get(rt.url).WriteFileOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeWriteFileRequest{Caller: callerOf(p), Request: req.Msg}))
+	if err != nil {
+		return nil, edgeFailure(rt.node, err)
+	}
+	return connect.NewResponse(resp.Msg), nil
+}
+
+func (ss *sandboxService) ReadFile(ctx context.Context, req *connect.Request[dsecv1.ReadFileRequest]) (*connect.Response[dsecv1.ReadFileResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if req.Msg.GetPath() == "" {
+		return nil, errf(connect.CodeInvalidArgument, "path: required")
+	}
+	if req.Msg.GetMaxBytes() < 0 {
+		return nil, errf(connect.CodeInvalidArgument, "max_bytes: %d is negative", req.Msg.GetMaxBytes())
+	}
+	rt, err := s.live(p, req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	cctx, cancel := callContext(ctx, edgeCallTimeout)
+	defer cancel()
+	resp, err := s.edges.get(rt.url).ReadFileOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeReadFileRequest{Caller: callerOf(p), Request: req.Msg}))
+	if err != nil {
+		return nil, edgeFailure(rt.node, err)
+	}
+	return connect.NewResponse(resp.Msg), nil
+}
+
+func (s *Server) destroy(ctx context.Context, p iam.Principal, id string) error {
+	rt, err := s.locate(p, "id", id)
+	if err != nil {
+		return err
+	}
+	if rt.lostReason != "" {
+		if !rt.alive {
+			return errf(connect.CodeUnavailable, "sandbox %q is lost: %s", id, rt.lostReason)
+		}
+		// Its node restarted: nothing is left to tear down.
+		s.reg.forget(id)
+		return nil
+	}
+	cctx, cancel := callContext(ctx, edgeCallTimeout)
+	defer cancel()
+	_, err = s.edges.get(rt.url).DestroyOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: callerOf(p), SandboxId: id}))
+	if err != nil {
+		return edgeFailure(rt.node, err)
+	}
+	s.reg.forget(id)
+	s.metrics.destroys.Inc()
+	return nil
+}
+
+func (ss *sandboxService) Destroy(ctx context.Context, req *connect.Request[dsecv1.DestroySandboxRequest]) (*connect.Response[dsecv1.DestroySandboxResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.destroy(ctx, p, req.Msg.GetId()); err != nil {
+		s.metrics.fail("destroy", err)
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.DestroySandboxResponse{}), nil
+}
+
+func (ss *sandboxService) BatchDestroy(ctx context.Context, req *connect.Request[dsecv1.BatchDestroySandboxesRequest]) (*connect.Response[dsecv1.BatchDestroySandboxesResponse], error) {
+	s := ss.s
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ids := req.Msg.GetIds()
+	if len(ids) > maxBatch {
+		return nil, errf(connect.CodeInvalidArgument, "ids: %d given, at most %d allowed", len(ids), maxBatch)
+	}
+	results := make([]*dsecv1.BatchDestroyResult, len(ids))
+	sem := make(chan struct{}, fanout)
+	var wg sync.WaitGroup
+	for i, id := range ids {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			results[i] = &dsecv1.BatchDestroyResult{Id: id}
+			if err := s.destroy(ctx, p, id); err != nil {
+				s.metrics.fail("destroy", err)
+				results[i].Error = itemError(err)
+			}
+		}()
+	}
+	wg.Wait()
+	return connect.NewResponse(&dsecv1.BatchDestroySandboxesResponse{Results: results}), nil
+}

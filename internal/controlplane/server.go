@@ -1,0 +1,167 @@
+// Package controlplane is DSec's API server: it authenticates callers (see
+// package iam), places sandboxes on edges, and routes every later call on a
+// sandbox to the edge that owns it.
+//
+// It keeps no durable state of its own. Tenants and images live in the blob
+// store; which nodes exist, what they hold and which sandboxes they run is
+// soft state rebuilt from edge heartbeats. So any number of replicas can run
+// side by side behind one address, and a restarted replica is whole again
+// after one heartbeat interval.
+package controlplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"path/filepath"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/placement"
+)
+
+// Defaults for Config fields left zero.
+const (
+	DefaultNodeTimeout   = 3 * time.Second
+	DefaultLostRetention = time.Hour
+	// maxCreateAttempts bounds how many edges one create tries before
+	// giving up: each refusal excludes that edge.
+	maxCreateAttempts = 3
+	// maxBatch is the largest BatchCreate (the paper's 32K burst).
+	maxBatch = 32768
+	// fanout bounds concurrent edge calls of one batch request.
+	fanout = 64
+)
+
+// Config configures a Server.
+type Config struct {
+	// DataDir holds admin.token (created on first start, mode 0600).
+	DataDir string
+	// AdminToken overrides reading/creating DataDir/admin.token.
+	AdminToken string
+	// Store keeps images and tenants; every replica must share it.
+	Store blobstore.Repository
+	// ClusterToken is the secret edges and servers present to each other.
+	ClusterToken string
+	// NodeTimeout is how long a node may go without heartbeating before its
+	// sandboxes are reported lost (default 3s).
+	NodeTimeout time.Duration
+	// LostRetention is how long lost sandboxes and dead nodes are still
+	// reported before they are forgotten (default 1h).
+	LostRetention time.Duration
+	// Overcommit is the placement overcommit (zero fields: placement defaults).
+	Overcommit placement.Overcommit
+	Logger     *slog.Logger
+	// Registry receives the server's metrics (nil: a private registry). The
+	// caller serves /metrics from its gatherer.
+	Registry prometheus.Registerer
+	// HTTPClient is used for edge calls; nil builds one suited to them.
+	HTTPClient *http.Client
+}
+
+// Server is one control-plane replica.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	iam     *iam.IAM
+	images  *image.Store
+	reg     *registry
+	edges   *edgeClients
+	metrics *metrics
+}
+
+// New builds a server from cfg. It creates DataDir/admin.token if it does
+// not exist.
+func New(cfg Config) (*Server, error) {
+	if cfg.Store == nil {
+		return nil, errors.New("controlplane: Config.Store is nil")
+	}
+	if cfg.ClusterToken == "" {
+		return nil, errors.New("controlplane: Config.ClusterToken is empty")
+	}
+	if cfg.NodeTimeout < 0 || cfg.LostRetention < 0 {
+		return nil, fmt.Errorf("controlplane: NodeTimeout %v and LostRetention %v must not be negative", cfg.NodeTimeout, cfg.LostRetention)
+	}
+	if cfg.NodeTimeout == 0 {
+		cfg.NodeTimeout = DefaultNodeTimeout
+	}
+	if cfg.LostRetention == 0 {
+		cfg.LostRetention = DefaultLostRetention
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Registry == nil {
+		cfg.Registry = prometheus.NewRegistry()
+	}
+	if cfg.AdminToken == "" {
+		if cfg.DataDir == "" {
+			return nil, errors.New("controlplane: Config.DataDir is empty and no AdminToken given")
+		}
+		tok, err := iam.EnsureTokenFile(filepath.Join(cfg.DataDir, iam.AdminTokenFile))
+		if err != nil {
+			return nil, fmt.Errorf("controlplane: admin token: %w", err)
+		}
+		cfg.AdminToken = tok
+	}
+	auth, err := iam.New(cfg.AdminToken, cfg.Store)
+	if err != nil {
+		return nil, fmt.Errorf("controlplane: %w", err)
+	}
+	s := &Server{
+		cfg:    cfg,
+		log:    cfg.Logger.With("component", "server"),
+		iam:    auth,
+		images: image.NewStore(cfg.Store, cfg.Store.Refs()),
+		reg:    newRegistry(cfg.NodeTimeout, cfg.LostRetention),
+		edges:  newEdgeClients(cfg.HTTPClient, cfg.ClusterToken),
+	}
+	m, err := newMetrics(cfg.Registry, s.reg)
+	if err != nil {
+		return nil, fmt.Errorf("controlplane: metrics: %w", err)
+	}
+	s.metrics = m
+	return s, nil
+}
+
+// Mount registers the public services (bearer-token auth) and NodeService
+// (cluster-token auth) on mux.
+func (s *Server) Mount(mux *http.ServeMux) {
+	pub := connect.WithInterceptors(&bearerAuth{iam: s.iam})
+	mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{s: s}, pub))
+	mux.Handle(dsecv1connect.NewImageServiceHandler(&imageService{s: s}, pub))
+	mux.Handle(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, pub))
+	mux.Handle(dsecv1connect.NewNodeServiceHandler(&nodeService{s: s},
+		connect.WithInterceptors(&clusterAuth{token: s.cfg.ClusterToken})))
+}
+
+// Run expires nodes that stopped heartbeating and forgets what is past
+// retention, until ctx ends.
+func (s *Server) Run(ctx context.Context) error {
+	tick := time.NewTicker(max(s.cfg.NodeTimeout/4, 50*time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+			for _, id := range s.reg.sweep() {
+				s.log.Warn("node stopped heartbeating; its sandboxes are lost", "node", id, "timeout", s.cfg.NodeTimeout)
+			}
+		}
+	}
+}
+
+// heartbeatInterval is what edges are told: three heartbeats per timeout,
+// at least one a second (the field is in whole seconds).
+func (s *Server) heartbeatInterval() int32 {
+	return int32(max(1, int64(s.cfg.NodeTimeout/time.Second)/3))
+}

@@ -1,0 +1,335 @@
+// Package edge is DSec's node agent: one per node, it owns the node's
+// sandboxes and is the source of truth for them. It serves EdgeService to the
+// control plane (create, exec, files, destroy), enforces each sandbox's ttl
+// and idle timeout, and heartbeats its capacity, usage, held layers and
+// sandbox summaries to every server replica so that the stateless servers
+// can rebuild their soft view of the cluster from heartbeats alone.
+//
+// The edge does the final admission check of optimistic placement: a server
+// places from a view that may be a heartbeat old, so the edge refuses with
+// ResourceExhausted when it is full and the server retries elsewhere.
+//
+// Lock order: Edge.mu is the only lock guarding sandbox records; it is never
+// held across a runtime call (create, exec, destroy), so a slow sandbox never
+// stalls operations on the others.
+package edge
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	goruntime "runtime"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/ids"
+	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// Defaults for Config's zero values.
+const (
+	DefaultHeartbeatInterval = time.Second
+	DefaultMaxSandboxes      = 4096
+	// DefaultRetention is how long a destroyed, lost or failed sandbox is
+	// remembered, so that Get can say what became of it.
+	DefaultRetention = 5 * time.Minute
+)
+
+// Config configures an Edge. Zero values get defaults where one makes sense.
+type Config struct {
+	// NodeID names this node; sandbox IDs it accepts start with it.
+	NodeID string
+	// DataDir is the node's data directory (default /var/lib/dsec). The
+	// backends' state lives under it; the edge itself keeps nothing there yet.
+	DataDir string
+	// Store is the shared blob store holding layers, manifests and refs.
+	// Its blobs must be local files (blobstore.Local) so layers can be
+	// mounted straight from it.
+	Store blobstore.Repository
+	// Backends this node offers, by kind. At least one is required.
+	Backends map[runtime.Kind]runtime.Backend
+	// Capacity per backend; a missing entry or zero field defaults to the
+	// machine's cores*1000 milliCPU, MemTotal and DefaultMaxSandboxes.
+	Capacity map[runtime.Kind]placement.Capacity
+	// Overcommit multiplies CPU and memory capacity at admission; it must
+	// match the servers' placement overcommit or placements get refused.
+	// Zero fields take placement.DefaultOvercommit's.
+	Overcommit placement.Overcommit
+	// AdvertiseURL is the base URL servers reach this edge's EdgeService at.
+	AdvertiseURL string
+	// Servers are the base URLs of every server replica to heartbeat to.
+	Servers []string
+	// ClusterToken is the shared secret servers present on EdgeService calls
+	// and the edge presents on NodeService calls. Required.
+	ClusterToken string
+	// HeartbeatInterval, default DefaultHeartbeatInterval.
+	HeartbeatInterval time.Duration
+	// Retention, default DefaultRetention.
+	Retention time.Duration
+	// HTTPClient carries heartbeats; default a client with no overall
+	// timeout (each heartbeat has its own deadline).
+	HTTPClient *http.Client
+	// Logger, default slog.Default().
+	Logger *slog.Logger
+	// Registry receives the edge's metrics; default a private registry.
+	Registry prometheus.Registerer
+}
+
+// Edge is one node's agent. Create it with New, mount its service with
+// Mount, start heartbeats and the reaper with Run, and stop it with Close.
+type Edge struct {
+	cfg     Config
+	log     *slog.Logger
+	images  *image.Store
+	local   blobstore.Local
+	bootID  string
+	metrics *metrics
+	// wake nudges the reaper when a deadline earlier than its timer appears.
+	wake chan struct{}
+
+	mu        sync.Mutex
+	closed    bool
+	sandboxes map[string]*sandbox
+	used      map[runtime.Kind]placement.Capacity
+	// layers counts live sandboxes per layer digest (what the node holds).
+	layers     map[string]int
+	deadlines  deadlineHeap
+	tombstones []tombstone
+
+	stop    context.CancelFunc
+	stopCtx context.Context
+	wg      sync.WaitGroup
+}
+
+// New checks cfg, fills in defaults and returns an Edge that holds no
+// sandboxes yet.
+func New(cfg Config) (*Edge, error) {
+	if err := ids.ValidNode(cfg.NodeID); err != nil {
+		return nil, fmt.Errorf("edge config NodeID: %w", err)
+	}
+	if cfg.Store == nil {
+		return nil, errors.New("edge config Store is required")
+	}
+	local, ok := cfg.Store.(blobstore.Local)
+	if !ok {
+		return nil, fmt.Errorf("edge config Store (%T) must keep blobs as local files", cfg.Store)
+	}
+	if len(cfg.Backends) == 0 {
+		return nil, errors.New("edge config Backends: at least one backend is required")
+	}
+	for kind, b := range cfg.Backends {
+		if b == nil || b.Kind() != kind {
+			return nil, fmt.Errorf("edge config Backends[%q]: backend is nil or of another kind", kind)
+		}
+	}
+	if cfg.ClusterToken == "" {
+		return nil, errors.New("edge config ClusterToken is required")
+	}
+	if cfg.DataDir == "" {
+		cfg.DataDir = "/var/lib/dsec"
+	}
+	if cfg.HeartbeatInterval <= 0 {
+		cfg.HeartbeatInterval = DefaultHeartbeatInterval
+	}
+	if cfg.Retention <= 0 {
+		cfg.Retention = DefaultRetention
+	}
+	if cfg.Overcommit.CPU == 0 {
+		cfg.Overcommit.CPU = placement.DefaultOvercommit.CPU
+	}
+	if cfg.Overcommit.Memory == 0 {
+		cfg.Overcommit.Memory = placement.DefaultOvercommit.Memory
+	}
+	if cfg.Overcommit.CPU < 1 || cfg.Overcommit.Memory < 1 {
+		return nil, fmt.Errorf("edge config Overcommit %+v: ratios must be at least 1", cfg.Overcommit)
+	}
+	if cfg.HTTPClient == nil {
+		cfg.HTTPClient = &http.Client{}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Registry == nil {
+		cfg.Registry = prometheus.NewRegistry()
+	}
+	machine, err := machineCapacity()
+	if err != nil {
+		return nil, err
+	}
+	caps := map[runtime.Kind]placement.Capacity{}
+	for kind := range cfg.Backends {
+		c := cfg.Capacity[kind]
+		if c.MilliCPU < 0 || c.MemoryBytes < 0 || c.Sandboxes < 0 {
+			return nil, fmt.Errorf("edge config Capacity[%q]: values must not be negative", kind)
+		}
+		if c.MilliCPU == 0 {
+			c.MilliCPU = machine.MilliCPU
+		}
+		if c.MemoryBytes == 0 {
+			c.MemoryBytes = machine.MemoryBytes
+		}
+		if c.Sandboxes == 0 {
+			c.Sandboxes = machine.Sandboxes
+		}
+		caps[kind] = c
+	}
+	cfg.Capacity = caps
+	m, err := newMetrics(cfg.Registry)
+	if err != nil {
+		return nil, err
+	}
+	var boot [8]byte
+	if _, err := rand.Read(boot[:]); err != nil {
+		return nil, fmt.Errorf("boot id: %w", err)
+	}
+	stopCtx, stop := context.WithCancel(context.Background())
+	return &Edge{
+		cfg:       cfg,
+		log:       cfg.Logger.With("node", cfg.NodeID),
+		images:    image.NewStore(cfg.Store, cfg.Store.Refs()),
+		local:     local,
+		bootID:    hex.EncodeToString(boot[:]),
+		metrics:   m,
+		wake:      make(chan struct{}, 1),
+		sandboxes: map[string]*sandbox{},
+		used:      map[runtime.Kind]placement.Capacity{},
+		layers:    map[string]int{},
+		stop:      stop,
+		stopCtx:   stopCtx,
+	}, nil
+}
+
+// NodeID returns the node this edge serves.
+func (e *Edge) NodeID() string { return e.cfg.NodeID }
+
+// Mount registers EdgeService on mux, behind the cluster token check.
+func (e *Edge) Mount(mux *http.ServeMux) {
+	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e})
+	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, h))
+}
+
+// Run heartbeats to every server and enforces lifecycles until ctx is done
+// or Close is called. It returns nil when stopped.
+func (e *Edge) Run(ctx context.Context) error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.wg.Add(1)
+	e.mu.Unlock()
+	defer e.wg.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-e.stopCtx.Done():
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	var wg sync.WaitGroup
+	for _, url := range e.cfg.Servers {
+		wg.Go(func() { e.heartbeatLoop(ctx, url) })
+	}
+	wg.Go(func() { e.reapLoop(ctx) })
+	wg.Wait()
+	return nil
+}
+
+// Close stops Run and destroys every sandbox: sandboxes do not outlive their
+// edge (the backend would clean up their leftovers at the next start anyway,
+// but a clean shutdown releases them now). New requests fail with
+// Unavailable from then on.
+func (e *Edge) Close(ctx context.Context) error {
+	e.stop()
+	e.mu.Lock()
+	e.closed = true
+	var victims []*sandbox
+	for _, sb := range e.sandboxes {
+		if sb.state == StateRunning {
+			victims = append(victims, sb)
+		}
+	}
+	e.mu.Unlock()
+	e.wg.Wait()
+
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+		sem  = make(chan struct{}, 16)
+	)
+	for _, sb := range victims {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if err := e.destroy(ctx, sb, reasonShutdown); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// machineCapacity is what the node offers when the config does not say.
+func machineCapacity() (placement.Capacity, error) {
+	mem, err := memTotal()
+	if err != nil {
+		return placement.Capacity{}, err
+	}
+	return placement.Capacity{
+		MilliCPU:    int64(goruntime.NumCPU()) * 1000,
+		MemoryBytes: mem,
+		Sandboxes:   DefaultMaxSandboxes,
+	}, nil
+}
+
+func memTotal() (int64, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, fmt.Errorf("machine memory: %w", err)
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		var kb int64
+		if n, _ := fmt.Sscanf(sc.Text(), "MemTotal: %d kB", &kb); n == 1 {
+			return kb << 10, nil
+		}
+	}
+	return 0, errors.New("machine memory: no MemTotal in /proc/meminfo")
+}
+
+// loadPerCore is the 1-minute load average divided by the cores.
+func loadPerCore() float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0
+	}
+	f := bytes.Fields(b)
+	if len(f) == 0 {
+		return 0
+	}
+	l, err := strconv.ParseFloat(string(f[0]), 64)
+	if err != nil {
+		return 0
+	}
+	return l / float64(goruntime.NumCPU())
+}

@@ -1,0 +1,81 @@
+package edge
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"time"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+)
+
+// heartbeat describes the node as servers need it to place and route: a
+// full snapshot each time rather than a delta, so a server that starts (or
+// misses beats) catches up with the next one and keeps no other state.
+func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
+	req := &dsecv1.HeartbeatRequest{
+		NodeId: e.cfg.NodeID,
+		Url:    e.cfg.AdvertiseURL,
+		Load:   loadPerCore(),
+		BootId: e.bootID,
+	}
+	e.mu.Lock()
+	for _, kind := range slices.Sorted(maps.Keys(e.cfg.Capacity)) {
+		c, u := e.cfg.Capacity[kind], e.used[kind]
+		req.Capacity = append(req.Capacity, &dsecv1.BackendCapacity{
+			Backend:         string(kind),
+			MilliCpu:        c.MilliCPU,
+			MemoryBytes:     c.MemoryBytes,
+			Sandboxes:       c.Sandboxes,
+			UsedMilliCpu:    u.MilliCPU,
+			UsedMemoryBytes: u.MemoryBytes,
+			UsedSandboxes:   u.Sandboxes,
+		})
+	}
+	req.Layers = slices.Sorted(maps.Keys(e.layers))
+	e.mu.Unlock()
+	req.Sandboxes = e.summaries()
+	return req
+}
+
+// heartbeatLoop beats to one server until ctx is done. Each server gets its
+// own loop so that one slow or dead replica does not delay the others.
+func (e *Edge) heartbeatLoop(ctx context.Context, url string) {
+	client := dsecv1connect.NewNodeServiceClient(e.cfg.HTTPClient, url,
+		connect.WithInterceptors(ClusterAuth(e.cfg.ClusterToken)))
+	log := e.log.With("server", url)
+	ticker := time.NewTicker(e.cfg.HeartbeatInterval)
+	defer ticker.Stop()
+	failing := false
+	for {
+		// A beat may not outlive the next one: a server that stopped
+		// answering must not pile up requests.
+		cctx, cancel := context.WithTimeout(ctx, max(2*e.cfg.HeartbeatInterval, 2*time.Second))
+		_, err := client.Heartbeat(cctx, connect.NewRequest(e.heartbeat()))
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil:
+			e.metrics.heartbeats.WithLabelValues("error").Inc()
+			if !failing {
+				log.Warn("heartbeat failed", "err", err)
+			}
+			failing = true
+		default:
+			e.metrics.heartbeats.WithLabelValues("ok").Inc()
+			if failing {
+				log.Info("heartbeat recovered")
+			}
+			failing = false
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+	}
+}

@@ -1,0 +1,615 @@
+package edge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"maps"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/ids"
+	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// Sandbox states as reported in Get, List and heartbeats.
+const (
+	StateCreating  = "creating"
+	StateRunning   = "running"
+	StateLost      = "lost"
+	StateDestroyed = "destroyed"
+	StateFailed    = "failed"
+)
+
+// Why a sandbox was destroyed (the reason label of the destroys metric).
+const (
+	reasonRequest  = "request"
+	reasonTTL      = "ttl"
+	reasonIdle     = "idle"
+	reasonShutdown = "shutdown"
+)
+
+// sandbox is the edge's record of one sandbox. The fields above the line
+// never change after create; the rest are guarded by Edge.mu.
+type sandbox struct {
+	id        string
+	tenant    string
+	kind      runtime.Kind
+	spec      *dsecv1.SandboxSpec
+	req       placement.Capacity
+	layers    []string
+	createdAt time.Time
+	ttl       time.Duration
+	idle      time.Duration
+
+	state      string
+	reason     string
+	lastActive time.Time
+	// inflight counts operations in progress; a sandbox busy in a long exec
+	// is not idle.
+	inflight int
+	// charged is true while the sandbox counts against the node's capacity
+	// and holds its layers.
+	charged bool
+	// destroying is closed when a destroy in progress has finished; new
+	// operations are refused from its start.
+	destroying chan struct{}
+	rt         runtime.Sandbox
+}
+
+// terminal reports whether the sandbox can no longer run anything.
+func (sb *sandbox) terminal() bool {
+	return sb.state == StateDestroyed || sb.state == StateLost || sb.state == StateFailed
+}
+
+// tombstone schedules forgetting a sandbox that ended.
+type tombstone struct {
+	at time.Time
+	sb *sandbox
+}
+
+// toProto describes sb; the caller holds Edge.mu.
+func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
+	return &dsecv1.Sandbox{
+		Id:           sb.id,
+		Node:         e.cfg.NodeID,
+		Tenant:       sb.tenant,
+		Spec:         sb.spec,
+		State:        sb.state,
+		CreatedAt:    timestamppb.New(sb.createdAt),
+		LastActiveAt: timestamppb.New(sb.lastActive),
+		Layers:       sb.layers,
+		Reason:       sb.reason,
+	}
+}
+
+func invalid(format string, args ...any) error {
+	return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(format, args...))
+}
+
+// validateSpec checks what the edge can check without I/O and returns the
+// spec with defaults applied (a copy: the request is not modified).
+func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec) (*dsecv1.SandboxSpec, error) {
+	node, err := ids.NodeOf(id)
+	if err != nil {
+		return nil, invalid("sandbox_id: %w", err)
+	}
+	if node != e.cfg.NodeID {
+		return nil, invalid("sandbox_id %q names node %q, not this node %q", id, node, e.cfg.NodeID)
+	}
+	if in == nil {
+		return nil, invalid("spec is required")
+	}
+	spec := proto.CloneOf(in)
+	if spec.Backend == "" {
+		spec.Backend = string(runtime.KindContainer)
+	}
+	if _, ok := e.cfg.Backends[runtime.Kind(spec.Backend)]; !ok {
+		return nil, invalid("spec.backend %q is not offered by node %q", spec.Backend, e.cfg.NodeID)
+	}
+	if spec.Image == "" {
+		return nil, invalid("spec.image is required")
+	}
+	if _, err := image.ParseRef(spec.Image); err != nil {
+		return nil, invalid("spec.image: %w", err)
+	}
+	if spec.Workspace != "" {
+		if _, err := image.ParseRef(spec.Workspace); err != nil {
+			return nil, invalid("spec.workspace: %w", err)
+		}
+	}
+	for i, t := range spec.Toolkits {
+		if _, err := image.ParseRef(t); err != nil {
+			return nil, invalid("spec.toolkits[%d]: %w", i, err)
+		}
+	}
+	if r := spec.Resources; r != nil {
+		switch {
+		case r.MilliCpu < 0:
+			return nil, invalid("spec.resources.milli_cpu %d must not be negative", r.MilliCpu)
+		case r.MemoryBytes < 0:
+			return nil, invalid("spec.resources.memory_bytes %d must not be negative", r.MemoryBytes)
+		case r.Pids < 0:
+			return nil, invalid("spec.resources.pids %d must not be negative", r.Pids)
+		}
+	}
+	if err := checkDuration("spec.ttl", spec.Ttl); err != nil {
+		return nil, err
+	}
+	if err := checkDuration("spec.idle_timeout", spec.IdleTimeout); err != nil {
+		return nil, err
+	}
+	for i, kv := range spec.Env {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return nil, invalid("spec.env[%d] %q must be K=V", i, kv)
+		}
+	}
+	for k := range spec.Labels {
+		if k == "" {
+			return nil, invalid("spec.labels: a label key must not be empty")
+		}
+	}
+	return spec, nil
+}
+
+func checkDuration(field string, d *durationpb.Duration) error {
+	if d == nil {
+		return nil
+	}
+	if err := d.CheckValid(); err != nil {
+		return invalid("%s: %w", field, err)
+	}
+	if d.AsDuration() < 0 {
+		return invalid("%s %s must not be negative", field, d.AsDuration())
+	}
+	return nil
+}
+
+// create validates, resolves images, admits and builds one sandbox.
+func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec) (*dsecv1.Sandbox, error) {
+	if caller == nil {
+		return nil, invalid("caller is required")
+	}
+	spec, err := e.validateSpec(id, in)
+	if err != nil {
+		e.metrics.failures.WithLabelValues(backendLabel(in), "invalid").Inc()
+		return nil, err
+	}
+	kind := runtime.Kind(spec.Backend)
+	resolved, err := e.images.Resolve(ctx, spec.Image, spec.Workspace, spec.Toolkits...)
+	if err != nil {
+		e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
+		switch {
+		case errors.Is(err, image.ErrNotFound):
+			return nil, connect.NewError(connect.CodeNotFound, err)
+		case errors.Is(err, image.ErrInvalidRef):
+			return nil, connect.NewError(connect.CodeInvalidArgument, err)
+		}
+		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
+	}
+	layers := make([]runtime.Layer, len(resolved.Layers))
+	digests := make([]string, len(resolved.Layers))
+	for i, l := range resolved.Layers {
+		p, err := e.local.Path(l.Digest)
+		if err != nil {
+			e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
+			code := connect.CodeUnavailable
+			if errors.Is(err, blobstore.ErrNotFound) {
+				code = connect.CodeNotFound
+			}
+			return nil, connect.NewError(code, fmt.Errorf("layer %s of sandbox %q: %w", l.Digest, id, err))
+		}
+		layers[i] = runtime.Layer{Digest: l.Digest, Path: p}
+		digests[i] = l.Digest
+	}
+	res := runtime.Resources{}
+	if r := spec.Resources; r != nil {
+		res = runtime.Resources{MilliCPU: r.MilliCpu, MemoryBytes: r.MemoryBytes, Pids: r.Pids}
+	}
+	now := time.Now()
+	sb := &sandbox{
+		id:         id,
+		tenant:     caller.Tenant,
+		kind:       kind,
+		spec:       spec,
+		req:        placement.Capacity{MilliCPU: res.MilliCPU, MemoryBytes: res.MemoryBytes, Sandboxes: 1},
+		layers:     digests,
+		createdAt:  now,
+		ttl:        spec.GetTtl().AsDuration(),
+		idle:       spec.GetIdleTimeout().AsDuration(),
+		state:      StateCreating,
+		lastActive: now,
+	}
+	if err := e.admit(sb); err != nil {
+		return nil, err
+	}
+
+	rs, err := e.cfg.Backends[kind].Create(ctx, runtime.Spec{
+		ID:        id,
+		Layers:    layers,
+		Resources: res,
+		Env:       append(append([]string(nil), resolved.Config.Env...), spec.Env...),
+		Workdir:   resolved.Config.WorkingDir,
+		User:      resolved.Config.User,
+	})
+
+	e.mu.Lock()
+	if err != nil {
+		e.uncharge(sb)
+		e.setState(sb, StateFailed, err.Error())
+		e.mu.Unlock()
+		reason := "backend"
+		code := connect.CodeInternal
+		switch {
+		case errors.Is(err, runtime.ErrInvalidSpec):
+			reason, code = "invalid", connect.CodeInvalidArgument
+		case ctx.Err() != nil:
+			reason, code = "canceled", connect.CodeCanceled
+		}
+		e.metrics.failures.WithLabelValues(spec.Backend, reason).Inc()
+		e.log.Warn("create sandbox failed", "sandbox", id, "err", err)
+		return nil, connect.NewError(code, fmt.Errorf("create sandbox %q: %w", id, err))
+	}
+	if sb.state != StateCreating || e.closed {
+		// Destroyed (by request or shutdown) while the backend was building it.
+		e.uncharge(sb)
+		e.setState(sb, StateDestroyed, "")
+		e.mu.Unlock()
+		rs.Destroy(context.WithoutCancel(ctx))
+		return nil, connect.NewError(connect.CodeAborted, fmt.Errorf("sandbox %q was destroyed while being created", id))
+	}
+	sb.rt = rs
+	sb.lastActive = time.Now()
+	e.setState(sb, StateRunning, "")
+	e.schedule(sb)
+	out := e.toProto(sb)
+	e.mu.Unlock()
+	e.metrics.creates.WithLabelValues(spec.Backend).Inc()
+	return out, nil
+}
+
+func backendLabel(spec *dsecv1.SandboxSpec) string {
+	if spec.GetBackend() == "" {
+		return string(runtime.KindContainer)
+	}
+	return spec.GetBackend()
+}
+
+// admit charges sb to the node if it fits and records it as creating.
+func (e *Edge) admit(sb *sandbox) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
+	}
+	if _, dup := e.sandboxes[sb.id]; dup {
+		return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
+	}
+	capa, used := e.cfg.Capacity[sb.kind], e.used[sb.kind]
+	var short string
+	switch {
+	case used.Sandboxes+1 > capa.Sandboxes:
+		short = fmt.Sprintf("sandboxes (%d of %d in use)", used.Sandboxes, capa.Sandboxes)
+	case float64(used.MilliCPU+sb.req.MilliCPU) > float64(capa.MilliCPU)*e.cfg.Overcommit.CPU:
+		short = fmt.Sprintf("milli_cpu (%d requested, %d of %d in use)", sb.req.MilliCPU, used.MilliCPU, capa.MilliCPU)
+	case float64(used.MemoryBytes+sb.req.MemoryBytes) > float64(capa.MemoryBytes)*e.cfg.Overcommit.Memory:
+		short = fmt.Sprintf("memory_bytes (%d requested, %d of %d in use)", sb.req.MemoryBytes, used.MemoryBytes, capa.MemoryBytes)
+	}
+	if short != "" {
+		e.metrics.failures.WithLabelValues(string(sb.kind), "admission").Inc()
+		return connect.NewError(connect.CodeResourceExhausted,
+			fmt.Errorf("node %q has no room for sandbox %q: %s backend out of %s", e.cfg.NodeID, sb.id, sb.kind, short))
+	}
+	e.sandboxes[sb.id] = sb
+	e.charge(sb)
+	e.setState(sb, StateCreating, "")
+	return nil
+}
+
+// charge and uncharge keep node usage and held layers; the caller holds mu.
+func (e *Edge) charge(sb *sandbox) {
+	u := e.used[sb.kind]
+	u.MilliCPU += sb.req.MilliCPU
+	u.MemoryBytes += sb.req.MemoryBytes
+	u.Sandboxes++
+	e.used[sb.kind] = u
+	for _, d := range sb.layers {
+		e.layers[d]++
+	}
+	sb.charged = true
+}
+
+func (e *Edge) uncharge(sb *sandbox) {
+	if !sb.charged {
+		return
+	}
+	sb.charged = false
+	u := e.used[sb.kind]
+	u.MilliCPU -= sb.req.MilliCPU
+	u.MemoryBytes -= sb.req.MemoryBytes
+	u.Sandboxes--
+	e.used[sb.kind] = u
+	for _, d := range sb.layers {
+		if e.layers[d]--; e.layers[d] <= 0 {
+			delete(e.layers, d)
+		}
+	}
+}
+
+// setState moves sb to state, keeping the live gauge and the tombstones;
+// the caller holds mu. A record is counted in the gauge from admission
+// until it is destroyed or forgotten.
+func (e *Edge) setState(sb *sandbox, state, reason string) {
+	old := sb.state
+	if old != "" && old != StateDestroyed && old != state {
+		e.metrics.live.WithLabelValues(string(sb.kind), old).Dec()
+	}
+	if state != StateDestroyed && old != state {
+		e.metrics.live.WithLabelValues(string(sb.kind), state).Inc()
+	}
+	sb.state = state
+	if reason != "" {
+		sb.reason = reason
+	}
+	if !(old == StateCreating || old == StateRunning || old == "") {
+		return // already ended: its tombstone is queued
+	}
+	if state == StateDestroyed || state == StateLost || state == StateFailed {
+		e.tombstones = append(e.tombstones, tombstone{at: time.Now().Add(e.cfg.Retention), sb: sb})
+	}
+}
+
+// lookup finds id for caller; another tenant's sandbox is NotFound, so its
+// existence does not leak.
+func (e *Edge) lookup(caller *dsecv1.Caller, id string) (*sandbox, error) {
+	if caller == nil {
+		return nil, invalid("caller is required")
+	}
+	if id == "" {
+		return nil, invalid("sandbox_id is required")
+	}
+	e.mu.Lock()
+	sb := e.sandboxes[id]
+	e.mu.Unlock()
+	if sb == nil || (!caller.Admin && sb.tenant != caller.Tenant) {
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("sandbox %q not found", id))
+	}
+	return sb, nil
+}
+
+// get describes one sandbox.
+func (e *Edge) get(caller *dsecv1.Caller, id string) (*dsecv1.Sandbox, error) {
+	sb, err := e.lookup(caller, id)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.toProto(sb), nil
+}
+
+// list returns caller's sandboxes matching every label, destroyed ones
+// excepted.
+func (e *Edge) list(caller *dsecv1.Caller, labels map[string]string) ([]*dsecv1.Sandbox, error) {
+	if caller == nil {
+		return nil, invalid("caller is required")
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []*dsecv1.Sandbox
+	for _, sb := range e.sandboxes {
+		if sb.state == StateDestroyed || (!caller.Admin && sb.tenant != caller.Tenant) {
+			continue
+		}
+		if !matches(sb.spec.Labels, labels) {
+			continue
+		}
+		out = append(out, e.toProto(sb))
+	}
+	return out, nil
+}
+
+func matches(have, want map[string]string) bool {
+	for k, v := range want {
+		if hv, ok := have[k]; !ok || hv != v {
+			return false
+		}
+	}
+	return true
+}
+
+// errLost carries why an operation found its sandbox lost.
+type errLost struct{ reason string }
+
+func (e errLost) Error() string { return e.reason }
+
+// begin marks an operation on sb as started and returns its runtime
+// sandbox. A lost sandbox gives errLost; other non-running states give
+// FailedPrecondition.
+func (e *Edge) begin(sb *sandbox) (runtime.Sandbox, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case sb.destroying != nil:
+		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+	case sb.state == StateRunning:
+		sb.inflight++
+		sb.lastActive = time.Now()
+		return sb.rt, nil
+	case sb.state == StateLost:
+		return nil, errLost{fmt.Sprintf("sandbox %q is lost: %s", sb.id, sb.reason)}
+	case sb.state == StateCreating:
+		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
+	}
+	msg := fmt.Sprintf("sandbox %q is %s", sb.id, sb.state)
+	if sb.reason != "" {
+		msg += ": " + sb.reason
+	}
+	return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New(msg))
+}
+
+// end closes an operation begun with begin. If it failed because the
+// sandbox is gone, the sandbox is marked lost (unless something already
+// ended it) and the error to report is returned as errLost.
+func (e *Edge) end(sb *sandbox, opErr error) error {
+	e.mu.Lock()
+	sb.inflight--
+	sb.lastActive = time.Now()
+	if opErr == nil || !errors.Is(opErr, runtime.ErrSandboxGone) {
+		e.mu.Unlock()
+		return opErr
+	}
+	var rs runtime.Sandbox
+	var lost errLost
+	switch {
+	case sb.destroying != nil:
+		lost = errLost{fmt.Sprintf("sandbox %q was destroyed during the operation", sb.id)}
+	case sb.state == StateRunning:
+		rs = e.loseLocked(sb, opErr.Error())
+		fallthrough
+	default:
+		lost = errLost{fmt.Sprintf("sandbox %q is %s: %s", sb.id, sb.state, sb.reason)}
+	}
+	e.mu.Unlock()
+	if rs != nil {
+		e.release(sb, rs)
+	}
+	return lost
+}
+
+// loseLocked marks a running sandbox lost and returns its runtime sandbox,
+// which the caller must release outside the lock.
+func (e *Edge) loseLocked(sb *sandbox, reason string) runtime.Sandbox {
+	e.uncharge(sb)
+	e.setState(sb, StateLost, reason)
+	e.metrics.failures.WithLabelValues(string(sb.kind), "lost").Inc()
+	e.log.Warn("sandbox lost", "sandbox", sb.id, "reason", reason)
+	return sb.rt
+}
+
+// release frees what a lost sandbox still holds (mounts, cgroups, dirs).
+func (e *Edge) release(sb *sandbox, rs runtime.Sandbox) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := rs.Destroy(ctx); err != nil {
+		e.log.Warn("release lost sandbox", "sandbox", sb.id, "err", err)
+	}
+}
+
+// destroy ends sb for reason. Destroying an ended sandbox succeeds and
+// does nothing more. A running sandbox is reported destroyed (and stops
+// counting against capacity) only once its backend has released it, so
+// that Get and heartbeats never claim more than is true.
+func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
+	e.mu.Lock()
+	switch {
+	case sb.state == StateDestroyed:
+		e.mu.Unlock()
+		return nil
+	case sb.destroying != nil:
+		wait := sb.destroying
+		e.mu.Unlock()
+		select {
+		case <-wait:
+			return nil
+		case <-ctx.Done():
+			return connect.NewError(connect.CodeCanceled, fmt.Errorf("destroy sandbox %q: %w", sb.id, ctx.Err()))
+		}
+	case sb.state != StateRunning:
+		// A lost sandbox was released already; a creating one is torn down
+		// by its create when the backend returns.
+		e.uncharge(sb)
+		e.setState(sb, StateDestroyed, "")
+		e.mu.Unlock()
+		return nil
+	}
+	done := make(chan struct{})
+	sb.destroying = done
+	rs := sb.rt
+	e.mu.Unlock()
+
+	err := rs.Destroy(context.WithoutCancel(ctx))
+
+	e.mu.Lock()
+	e.uncharge(sb)
+	why := ""
+	switch reason {
+	case reasonTTL:
+		why = fmt.Sprintf("ttl %s expired", sb.ttl)
+	case reasonIdle:
+		why = fmt.Sprintf("idle for %s", sb.idle)
+	case reasonShutdown:
+		why = "node shut down"
+	}
+	e.setState(sb, StateDestroyed, why)
+	close(done)
+	e.mu.Unlock()
+	e.metrics.destroys.WithLabelValues(string(sb.kind), reason).Inc()
+	if err != nil {
+		e.log.Warn("destroy sandbox", "sandbox", sb.id, "reason", reason, "err", err)
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("destroy sandbox %q: %w", sb.id, err))
+	}
+	e.log.Debug("sandbox destroyed", "sandbox", sb.id, "reason", reason)
+	return nil
+}
+
+// opError maps a runtime error of a file or exec operation to a Connect
+// error naming the sandbox.
+func opError(ctx context.Context, id, op string, err error) error {
+	var lost errLost
+	if errors.As(err, &lost) {
+		return connect.NewError(connect.CodeFailedPrecondition, lost)
+	}
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return err
+	}
+	wrapped := fmt.Errorf("%s in sandbox %q: %w", op, id, err)
+	switch {
+	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
+		return connect.NewError(connect.CodeDeadlineExceeded, wrapped)
+	case ctx.Err() != nil:
+		return connect.NewError(connect.CodeCanceled, wrapped)
+	case errors.Is(err, fs.ErrNotExist):
+		return connect.NewError(connect.CodeNotFound, wrapped)
+	case errors.Is(err, fs.ErrPermission):
+		return connect.NewError(connect.CodePermissionDenied, wrapped)
+	case errors.Is(err, fs.ErrExist):
+		return connect.NewError(connect.CodeAlreadyExists, wrapped)
+	case errors.Is(err, fs.ErrInvalid), errors.Is(err, runtime.ErrInvalidSpec):
+		return connect.NewError(connect.CodeInvalidArgument, wrapped)
+	}
+	return connect.NewError(connect.CodeUnknown, wrapped)
+}
+
+// summaries lists every sandbox that is not destroyed, for heartbeats.
+func (e *Edge) summaries() []*dsecv1.SandboxSummary {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]*dsecv1.SandboxSummary, 0, len(e.sandboxes))
+	for _, sb := range e.sandboxes {
+		if sb.state == StateDestroyed {
+			continue
+		}
+		out = append(out, &dsecv1.SandboxSummary{
+			Id:          sb.id,
+			Tenant:      sb.tenant,
+			State:       sb.state,
+			Labels:      maps.Clone(sb.spec.Labels),
+			MilliCpu:    sb.req.MilliCPU,
+			MemoryBytes: sb.req.MemoryBytes,
+			Backend:     string(sb.kind),
+		})
+	}
+	return out
+}

@@ -1,0 +1,310 @@
+package edge
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// Exec outcomes (ExecResult.outcome).
+const (
+	OutcomeOK         = "ok"
+	OutcomeFailed     = "failed"
+	OutcomeTimeout    = "timeout"
+	OutcomeInfraError = "infra_error"
+)
+
+// service adapts the Edge to the generated EdgeService handler.
+type service struct{ e *Edge }
+
+var _ dsecv1connect.EdgeServiceHandler = (*service)(nil)
+
+func (s *service) CreateOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeCreateRequest]) (*connect.Response[dsecv1.CreateSandboxResponse], error) {
+	sb, err := s.e.create(ctx, req.Msg.Caller, req.Msg.SandboxId, req.Msg.Spec)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.CreateSandboxResponse{Sandbox: sb}), nil
+}
+
+func (s *service) GetOnEdge(_ context.Context, req *connect.Request[dsecv1.EdgeSandboxRequest]) (*connect.Response[dsecv1.GetSandboxResponse], error) {
+	sb, err := s.e.get(req.Msg.Caller, req.Msg.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.GetSandboxResponse{Sandbox: sb}), nil
+}
+
+func (s *service) ListOnEdge(_ context.Context, req *connect.Request[dsecv1.EdgeListRequest]) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
+	list, err := s.e.list(req.Msg.Caller, req.Msg.Labels)
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(list, func(a, b *dsecv1.Sandbox) int { return strings.Compare(a.Id, b.Id) })
+	return connect.NewResponse(&dsecv1.ListSandboxesResponse{Sandboxes: list}), nil
+}
+
+func (s *service) ExecOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeExecRequest]) (*connect.Response[dsecv1.ExecResponse], error) {
+	res, err := s.e.exec(ctx, req.Msg.Caller, req.Msg.Request, nil)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.ExecResponse{Result: res}), nil
+}
+
+func (s *service) ExecStreamOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeExecRequest], stream *connect.ServerStream[dsecv1.ExecStreamResponse]) error {
+	var (
+		mu      sync.Mutex
+		sendErr error
+	)
+	// Send serialises the message before returning, so data is not
+	// retained past the call, as OutputFunc requires.
+	out := func(st runtime.Stream, data []byte) {
+		mu.Lock()
+		defer mu.Unlock()
+		if sendErr != nil {
+			return
+		}
+		msg := &dsecv1.ExecStreamResponse{}
+		if st == runtime.Stderr {
+			msg.Event = &dsecv1.ExecStreamResponse_Stderr{Stderr: data}
+		} else {
+			msg.Event = &dsecv1.ExecStreamResponse_Stdout{Stdout: data}
+		}
+		sendErr = stream.Send(msg)
+	}
+	res, err := s.e.exec(ctx, req.Msg.Caller, req.Msg.Request, out)
+	if err != nil {
+		return err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if sendErr != nil {
+		return sendErr
+	}
+	// The output went out as it came; the result does not repeat it.
+	res.Stdout, res.Stderr = nil, nil
+	return stream.Send(&dsecv1.ExecStreamResponse{Event: &dsecv1.ExecStreamResponse_Result{Result: res}})
+}
+
+func (s *service) WriteFileOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeWriteFileRequest]) (*connect.Response[dsecv1.WriteFileResponse], error) {
+	r := req.Msg.Request
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	if r.Path == "" {
+		return nil, invalid("request.path is required")
+	}
+	if r.Mode > 0o7777 {
+		return nil, invalid("request.mode %#o has bits beyond 07777", r.Mode)
+	}
+	mode := r.Mode
+	if mode == 0 {
+		mode = 0o644
+	}
+	err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, "write "+r.Path, func(rs runtime.Sandbox) error {
+		return rs.WriteFile(ctx, r.Path, r.Data, mode)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.WriteFileResponse{}), nil
+}
+
+func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeReadFileRequest]) (*connect.Response[dsecv1.ReadFileResponse], error) {
+	r := req.Msg.Request
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	if r.Path == "" {
+		return nil, invalid("request.path is required")
+	}
+	if r.MaxBytes < 0 {
+		return nil, invalid("request.max_bytes %d must not be negative", r.MaxBytes)
+	}
+	var data []byte
+	err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, "read "+r.Path, func(rs runtime.Sandbox) error {
+		var err error
+		data, err = rs.ReadFile(ctx, r.Path, r.MaxBytes)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.ReadFileResponse{Data: data}), nil
+}
+
+func (s *service) DestroyOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSandboxRequest]) (*connect.Response[dsecv1.DestroySandboxResponse], error) {
+	sb, err := s.e.lookup(req.Msg.Caller, req.Msg.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.e.destroy(ctx, sb, reasonRequest); err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.DestroySandboxResponse{}), nil
+}
+
+// fileOp runs op on a running sandbox of caller's.
+func (e *Edge) fileOp(ctx context.Context, caller *dsecv1.Caller, id, what string, op func(runtime.Sandbox) error) error {
+	sb, err := e.lookup(caller, id)
+	if err != nil {
+		return err
+	}
+	rs, err := e.begin(sb)
+	if err != nil {
+		return opError(ctx, id, what, err)
+	}
+	if err := e.end(sb, op(rs)); err != nil {
+		return opError(ctx, id, what, err)
+	}
+	return nil
+}
+
+// exec runs one command. A sandbox that is lost, or dies during the exec,
+// gives a result with outcome infra_error rather than an error, so that a
+// trainer can mask it instead of learning from it.
+func (e *Edge) exec(ctx context.Context, caller *dsecv1.Caller, req *dsecv1.ExecRequest, out runtime.OutputFunc) (*dsecv1.ExecResult, error) {
+	if req == nil {
+		return nil, invalid("request is required")
+	}
+	rreq, err := toRuntimeExec(req)
+	if err != nil {
+		return nil, err
+	}
+	sb, err := e.lookup(caller, req.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	rs, err := e.begin(sb)
+	var lost errLost
+	if errors.As(err, &lost) {
+		return infraResult(lost), nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	res, err := rs.Exec(ctx, rreq, out)
+	e.metrics.execSeconds.WithLabelValues(string(sb.kind)).Observe(time.Since(start).Seconds())
+	if err = e.end(sb, err); err != nil {
+		if errors.As(err, &lost) {
+			return infraResult(lost), nil
+		}
+		return nil, opError(ctx, req.SandboxId, "exec", err)
+	}
+	return toProtoResult(res), nil
+}
+
+func infraResult(err error) *dsecv1.ExecResult {
+	return &dsecv1.ExecResult{Outcome: OutcomeInfraError, InfraError: err.Error(), ExitCode: -1}
+}
+
+func toRuntimeExec(r *dsecv1.ExecRequest) (runtime.ExecRequest, error) {
+	if len(r.Argv) == 0 && r.Shell == "" {
+		return runtime.ExecRequest{}, invalid("request.argv or request.shell is required")
+	}
+	if err := checkDuration("request.timeout", r.Timeout); err != nil {
+		return runtime.ExecRequest{}, err
+	}
+	if r.MaxOutputBytes < 0 {
+		return runtime.ExecRequest{}, invalid("request.max_output_bytes %d must not be negative", r.MaxOutputBytes)
+	}
+	for i, kv := range r.Env {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return runtime.ExecRequest{}, invalid("request.env[%d] %q must be K=V", i, kv)
+		}
+	}
+	return runtime.ExecRequest{
+		Argv:           r.Argv,
+		Shell:          r.Shell,
+		Env:            r.Env,
+		Cwd:            r.Cwd,
+		User:           r.User,
+		Stdin:          r.Stdin,
+		Timeout:        r.GetTimeout().AsDuration(),
+		MaxOutputBytes: r.MaxOutputBytes,
+	}, nil
+}
+
+func toProtoResult(r runtime.ExecResult) *dsecv1.ExecResult {
+	outcome := OutcomeOK
+	switch {
+	case r.TimedOut:
+		outcome = OutcomeTimeout
+	case r.ExitCode != 0 || r.Signal != 0:
+		outcome = OutcomeFailed
+	}
+	return &dsecv1.ExecResult{
+		Outcome:         outcome,
+		ExitCode:        int32(r.ExitCode),
+		Signal:          int32(r.Signal),
+		Stdout:          r.Stdout,
+		Stderr:          r.Stderr,
+		StdoutTruncated: r.StdoutTruncated,
+		StderrTruncated: r.StderrTruncated,
+		Duration:        durationpb.New(r.Duration),
+		TimedOut:        r.TimedOut,
+		OomKilled:       r.OOMKilled,
+	}
+}
+
+// RequireClusterToken wraps an internal service (EdgeService here,
+// NodeService on servers) so that it refuses requests that do not carry
+// the cluster token, with a Connect error in whichever protocol the caller
+// speaks.
+func RequireClusterToken(token string, next http.Handler) http.Handler {
+	want := []byte("Bearer " + token)
+	ew := connect.NewErrorWriter()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got := []byte(r.Header.Get("Authorization"))
+		if subtle.ConstantTimeCompare(got, want) == 1 {
+			next.ServeHTTP(w, r)
+			return
+		}
+		code := connect.CodeUnauthenticated
+		msg := "missing cluster token (Authorization: Bearer)"
+		if len(got) > 0 {
+			code, msg = connect.CodePermissionDenied, "wrong cluster token"
+		}
+		ew.Write(w, r, connect.NewError(code, fmt.Errorf("edge service: %s", msg)))
+	})
+}
+
+// ClusterAuth is a client interceptor that presents the cluster token on
+// every call (heartbeats here, EdgeService calls on servers).
+func ClusterAuth(token string) connect.Interceptor { return bearer(token) }
+
+type bearer string
+
+func (b bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		req.Header().Set("Authorization", "Bearer "+string(b))
+		return next(ctx, req)
+	}
+}
+
+func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		conn := next(ctx, spec)
+		conn.RequestHeader().Set("Authorization", "Bearer "+string(b))
+		return conn
+	}
+}
+
+func (b bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}

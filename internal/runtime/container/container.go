@@ -1,0 +1,503 @@
+// Package container is DSec's native container backend: Linux namespaces,
+// cgroups and seccomp over an overlay of read-only EROFS layers, written in
+// Go with no runc or containerd on the create path.
+//
+// A create costs one process spawn. The edge forks dsec-agent directly into
+// new mount, PID, IPC, UTS, network and cgroup namespaces, born inside the
+// sandbox's cgroup, with one end of a socketpair as fd 3. The agent (PID 1)
+// receives its configuration over that socket, mounts the overlay and the
+// minimal /dev, /proc and /sys inside its own mount namespace (package
+// sandboxinit), pivots into it, locks itself down and then serves exec and
+// file requests over the same socket for the sandbox's whole life.
+//
+// Layers are mounted once per node by a shared, reference-counted cache
+// (layer.Mounts); the host mount table holds one mount per layer, never one
+// per sandbox.
+package container
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/containerd/cgroups/v3"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/agent"
+	"github.com/dsec-dev/dsec/internal/audit/caps"
+	"github.com/dsec-dev/dsec/internal/audit/seccomp"
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
+)
+
+// LayerMounts is the node's shared cache of read-only layer mounts
+// (satisfied by *layer.Mounts).
+type LayerMounts interface {
+	// Acquire mounts the EROFS file (once per node) and returns its directory.
+	Acquire(ctx context.Context, digest, file string) (string, error)
+	// Release drops one reference; the last one unmounts.
+	Release(digest string) error
+}
+
+// Options configure the backend. Zero values get defaults.
+type Options struct {
+	// StateDir holds one directory per sandbox (overlay upper, work, rootfs
+	// mount point). Default /var/lib/dsec/sandboxes.
+	StateDir string
+	// AgentPath is the dsec-agent binary. Default: next to the running
+	// executable.
+	AgentPath string
+	// Layers mounts the sandboxes' layers. Required.
+	Layers LayerMounts
+	// CgroupParent is the cgroup under which sandboxes live. Default "dsec".
+	CgroupParent string
+	// DefaultPids bounds tasks per sandbox when the spec sets none.
+	DefaultPids int64
+	// Seccomp is the compiled filter every sandbox installs. Default:
+	// Docker's default profile plus DSec's denials (package seccomp).
+	Seccomp []byte
+	// Caps is the capability set sandboxes keep. Default: Docker's set
+	// without CAP_MKNOD (package caps).
+	Caps []int
+	// Unconfined skips capabilities, no_new_privs and seccomp. Only for
+	// debugging a profile problem; never for agents' code.
+	Unconfined bool
+	// InitTimeout bounds how long a sandbox may take to come up.
+	InitTimeout time.Duration
+	// Logger, default slog.Default().
+	Logger *slog.Logger
+}
+
+// Backend creates container sandboxes.
+type Backend struct {
+	opts Options
+	log  *slog.Logger
+
+	mu   sync.Mutex
+	live map[string]*sandbox
+}
+
+var _ rt.Backend = (*Backend)(nil)
+
+// idPattern keeps IDs safe as path and cgroup components.
+var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$`)
+
+// New returns a container backend. It removes what a previous process with
+// the same state directory left behind (sandboxes do not survive their edge).
+func New(opts Options) (*Backend, error) {
+	if opts.Layers == nil {
+		return nil, errors.New("container backend: Options.Layers is required")
+	}
+	if opts.StateDir == "" {
+		opts.StateDir = "/var/lib/dsec/sandboxes"
+	}
+	if opts.CgroupParent == "" {
+		opts.CgroupParent = "dsec"
+	}
+	if opts.DefaultPids == 0 {
+		opts.DefaultPids = 2048
+	}
+	if opts.InitTimeout == 0 {
+		opts.InitTimeout = 30 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.AgentPath == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, fmt.Errorf("locate dsec-agent: %w", err)
+		}
+		opts.AgentPath = filepath.Join(filepath.Dir(exe), "dsec-agent")
+	}
+	if !opts.Unconfined {
+		if opts.Seccomp == nil {
+			prog, err := seccomp.Default()
+			if err != nil {
+				return nil, fmt.Errorf("compile seccomp profile: %w", err)
+			}
+			if opts.Seccomp, err = prog.MarshalBinary(); err != nil {
+				return nil, err
+			}
+		}
+		if opts.Caps == nil {
+			opts.Caps = caps.DockerDefault().Caps()
+		}
+	}
+	if _, err := os.Stat(opts.AgentPath); err != nil {
+		return nil, fmt.Errorf("dsec-agent binary: %w", err)
+	}
+	if err := os.MkdirAll(opts.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("state dir: %w", err)
+	}
+	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{}}
+	b.cleanStale()
+	return b, nil
+}
+
+// Kind implements runtime.Backend.
+func (b *Backend) Kind() rt.Kind { return rt.KindContainer }
+
+// StateDir is where sandboxes' directories live (leak checks use it).
+func (b *Backend) StateDir() string { return b.opts.StateDir }
+
+// CgroupDirs lists the directories under which sandbox cgroups are created.
+func (b *Backend) CgroupDirs() []string {
+	if cgroupMode() == cgroups.Unified {
+		return []string{filepath.Join(cgroupRoot, b.opts.CgroupParent)}
+	}
+	var d []string
+	for _, c := range v1Controllers {
+		d = append(d, filepath.Join(cgroupRoot, string(c), b.opts.CgroupParent))
+	}
+	return d
+}
+
+func (b *Backend) validate(spec *rt.Spec) error {
+	if !idPattern.MatchString(spec.ID) {
+		return fmt.Errorf("%w: id %q must be 1-128 characters of [A-Za-z0-9_.-]", rt.ErrInvalidSpec, spec.ID)
+	}
+	if len(spec.Layers) == 0 {
+		return fmt.Errorf("%w: layers: at least one layer is required", rt.ErrInvalidSpec)
+	}
+	for i, l := range spec.Layers {
+		if l.Digest == "" || l.Path == "" {
+			return fmt.Errorf("%w: layers[%d]: digest and path are required", rt.ErrInvalidSpec, i)
+		}
+		if _, err := os.Stat(l.Path); err != nil {
+			return fmt.Errorf("%w: layers[%d] (%s): %v", rt.ErrInvalidSpec, i, l.Digest, err)
+		}
+	}
+	r := spec.Resources
+	if r.MilliCPU < 0 || r.MemoryBytes < 0 || r.Pids < 0 {
+		return fmt.Errorf("%w: resources must not be negative", rt.ErrInvalidSpec)
+	}
+	if r.MemoryBytes != 0 && r.MemoryBytes < 8<<20 {
+		return fmt.Errorf("%w: resources.memory %d bytes is below the 8 MiB minimum", rt.ErrInvalidSpec, r.MemoryBytes)
+	}
+	if spec.UserNamespace {
+		return fmt.Errorf("%w: user_namespace is not supported by the container backend yet", rt.ErrInvalidSpec)
+	}
+	return nil
+}
+
+// Create implements runtime.Backend. Every step registers its undo; a
+// failure runs them in reverse so nothing is left behind.
+func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err error) {
+	if err := b.validate(&spec); err != nil {
+		return nil, err
+	}
+	if spec.Hostname == "" {
+		spec.Hostname = spec.ID
+		if len(spec.Hostname) > 63 {
+			spec.Hostname = spec.Hostname[:63]
+		}
+	}
+	if spec.Resources.Pids == 0 {
+		spec.Resources.Pids = b.opts.DefaultPids
+	}
+	var undo []func()
+	defer func() {
+		if err != nil {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
+
+	b.mu.Lock()
+	if _, dup := b.live[spec.ID]; dup {
+		b.mu.Unlock()
+		return nil, fmt.Errorf("%w: id %q is already in use", rt.ErrInvalidSpec, spec.ID)
+	}
+	b.live[spec.ID] = nil // reserve
+	b.mu.Unlock()
+	undo = append(undo, func() { b.mu.Lock(); delete(b.live, spec.ID); b.mu.Unlock() })
+
+	dir := filepath.Join(b.opts.StateDir, spec.ID)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("sandbox dir: %w", err)
+	}
+	undo = append(undo, func() { os.RemoveAll(dir) })
+	for _, d := range []string{"upper", "work", "rootfs"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			return nil, fmt.Errorf("sandbox dir: %w", err)
+		}
+	}
+
+	// Overlay wants the top layer first.
+	lower := make([]string, len(spec.Layers))
+	for i, l := range spec.Layers {
+		d, err := b.opts.Layers.Acquire(ctx, l.Digest, l.Path)
+		if err != nil {
+			return nil, fmt.Errorf("mount layer %s: %w", l.Digest, err)
+		}
+		digest := l.Digest
+		undo = append(undo, func() { b.opts.Layers.Release(digest) })
+		lower[len(spec.Layers)-1-i] = d
+	}
+
+	cg, err := newCgroup(b.opts.CgroupParent, spec.ID, spec.Resources)
+	if err != nil {
+		return nil, err
+	}
+	undo = append(undo, func() { cg.delete() })
+
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("socketpair: %w", err)
+	}
+	parentFile := os.NewFile(uintptr(fds[0]), "agent-control")
+	childFile := os.NewFile(uintptr(fds[1]), "agent-control")
+	conn, err := net.FileConn(parentFile)
+	parentFile.Close()
+	if err != nil {
+		childFile.Close()
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	undo = append(undo, func() { conn.Close() })
+
+	cmd := &exec.Cmd{
+		Path:       b.opts.AgentPath,
+		Args:       []string{"dsec-agent", "container-init"},
+		Env:        []string{"GOMAXPROCS=1"},
+		ExtraFiles: []*os.File{childFile},
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWIPC |
+				syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET | syscall.CLONE_NEWCGROUP,
+			Setsid: true,
+		},
+	}
+	err = cg.spawn(cmd.SysProcAttr, cmd.Start)
+	childFile.Close()
+	if err != nil {
+		return nil, fmt.Errorf("start dsec-agent: %w", err)
+	}
+	done := make(chan struct{})
+	sb := &sandbox{b: b, id: spec.ID, spec: spec, dir: dir, cmd: cmd, cg: cg, conn: conn, done: done}
+	go func() {
+		sb.waitErr = cmd.Wait()
+		close(done)
+	}()
+	undo = append(undo, func() { cmd.Process.Kill(); <-done })
+
+	cfg := sandboxinit.Config{
+		Lower:      lower,
+		Upper:      filepath.Join(dir, "upper"),
+		Work:       filepath.Join(dir, "work"),
+		Rootfs:     filepath.Join(dir, "rootfs"),
+		Hostname:   spec.Hostname,
+		Seccomp:    b.opts.Seccomp,
+		Caps:       b.opts.Caps,
+		NoLockdown: b.opts.Unconfined,
+	}
+	cg.user(&cfg)
+	if err := b.initSandbox(ctx, conn, &cfg, done); err != nil {
+		return nil, err
+	}
+	sb.client = agent.NewClient(conn)
+
+	b.mu.Lock()
+	b.live[spec.ID] = sb
+	b.mu.Unlock()
+	return sb, nil
+}
+
+// initSandbox sends the config and waits for the agent's reply, bounded by
+// the context, the init timeout and the agent's death.
+func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxinit.Config, done <-chan struct{}) error {
+	deadline := time.Now().Add(b.opts.InitTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	conn.SetDeadline(deadline)
+	defer conn.SetDeadline(time.Time{})
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
+	defer stop()
+	if err := sandboxinit.WriteMessage(conn, cfg); err != nil {
+		return fmt.Errorf("send sandbox config: %w", err)
+	}
+	var reply sandboxinit.Reply
+	if err := sandboxinit.ReadMessage(conn, &reply); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		select {
+		case <-done:
+			return fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
+		default:
+		}
+		return fmt.Errorf("sandbox setup: %w", err)
+	}
+	if reply.Error != "" {
+		return fmt.Errorf("sandbox setup: %s", reply.Error)
+	}
+	return nil
+}
+
+// cleanStale removes sandboxes a previous process left behind: their
+// processes are killed (via their cgroups), their directories removed.
+func (b *Backend) cleanStale() {
+	entries, err := os.ReadDir(b.opts.StateDir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		id := e.Name()
+		cg := existingCgroup(b.opts.CgroupParent, id)
+		if cg != nil {
+			killCgroup(cg)
+			if err := cg.delete(); err != nil {
+				b.log.Warn("stale sandbox cgroup", "id", id, "err", err)
+			}
+		}
+		dir := filepath.Join(b.opts.StateDir, id)
+		// The rootfs was mounted in the sandbox's own mount namespace, which
+		// died with its processes; detach in case an older layout mounted it
+		// on the host.
+		unix.Unmount(filepath.Join(dir, "rootfs"), unix.MNT_DETACH)
+		if err := os.RemoveAll(dir); err != nil {
+			b.log.Warn("stale sandbox dir", "id", id, "err", err)
+		}
+		b.log.Info("removed stale sandbox", "id", id)
+	}
+}
+
+type sandbox struct {
+	b    *Backend
+	id   string
+	spec rt.Spec
+	dir  string
+	cmd  *exec.Cmd
+	cg   cgroup
+	conn net.Conn
+
+	client  *agent.Client
+	done    chan struct{}
+	waitErr error
+
+	destroyOnce sync.Once
+	destroyErr  error
+}
+
+var _ rt.Sandbox = (*sandbox)(nil)
+
+func (s *sandbox) ID() string { return s.id }
+
+func (s *sandbox) Done() <-chan struct{} { return s.done }
+
+// gone turns a failed call on a dead sandbox into ErrSandboxGone.
+func (s *sandbox) gone(err error) error {
+	if err == nil || errors.Is(err, rt.ErrSandboxGone) {
+		return err
+	}
+	select {
+	case <-s.done:
+		return fmt.Errorf("%w: %v", rt.ErrSandboxGone, err)
+	default:
+		return err
+	}
+}
+
+func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFunc) (rt.ExecResult, error) {
+	req.Env = mergeEnv(s.spec.Env, req.Env)
+	if req.Cwd == "" {
+		req.Cwd = s.spec.Workdir
+	}
+	if req.User == "" {
+		req.User = s.spec.User
+	}
+	before, _ := s.cg.oomKills()
+	res, err := s.client.Exec(ctx, req, out)
+	if err != nil {
+		return res, s.gone(err)
+	}
+	if res.Signal == int(syscall.SIGKILL) && !res.TimedOut {
+		if after, err := s.cg.oomKills(); err == nil && after > before {
+			res.OOMKilled = true
+		}
+	}
+	return res, nil
+}
+
+// defaultPath is used when neither the image nor the request sets PATH.
+const defaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// mergeEnv returns base overridden by extra (later K=V wins), with PATH set.
+func mergeEnv(base, extra []string) []string {
+	idx := map[string]int{}
+	out := make([]string, 0, len(base)+len(extra)+1)
+	for _, list := range [][]string{base, extra} {
+		for _, kv := range list {
+			k, _, _ := strings.Cut(kv, "=")
+			if i, ok := idx[k]; ok {
+				out[i] = kv
+				continue
+			}
+			idx[k] = len(out)
+			out = append(out, kv)
+		}
+	}
+	if _, ok := idx["PATH"]; !ok {
+		out = append(out, defaultPath)
+	}
+	return out
+}
+
+func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
+	return s.gone(s.client.WriteFile(ctx, path, data, mode))
+}
+
+func (s *sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
+	b, err := s.client.ReadFile(ctx, path, maxBytes)
+	return b, s.gone(err)
+}
+
+func (s *sandbox) PutArchive(ctx context.Context, dir string, tar io.Reader) error {
+	return s.gone(s.client.PutArchive(ctx, dir, tar))
+}
+
+func (s *sandbox) GetArchive(ctx context.Context, dir string, w io.Writer) error {
+	return s.gone(s.client.GetArchive(ctx, dir, w))
+}
+
+// Destroy kills PID 1, which makes the kernel kill every other process of
+// the PID namespace; the mount namespace (and with it the overlay) goes with
+// the last process. Then the cgroup, the layers and the directory go.
+func (s *sandbox) Destroy(ctx context.Context) error {
+	s.destroyOnce.Do(func() {
+		// SIGKILL cannot be ignored: the wait is short and not cancellable,
+		// so a cancelled caller never leaves a half-destroyed sandbox.
+		s.cmd.Process.Signal(syscall.SIGKILL)
+		<-s.done
+		s.client.Close()
+		var errs []error
+		if err := s.cg.delete(); err != nil {
+			errs = append(errs, fmt.Errorf("delete cgroup: %w", err))
+		}
+		for _, l := range s.spec.Layers {
+			if err := s.b.opts.Layers.Release(l.Digest); err != nil {
+				errs = append(errs, fmt.Errorf("release layer %s: %w", l.Digest, err))
+			}
+		}
+		if err := os.RemoveAll(s.dir); err != nil {
+			errs = append(errs, fmt.Errorf("remove sandbox dir: %w", err))
+		}
+		s.b.mu.Lock()
+		delete(s.b.live, s.id)
+		s.b.mu.Unlock()
+		s.destroyErr = errors.Join(errs...)
+	})
+	return s.destroyErr
+}

@@ -1,0 +1,279 @@
+package dsec
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+)
+
+// Backends a sandbox can run on.
+const (
+	BackendContainer = "container"
+	BackendFnCall    = "fncall"
+	BackendMicroVM   = "microvm"
+	BackendFullVM    = "fullvm"
+)
+
+// Sandbox states reported by Get and List.
+const (
+	StateCreating  = "creating"
+	StateRunning   = "running"
+	StateLost      = "lost"
+	StateDestroyed = "destroyed"
+	StateFailed    = "failed"
+)
+
+// Resources bounds a sandbox. Zero fields are left to the server's defaults.
+type Resources struct {
+	// MilliCPU is thousandths of a core (1000 = one core).
+	MilliCPU    int64
+	MemoryBytes int64
+	Pids        int64
+}
+
+// Spec says what sandbox to create.
+type Spec struct {
+	// Backend is BackendContainer when empty.
+	Backend string
+	// Image is the base image, NAME:TAG.
+	Image string
+	// Workspace is an optional image layered over the base.
+	Workspace string
+	// Toolkits are images layered on top, last on top.
+	Toolkits  []string
+	Resources Resources
+	Labels    map[string]string
+	// TTL is the maximum lifetime; zero means none.
+	TTL time.Duration
+	// IdleTimeout destroys the sandbox after this long without an
+	// operation; zero means none.
+	IdleTimeout time.Duration
+	// Env (K=V) applies to every exec, over the image's environment.
+	Env []string
+}
+
+func (s Spec) proto() *dsecv1.SandboxSpec {
+	p := &dsecv1.SandboxSpec{
+		Backend:   s.Backend,
+		Image:     s.Image,
+		Workspace: s.Workspace,
+		Toolkits:  s.Toolkits,
+		Labels:    s.Labels,
+		Env:       s.Env,
+	}
+	if s.Resources != (Resources{}) {
+		p.Resources = &dsecv1.Resources{
+			MilliCpu:    s.Resources.MilliCPU,
+			MemoryBytes: s.Resources.MemoryBytes,
+			Pids:        s.Resources.Pids,
+		}
+	}
+	if s.TTL > 0 {
+		p.Ttl = durationpb.New(s.TTL)
+	}
+	if s.IdleTimeout > 0 {
+		p.IdleTimeout = durationpb.New(s.IdleTimeout)
+	}
+	return p
+}
+
+func specFromProto(p *dsecv1.SandboxSpec) Spec {
+	if p == nil {
+		return Spec{}
+	}
+	s := Spec{
+		Backend:   p.GetBackend(),
+		Image:     p.GetImage(),
+		Workspace: p.GetWorkspace(),
+		Toolkits:  p.GetToolkits(),
+		Labels:    p.GetLabels(),
+		Env:       p.GetEnv(),
+		Resources: Resources{
+			MilliCPU:    p.GetResources().GetMilliCpu(),
+			MemoryBytes: p.GetResources().GetMemoryBytes(),
+			Pids:        p.GetResources().GetPids(),
+		},
+	}
+	if p.Ttl != nil {
+		s.TTL = p.Ttl.AsDuration()
+	}
+	if p.IdleTimeout != nil {
+		s.IdleTimeout = p.IdleTimeout.AsDuration()
+	}
+	return s
+}
+
+// Sandbox is a snapshot of one sandbox's description plus a handle to
+// operate on it. The fields are as of the call that returned it; Refresh
+// fetches them again.
+type Sandbox struct {
+	c *Client
+
+	ID     string
+	Node   string
+	Tenant string
+	Spec   Spec
+	// State is one of the State constants.
+	State string
+	// Reason says why the sandbox is lost or failed.
+	Reason       string
+	CreatedAt    time.Time
+	LastActiveAt time.Time
+	// Layers are the layer digests the sandbox was built from, bottom first.
+	Layers []string
+}
+
+func (c *Client) sandbox(p *dsecv1.Sandbox) *Sandbox {
+	sb := &Sandbox{
+		c:      c,
+		ID:     p.GetId(),
+		Node:   p.GetNode(),
+		Tenant: p.GetTenant(),
+		Spec:   specFromProto(p.GetSpec()),
+		State:  p.GetState(),
+		Reason: p.GetReason(),
+		Layers: p.GetLayers(),
+	}
+	if p.CreatedAt != nil {
+		sb.CreatedAt = p.CreatedAt.AsTime()
+	}
+	if p.LastActiveAt != nil {
+		sb.LastActiveAt = p.LastActiveAt.AsTime()
+	}
+	return sb
+}
+
+// Sandbox returns a handle for an existing sandbox without asking the
+// server; only ID is set.
+func (c *Client) Sandbox(id string) *Sandbox { return &Sandbox{c: c, ID: id} }
+
+// Create creates one sandbox and returns when it is running.
+func (c *Client) Create(ctx context.Context, spec Spec) (*Sandbox, error) {
+	resp, err := c.sandboxes.Create(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: spec.proto()}))
+	if err != nil {
+		return nil, fmt.Errorf("create sandbox from %q: %w", spec.Image, err)
+	}
+	return c.sandbox(resp.Msg.GetSandbox()), nil
+}
+
+// CreateMany creates n sandboxes from one spec in one call. It returns the
+// sandboxes that were created and, if some were not, a *BatchError holding
+// one error per failure (each with its Connect code).
+func (c *Client) CreateMany(ctx context.Context, spec Spec, n int) ([]*Sandbox, error) {
+	if n <= 0 {
+		return nil, nil
+	}
+	resp, err := c.sandboxes.BatchCreate(ctx, connect.NewRequest(&dsecv1.BatchCreateSandboxesRequest{
+		Spec:  spec.proto(),
+		Count: int32(n),
+	}))
+	if err != nil {
+		return nil, fmt.Errorf("create %d sandboxes from %q: %w", n, spec.Image, err)
+	}
+	var (
+		out  []*Sandbox
+		errs []error
+	)
+	for i, r := range resp.Msg.GetResults() {
+		if r.GetError() != nil {
+			errs = append(errs, itemError(fmt.Sprintf("sandbox %d of %d", i+1, n), r.GetError()))
+			continue
+		}
+		out = append(out, c.sandbox(r.GetSandbox()))
+	}
+	return out, batchErr(errs)
+}
+
+// Get describes one sandbox.
+func (c *Client) Get(ctx context.Context, id string) (*Sandbox, error) {
+	resp, err := c.sandboxes.Get(ctx, connect.NewRequest(&dsecv1.GetSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, fmt.Errorf("get sandbox %s: %w", id, err)
+	}
+	return c.sandbox(resp.Msg.GetSandbox()), nil
+}
+
+// List returns the caller's sandboxes carrying every label in labels (all
+// of them when labels is empty).
+func (c *Client) List(ctx context.Context, labels map[string]string) ([]*Sandbox, error) {
+	resp, err := c.sandboxes.List(ctx, connect.NewRequest(&dsecv1.ListSandboxesRequest{Labels: labels}))
+	if err != nil {
+		return nil, fmt.Errorf("list sandboxes: %w", err)
+	}
+	out := make([]*Sandbox, 0, len(resp.Msg.GetSandboxes()))
+	for _, p := range resp.Msg.GetSandboxes() {
+		out = append(out, c.sandbox(p))
+	}
+	return out, nil
+}
+
+// Destroy destroys one sandbox.
+func (c *Client) Destroy(ctx context.Context, id string) error {
+	if _, err := c.sandboxes.Destroy(ctx, connect.NewRequest(&dsecv1.DestroySandboxRequest{Id: id})); err != nil {
+		return fmt.Errorf("destroy sandbox %s: %w", id, err)
+	}
+	return nil
+}
+
+// DestroyMany destroys sandboxes in one call. It returns a *BatchError
+// holding one error per sandbox that could not be destroyed.
+func (c *Client) DestroyMany(ctx context.Context, ids ...string) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	resp, err := c.sandboxes.BatchDestroy(ctx, connect.NewRequest(&dsecv1.BatchDestroySandboxesRequest{Ids: ids}))
+	if err != nil {
+		return fmt.Errorf("destroy %d sandboxes: %w", len(ids), err)
+	}
+	var errs []error
+	for _, r := range resp.Msg.GetResults() {
+		if r.GetError() != nil {
+			errs = append(errs, itemError("destroy sandbox "+r.GetId(), r.GetError()))
+		}
+	}
+	return batchErr(errs)
+}
+
+// Refresh fetches the sandbox's description again.
+func (s *Sandbox) Refresh(ctx context.Context) error {
+	fresh, err := s.c.Get(ctx, s.ID)
+	if err != nil {
+		return err
+	}
+	c := s.c
+	*s = *fresh
+	s.c = c
+	return nil
+}
+
+// Destroy destroys the sandbox.
+func (s *Sandbox) Destroy(ctx context.Context) error { return s.c.Destroy(ctx, s.ID) }
+
+// WriteFile writes data to path inside the sandbox with permission bits
+// mode (0 means 0644), creating parent directories as needed.
+func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
+	_, err := s.c.sandboxes.WriteFile(ctx, connect.NewRequest(&dsecv1.WriteFileRequest{
+		SandboxId: s.ID, Path: path, Data: data, Mode: mode,
+	}))
+	if err != nil {
+		return fmt.Errorf("write %s in sandbox %s: %w", path, s.ID, err)
+	}
+	return nil
+}
+
+// ReadFile reads path inside the sandbox. maxBytes bounds the size (0 means
+// the server's default bound).
+func (s *Sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
+	resp, err := s.c.sandboxes.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{
+		SandboxId: s.ID, Path: path, MaxBytes: maxBytes,
+	}))
+	if err != nil {
+		return nil, fmt.Errorf("read %s in sandbox %s: %w", path, s.ID, err)
+	}
+	return resp.Msg.GetData(), nil
+}

@@ -1,0 +1,31 @@
+"""libdsec: the asyncio Python client for DSec sandboxes.
+
+It speaks the Connect JSON protocol over httpx to a DSec API server::
+
+    from libdsec import DSecClient, SandboxSpec, BackendKind
+
+    async with await DSecClient.create() as client:
+        spec = SandboxSpec(backend=BackendKind.CONTAINER, base_image="busybox:latest")
+        async with await client.create(spec) as sb:
+            out = await sb.run("echo hello", timeout=60)
+            print(out.exit_code, out.stdout)
+
+Only httpx is needed (Debian: python3-httpx).
+"""
+
+from .client import DEFAULT_ENDPOINT, DEFAULT_TOKEN_FILE, DSecClient, Sandbox
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .models import BackendKind, ExecResult, ImageInfo, SandboxInfo, SandboxSpec
+
+__all__ = [
+    "DSecClient",
+    "Sandbox",
+    "SandboxSpec",
+    "SandboxInfo",
+    "BackendKind",
+    "ExecResult",
+    "ImageInfo",
+    "DEFAULT_ENDPOINT",
+    "DEFAULT_TOKEN_FILE",
+] + list(_errors_all)

@@ -1,0 +1,143 @@
+"""The Connect protocol over httpx: unary calls as plain JSON POSTs and
+server streams as enveloped JSON messages.
+
+Kept apart from the client so the API methods read as calls, and so every
+transport failure is turned into a :class:`~libdsec.errors.DSecError` in
+one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+from typing import Any, AsyncIterator, Dict, Optional, Union
+
+import httpx
+
+from ._http1 import Http1Transport
+from .errors import DSecError, DeadlineExceededError, UnavailableError, error_for
+
+_UNSET: Any = object()
+_ENVELOPE = struct.Struct(">BI")
+_FLAG_COMPRESSED = 0x01
+_FLAG_END_STREAM = 0x02
+
+TimeoutArg = Union[float, None, Any]
+
+
+class Transport:
+    """One pooled HTTP/1.1 connection set to a DSec endpoint."""
+
+    def __init__(self, endpoint: str, token: Optional[str], *, max_connections: int, timeout: Optional[float]):
+        self.endpoint = endpoint.rstrip("/")
+        headers = {"Connect-Protocol-Version": "1", "User-Agent": "libdsec-python"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        # HTTP/1.1 with a large pool: hundreds of requests in flight each
+        # get their own connection, and keep-alive reuses them across calls.
+        # Plain http:// goes through the lean transport (see _http1); TLS,
+        # proxies and Pythons without asyncio.timeout through httpcore.
+        kwargs: Dict[str, Any] = {}
+        if (
+            self.endpoint.startswith("http://")
+            and hasattr(asyncio, "timeout")
+            and os.environ.get("DSEC_HTTP_TRANSPORT", "") != "httpcore"
+        ):
+            kwargs["transport"] = Http1Transport(max_connections)
+        self.http = httpx.AsyncClient(
+            http2=False,
+            headers=headers,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            timeout=httpx.Timeout(timeout, connect=30.0, pool=None),
+            **kwargs,
+        )
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def unary(self, method: str, body: Dict[str, Any], *, timeout: TimeoutArg = _UNSET) -> Dict[str, Any]:
+        """Calls "/<service>/<method>" with a JSON body and returns the decoded response."""
+        url = f"{self.endpoint}/{method}"
+        kwargs: Dict[str, Any] = {}
+        if timeout is not _UNSET:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=30.0, pool=None)
+        try:
+            resp = await self.http.post(
+                url,
+                content=json.dumps(body, separators=(",", ":")).encode(),
+                headers={"Content-Type": "application/json"},
+                **kwargs,
+            )
+        except httpx.TimeoutException as e:
+            raise DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            raise UnavailableError(f"{method}: cannot reach {self.endpoint}: {e or type(e).__name__}") from e
+        if resp.status_code != 200:
+            raise _error_from_body(method, resp.status_code, resp.content)
+        try:
+            return json.loads(resp.content) if resp.content else {}
+        except ValueError as e:
+            raise error_for("internal", f"{method}: response is not JSON: {e}", resp.status_code) from e
+
+    async def server_stream(
+        self, method: str, body: Dict[str, Any], *, timeout: TimeoutArg = _UNSET
+    ) -> AsyncIterator[Dict[str, Any]]:
+        """Calls a server-streaming method and yields each response message."""
+        url = f"{self.endpoint}/{method}"
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        kwargs: Dict[str, Any] = {}
+        if timeout is not _UNSET:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=30.0, pool=None)
+        try:
+            async with self.http.stream(
+                "POST",
+                url,
+                content=_ENVELOPE.pack(0, len(payload)) + payload,
+                headers={"Content-Type": "application/connect+json"},
+                **kwargs,
+            ) as resp:
+                if resp.status_code != 200:
+                    raise _error_from_body(method, resp.status_code, await resp.aread())
+                buf = bytearray()
+                ended = False
+                async for chunk in resp.aiter_bytes():
+                    buf += chunk
+                    while len(buf) >= _ENVELOPE.size:
+                        flags, size = _ENVELOPE.unpack_from(buf)
+                        if len(buf) < _ENVELOPE.size + size:
+                            break
+                        data = bytes(buf[_ENVELOPE.size : _ENVELOPE.size + size])
+                        del buf[: _ENVELOPE.size + size]
+                        if flags & _FLAG_COMPRESSED:
+                            raise error_for("internal", f"{method}: server sent a compressed message; none was negotiated")
+                        msg = json.loads(data) if data else {}
+                        if flags & _FLAG_END_STREAM:
+                            ended = True
+                            err = msg.get("error")
+                            if err:
+                                raise error_for(err.get("code"), f"{method}: {err.get('message', '')}", 200)
+                            return
+                        yield msg
+                if not ended:
+                    raise UnavailableError(f"{method}: stream from {self.endpoint} ended without an end-of-stream message")
+        except httpx.TimeoutException as e:
+            raise DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            raise UnavailableError(f"{method}: connection to {self.endpoint} failed: {e or type(e).__name__}") from e
+
+
+def _error_from_body(method: str, status: int, content: bytes) -> DSecError:
+    code = None
+    message = ""
+    try:
+        body = json.loads(content)
+        if isinstance(body, dict):
+            code = body.get("code")
+            message = body.get("message", "")
+    except ValueError:
+        message = content[:200].decode("utf-8", errors="replace")
+    if not message:
+        message = f"HTTP {status}"
+    return error_for(code, f"{method}: {message}", status)

@@ -1,0 +1,162 @@
+"""Exceptions raised by libdsec.
+
+Every failure the service reports arrives as a Connect error code; each code
+gets its own exception class so callers can write ``except NotFoundError``
+instead of comparing strings. Transport failures (refused connection, broken
+stream, client-side timeout) are raised as the Connect code that describes
+them (``unavailable``, ``deadline_exceeded``) so that callers only ever need
+to catch :class:`DSecError`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "DSecError",
+    "CanceledError",
+    "UnknownError",
+    "InvalidArgumentError",
+    "DeadlineExceededError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "FailedPreconditionError",
+    "AbortedError",
+    "OutOfRangeError",
+    "UnimplementedError",
+    "InternalError",
+    "UnavailableError",
+    "DataLossError",
+    "UnauthenticatedError",
+    "error_for",
+]
+
+
+class DSecError(Exception):
+    """A call failed. ``code`` is the Connect code name (e.g. ``"not_found"``)."""
+
+    code = "unknown"
+
+    def __init__(self, message: str, *, code: Optional[str] = None, http_status: Optional[int] = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.http_status = http_status
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class CanceledError(DSecError):
+    code = "canceled"
+
+
+class UnknownError(DSecError):
+    code = "unknown"
+
+
+class InvalidArgumentError(DSecError):
+    code = "invalid_argument"
+
+
+class DeadlineExceededError(DSecError):
+    code = "deadline_exceeded"
+
+
+class NotFoundError(DSecError):
+    code = "not_found"
+
+
+class AlreadyExistsError(DSecError):
+    code = "already_exists"
+
+
+class PermissionDeniedError(DSecError):
+    code = "permission_denied"
+
+
+class ResourceExhaustedError(DSecError):
+    code = "resource_exhausted"
+
+
+class FailedPreconditionError(DSecError):
+    code = "failed_precondition"
+
+
+class AbortedError(DSecError):
+    code = "aborted"
+
+
+class OutOfRangeError(DSecError):
+    code = "out_of_range"
+
+
+class UnimplementedError(DSecError):
+    code = "unimplemented"
+
+
+class InternalError(DSecError):
+    code = "internal"
+
+
+class UnavailableError(DSecError):
+    code = "unavailable"
+
+
+class DataLossError(DSecError):
+    code = "data_loss"
+
+
+class UnauthenticatedError(DSecError):
+    code = "unauthenticated"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        CanceledError,
+        UnknownError,
+        InvalidArgumentError,
+        DeadlineExceededError,
+        NotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        AbortedError,
+        OutOfRangeError,
+        UnimplementedError,
+        InternalError,
+        UnavailableError,
+        DataLossError,
+        UnauthenticatedError,
+    )
+}
+
+# The Connect protocol's fallback when an HTTP response carries no Connect
+# error body (a proxy or load balancer answered instead of the server).
+_BY_HTTP_STATUS = {
+    400: "internal",
+    401: "unauthenticated",
+    403: "permission_denied",
+    404: "unimplemented",
+    429: "unavailable",
+    502: "unavailable",
+    503: "unavailable",
+    504: "unavailable",
+}
+
+# Codes that say the infrastructure failed rather than the request being
+# wrong: an exec that ends this way is reported as an infra_error result.
+INFRA_CODES = frozenset({"unavailable", "deadline_exceeded", "internal", "unknown", "aborted", "data_loss"})
+
+
+def error_for(code: Optional[str], message: str, http_status: Optional[int] = None) -> DSecError:
+    """Returns the exception for a Connect error code (or, lacking one, an HTTP status)."""
+    if not code:
+        code = _BY_HTTP_STATUS.get(http_status or 0, "unknown")
+    cls = _BY_CODE.get(code, DSecError)
+    return cls(message, code=code, http_status=http_status)

@@ -1,0 +1,336 @@
+"""The values that cross the API: sandbox specs, sandbox descriptions, exec
+results and images, with their proto3 JSON encodings.
+
+The encodings follow the proto3 JSON mapping the Connect JSON protocol uses:
+lowerCamelCase field names, 64-bit integers as strings (accepted either
+way), bytes as base64, durations as ``"1.5s"``, timestamps as RFC 3339.
+Default values are omitted on the wire, so every decoder tolerates missing
+fields.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+__all__ = [
+    "BackendKind",
+    "SandboxSpec",
+    "SandboxInfo",
+    "ExecResult",
+    "ImageInfo",
+]
+
+
+class BackendKind(str, enum.Enum):
+    """Which backend runs a sandbox (the spec's ``backend`` field)."""
+
+    CONTAINER = "container"
+    FNCALL = "fncall"
+    MICROVM = "microvm"
+    FULLVM = "fullvm"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_MIB = 1024 * 1024
+
+
+@dataclass
+class SandboxSpec:
+    """What to create.
+
+    ``resources`` takes ``cpu`` (cores, fractions allowed), ``mem_mb``
+    (MiB) and ``pids``; anything else is refused so a typo does not
+    silently create an unbounded sandbox. ``env`` (a mapping or a list of
+    ``K=V``) is added to every exec in the sandbox.
+    """
+
+    backend: Union[BackendKind, str] = BackendKind.CONTAINER
+    base_image: str = ""
+    workspace: Optional[str] = None
+    toolkits: List[str] = field(default_factory=list)
+    resources: Dict[str, float] = field(default_factory=dict)
+    labels: Dict[str, str] = field(default_factory=dict)
+    ttl_s: Optional[float] = None
+    idle_timeout_s: Optional[float] = None
+    env: Union[Mapping[str, str], Sequence[str], None] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        """The proto3 JSON form of dsec.v1.SandboxSpec."""
+        backend = self.backend.value if isinstance(self.backend, BackendKind) else str(self.backend)
+        out: Dict[str, Any] = {"backend": backend}
+        if self.base_image:
+            out["image"] = self.base_image
+        if self.workspace:
+            out["workspace"] = self.workspace
+        if self.toolkits:
+            out["toolkits"] = list(self.toolkits)
+        res = _resources_json(self.resources or {})
+        if res:
+            out["resources"] = res
+        if self.labels:
+            out["labels"] = {str(k): str(v) for k, v in self.labels.items()}
+        if self.ttl_s is not None:
+            out["ttl"] = format_duration(self.ttl_s)
+        if self.idle_timeout_s is not None:
+            out["idleTimeout"] = format_duration(self.idle_timeout_s)
+        env = env_list(self.env)
+        if env:
+            out["env"] = env
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SandboxSpec":
+        """Decodes the proto3 JSON form of dsec.v1.SandboxSpec."""
+        backend: Union[BackendKind, str] = d.get("backend") or BackendKind.CONTAINER.value
+        try:
+            backend = BackendKind(backend)
+        except ValueError:
+            pass  # a backend newer than this SDK: keep the name
+        r = d.get("resources") or {}
+        resources: Dict[str, float] = {}
+        if r.get("milliCpu"):
+            resources["cpu"] = int(r["milliCpu"]) / 1000
+        if r.get("memoryBytes"):
+            resources["mem_mb"] = int(r["memoryBytes"]) / _MIB
+        if r.get("pids"):
+            resources["pids"] = int(r["pids"])
+        return cls(
+            backend=backend,
+            base_image=d.get("image", ""),
+            workspace=d.get("workspace") or None,
+            toolkits=list(d.get("toolkits") or []),
+            resources=resources,
+            labels=dict(d.get("labels") or {}),
+            ttl_s=parse_duration(d["ttl"]) if d.get("ttl") else None,
+            idle_timeout_s=parse_duration(d["idleTimeout"]) if d.get("idleTimeout") else None,
+            env=list(d.get("env") or []) or None,
+        )
+
+
+def _resources_json(res: Mapping[str, float]) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for key, value in res.items():
+        if value is None:
+            continue
+        if key == "cpu":
+            out["milliCpu"] = str(int(round(float(value) * 1000)))
+        elif key == "mem_mb":
+            out["memoryBytes"] = str(int(round(float(value) * _MIB)))
+        elif key == "pids":
+            out["pids"] = str(int(value))
+        else:
+            raise ValueError(f"resources[{key!r}]: unknown resource (want cpu, mem_mb or pids)")
+    return out
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox as the server describes it (Get and List)."""
+
+    id: str
+    node: str = ""
+    tenant: str = ""
+    state: str = ""
+    spec: Optional[SandboxSpec] = None
+    created_at: Optional[datetime] = None
+    last_active_at: Optional[datetime] = None
+    layers: List[str] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return dict(self.spec.labels) if self.spec else {}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SandboxInfo":
+        return cls(
+            id=d.get("id", ""),
+            node=d.get("node", ""),
+            tenant=d.get("tenant", ""),
+            state=d.get("state", ""),
+            spec=SandboxSpec.from_json(d["spec"]) if d.get("spec") is not None else None,
+            created_at=parse_timestamp(d.get("createdAt")),
+            last_active_at=parse_timestamp(d.get("lastActiveAt")),
+            layers=list(d.get("layers") or []),
+            reason=d.get("reason", ""),
+        )
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What happened to one command.
+
+    ``outcome`` is ``"ok"`` (exit 0), ``"failed"`` (non-zero exit or
+    signal), ``"timeout"`` or ``"infra_error"``. ``infra_error`` is ``None``
+    unless the infrastructure failed (sandbox lost, node gone, server
+    unreachable); then it is a non-empty string saying what failed, so
+    ``if out.infra_error:`` reads naturally and a trainer can mask the
+    sample instead of learning from it. ``exit_code`` is -1 when the
+    command did not run to completion because of an infra error.
+    ``stdout``/``stderr`` are decoded UTF-8 (invalid bytes replaced);
+    ``stdout_bytes``/``stderr_bytes`` are exactly what was captured.
+    ``duration`` is in seconds.
+    """
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration: float
+    timed_out: bool
+    infra_error: Optional[str]
+    outcome: str = "ok"
+    signal: int = 0
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    oom_killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ExecResult":
+        stdout = b64decode(d.get("stdout"))
+        stderr = b64decode(d.get("stderr"))
+        outcome = d.get("outcome") or ""
+        infra = d.get("infraError") or None
+        exit_code = int(d.get("exitCode", 0))
+        timed_out = bool(d.get("timedOut", False))
+        if outcome == "infra_error" or infra:
+            outcome = "infra_error"
+            infra = infra or "infrastructure error (no detail from server)"
+            if exit_code == 0:
+                exit_code = -1
+        elif not outcome:
+            # Older servers may leave the outcome out; derive it.
+            if timed_out:
+                outcome = "timeout"
+            elif exit_code != 0 or d.get("signal"):
+                outcome = "failed"
+            else:
+                outcome = "ok"
+        return cls(
+            exit_code=exit_code,
+            stdout=stdout.decode("utf-8", errors="replace"),
+            stderr=stderr.decode("utf-8", errors="replace"),
+            duration=parse_duration(d["duration"]) if d.get("duration") else 0.0,
+            timed_out=timed_out,
+            infra_error=infra,
+            outcome=outcome,
+            signal=int(d.get("signal", 0)),
+            stdout_bytes=stdout,
+            stderr_bytes=stderr,
+            stdout_truncated=bool(d.get("stdoutTruncated", False)),
+            stderr_truncated=bool(d.get("stderrTruncated", False)),
+            oom_killed=bool(d.get("oomKilled", False)),
+        )
+
+    @classmethod
+    def infra_failure(cls, what: str, duration: float = 0.0) -> "ExecResult":
+        """The result of a command the infrastructure could not run."""
+        return cls(
+            exit_code=-1,
+            stdout="",
+            stderr="",
+            duration=duration,
+            timed_out=False,
+            infra_error=what or "infrastructure error",
+            outcome="infra_error",
+        )
+
+
+@dataclass
+class ImageInfo:
+    """An image ref and the layers it names."""
+
+    ref: str
+    digest: str = ""
+    layers: List[str] = field(default_factory=list)
+    size: int = 0
+    created_at: Optional[datetime] = None
+    tenant: str = ""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ImageInfo":
+        return cls(
+            ref=d.get("ref", ""),
+            digest=d.get("digest", ""),
+            layers=list(d.get("layers") or []),
+            size=int(d.get("size", 0)),
+            created_at=parse_timestamp(d.get("createdAt")),
+            tenant=d.get("tenant", ""),
+        )
+
+
+# ------------------------------------------------------------ wire helpers
+
+
+def format_duration(seconds: float) -> str:
+    """Formats seconds as a proto3 JSON Duration ("30s", "1.5s")."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"duration must be a number of seconds, got {seconds!r}")
+    if seconds < 0:
+        raise ValueError(f"duration must not be negative, got {seconds!r}")
+    if isinstance(seconds, int) or float(seconds).is_integer():
+        return f"{int(seconds)}s"
+    text = f"{seconds:.9f}".rstrip("0").rstrip(".")
+    return text + "s"
+
+
+def parse_duration(text: str) -> float:
+    """Parses a proto3 JSON Duration into seconds."""
+    if not isinstance(text, str) or not text.endswith("s"):
+        raise ValueError(f"malformed duration {text!r} (want e.g. \"1.5s\")")
+    return float(text[:-1])
+
+
+def parse_timestamp(text: Optional[str]) -> Optional[datetime]:
+    """Parses an RFC 3339 timestamp; Python keeps microseconds, so nanoseconds are cut."""
+    if not text:
+        return None
+    t = text.replace("Z", "+00:00").replace("z", "+00:00")
+    if "." in t:
+        head, rest = t.split(".", 1)
+        i = 0
+        while i < len(rest) and rest[i].isdigit():
+            i += 1
+        t = head + "." + (rest[:i][:6].ljust(6, "0")) + rest[i:]
+    return datetime.fromisoformat(t)
+
+
+def b64encode(data: Union[bytes, bytearray, memoryview, str]) -> str:
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def b64decode(text: Optional[str]) -> bytes:
+    """Decodes proto3 JSON bytes, which may use the standard or URL-safe alphabet, padded or not."""
+    if not text:
+        return b""
+    text = text.replace("-", "+").replace("_", "/")
+    return base64.b64decode(text + "=" * (-len(text) % 4))
+
+
+def env_list(env: Union[Mapping[str, str], Sequence[str], None]) -> List[str]:
+    """Normalises an environment given as a mapping or as K=V strings."""
+    if not env:
+        return []
+    if isinstance(env, Mapping):
+        return [f"{k}={v}" for k, v in env.items()]
+    if isinstance(env, str):
+        raise TypeError("env must be a mapping or a list of K=V strings, not a single string")
+    out = []
+    for item in env:
+        if "=" not in item:
+            raise ValueError(f"env entry {item!r} is not K=V")
+        out.append(item)
+    return out
