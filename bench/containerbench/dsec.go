@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/layer"
@@ -21,6 +22,7 @@ import (
 
 type dsecSystem struct {
 	backend *container.Backend
+	mounts  *layer.Mounts
 	layer   rt.Layer
 	parent  string
 	n       atomic.Int64
@@ -49,7 +51,7 @@ func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 	if err != nil {
 		return err
 	}
-	mounts, err := layer.NewMounts(filepath.Join(env.WorkDir, "layers"))
+	mounts, err := layer.NewMounts(filepath.Join(env.WorkDir, "layers"), layer.WithLinger(time.Minute))
 	if err != nil {
 		return err
 	}
@@ -64,6 +66,7 @@ func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 		return err
 	}
 	d.layer = rt.Layer{Digest: desc.Digest, Path: path}
+	d.mounts = mounts
 	return nil
 }
 
@@ -120,5 +123,5 @@ func (d *dsecSystem) Teardown(context.Context) error {
 	for _, dir := range d.backend.CgroupDirs() {
 		os.Remove(dir)
 	}
-	return nil
+	return d.mounts.Close()
 }

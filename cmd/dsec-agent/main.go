@@ -10,7 +10,7 @@ package main
 
 import (
 	"context"
-	"log/slog"
+	"errors"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -33,13 +33,17 @@ const idleRelease = time.Second
 func main() {
 	runtime.GOMAXPROCS(1)
 	debug.SetGCPercent(20)
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 
+	// fd 3 must be the channel the runtime passed (a socket, or a
+	// virtio-serial port). Without one, fd 3 can be a file the Go runtime
+	// itself opened at start-up (the cgroup CPU quota).
+	if err := checkControl(3); err != nil {
+		fatal(2, "control channel fd 3 is unusable", err)
+	}
 	// The runtime poller needs a non-blocking fd to give reads deadlines and
 	// to close the channel under a blocked reader.
 	if err := unix.SetNonblock(3, true); err != nil {
-		log.Error("control channel fd 3 is unusable", "err", err)
-		os.Exit(2)
+		fatal(2, "control channel fd 3 is unusable", err)
 	}
 	conn := os.NewFile(3, "control")
 
@@ -58,9 +62,28 @@ func main() {
 		Fork:    fork,
 	})
 	if err != nil {
-		log.Error("agent stopped", "err", err)
-		os.Exit(1)
+		fatal(1, "agent stopped", err)
 	}
+}
+
+// checkControl rejects an fd that cannot be a control channel: closed, or
+// a regular file or directory.
+func checkControl(fd int) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if t := st.Mode & unix.S_IFMT; t == unix.S_IFREG || t == unix.S_IFDIR {
+		return errors.New("not a socket or device")
+	}
+	return nil
+}
+
+// fatal reports why the agent cannot go on, then exits with code. A plain
+// stderr write keeps log/slog (and its package init) out of the binary.
+func fatal(code int, msg string, err error) {
+	os.Stderr.WriteString("dsec-agent: " + msg + ": " + err.Error() + "\n")
+	os.Exit(code)
 }
 
 // releaseWhenIdle returns an OnIdle hook that frees memory once no request

@@ -95,7 +95,7 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 			cancel()
 			wg.Wait()
 			log.Info("shutting down: destroying sandboxes")
-			closeEdge(cmd.Context(), e, log)
+			ef.close(cmd.Context(), e, log)
 			return err
 		},
 	}

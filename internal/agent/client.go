@@ -9,7 +9,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
@@ -45,7 +44,7 @@ func (c *Client) Close() error {
 // Done is closed when the connection has ended.
 func (c *Client) Done() <-chan struct{} { return c.m.closed }
 
-func (c *Client) open(op string, req *agentpb.Request) (*stream, error) {
+func (c *Client) open(op string, req *request) (*stream, error) {
 	select {
 	case <-c.m.closed:
 		return nil, goneError(op, c.m.connErr())
@@ -55,7 +54,7 @@ func (c *Client) open(op string, req *agentpb.Request) (*stream, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := c.m.send(&agentpb.Frame{Stream: s.id, Msg: &agentpb.Frame_Request{Request: req}}); err != nil {
+	if err := c.m.send(&frame{stream: s.id, request: req}); err != nil {
 		c.m.remove(s)
 		return nil, c.wrap(op, err)
 	}
@@ -82,12 +81,12 @@ func (c *Client) wrap(op string, err error) error {
 
 // cancel tells the agent to abandon stream s; best effort.
 func (c *Client) cancel(s *stream) {
-	_ = c.m.send(&agentpb.Frame{Stream: s.id, Msg: &agentpb.Frame_Cancel{Cancel: &agentpb.Cancel{}}})
+	_ = c.m.send(&frame{stream: s.id, cancel: &cancelMsg{}})
 }
 
 // finish waits for the response of a stream whose data the caller does not
 // expect (or has consumed), handling cancellation.
-func (c *Client) finish(ctx context.Context, op string, s *stream, onData func(*agentpb.Data) error) (*agentpb.Response, error) {
+func (c *Client) finish(ctx context.Context, op string, s *stream, onData func(*dataMsg) error) (*response, error) {
 	for {
 		it, err := s.next(ctx)
 		if err != nil {
@@ -98,7 +97,7 @@ func (c *Client) finish(ctx context.Context, op string, s *stream, onData func(*
 			return nil, c.wrap(op, err)
 		}
 		if it.resp != nil {
-			if err := fromWire(it.resp.GetError()); err != nil {
+			if err := fromWire(it.resp.err); err != nil {
 				return nil, err
 			}
 			return it.resp, nil
@@ -109,13 +108,13 @@ func (c *Client) finish(ctx context.Context, op string, s *stream, onData func(*
 				return nil, err
 			}
 		}
-		s.consumed(len(it.data.GetChunk()))
+		s.consumed(len(it.data.chunk))
 	}
 }
 
 // Ping round-trips an empty request.
 func (c *Client) Ping(ctx context.Context) error {
-	s, err := c.open("ping", &agentpb.Request{Op: &agentpb.Request_Ping{Ping: &agentpb.PingRequest{}}})
+	s, err := c.open("ping", &request{ping: &pingRequest{}})
 	if err != nil {
 		return err
 	}
@@ -132,23 +131,23 @@ func (c *Client) Ping(ctx context.Context) error {
 func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.OutputFunc) (runtime.ExecResult, error) {
 	var res runtime.ExecResult
 	if len(req.Argv) == 0 && req.Shell == "" {
-		return res, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: argv and shell are both empty")
+		return res, errorf(CodeInvalidArgument, "exec: argv and shell are both empty")
 	}
 	limit := req.MaxOutputBytes
 	if limit <= 0 {
 		limit = DefaultMaxOutputBytes
 	}
-	s, err := c.open("exec", &agentpb.Request{Op: &agentpb.Request_Exec{Exec: &agentpb.ExecRequest{
-		Argv:           req.Argv,
-		Shell:          req.Shell,
-		Env:            req.Env,
-		Cwd:            req.Cwd,
-		User:           req.User,
-		TimeoutNanos:   int64(req.Timeout),
-		MaxOutputBytes: limit,
-		StreamOutput:   out != nil,
-		HasStdin:       len(req.Stdin) > 0,
-	}}})
+	s, err := c.open("exec", &request{exec: &execRequest{
+		argv:           req.Argv,
+		shell:          req.Shell,
+		env:            req.Env,
+		cwd:            req.Cwd,
+		user:           req.User,
+		timeoutNanos:   int64(req.Timeout),
+		maxOutputBytes: limit,
+		streamOutput:   out != nil,
+		hasStdin:       len(req.Stdin) > 0,
+	}})
 	if err != nil {
 		return res, err
 	}
@@ -162,7 +161,7 @@ func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.
 		go func() {
 			defer stdin.Done()
 			// Ends early when the response arrives or the connection fails.
-			_ = s.sendData(ctx, agentpb.Channel_CHANNEL_BODY, req.Stdin, true)
+			_ = s.sendData(ctx, chBody, req.Stdin, true)
 		}()
 	}
 
@@ -187,31 +186,32 @@ func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.
 			return res, c.wrap("exec "+execName(req), err)
 		}
 		if d := it.data; d != nil {
-			switch d.GetChannel() {
-			case agentpb.Channel_CHANNEL_STDOUT:
+			switch d.channel {
+			case chStdout:
 				if out != nil {
-					out(runtime.Stdout, d.GetChunk())
+					out(runtime.Stdout, d.chunk)
 				}
-				res.Stdout = appendCapped(res.Stdout, d.GetChunk(), limit)
-			case agentpb.Channel_CHANNEL_STDERR:
+				res.Stdout = appendCapped(res.Stdout, d.chunk, limit)
+			case chStderr:
 				if out != nil {
-					out(runtime.Stderr, d.GetChunk())
+					out(runtime.Stderr, d.chunk)
 				}
-				res.Stderr = appendCapped(res.Stderr, d.GetChunk(), limit)
+				res.Stderr = appendCapped(res.Stderr, d.chunk, limit)
 			}
-			s.consumed(len(d.GetChunk()))
+			s.consumed(len(d.chunk))
 			continue
 		}
-		if err := fromWire(it.resp.GetError()); err != nil {
+		if err := fromWire(it.resp.err); err != nil {
 			return res, err
 		}
-		r := it.resp.GetExec()
-		res.ExitCode = int(r.GetExitCode())
-		res.Signal = int(r.GetSignal())
-		res.Duration = time.Duration(r.GetDurationNanos())
-		res.TimedOut = r.GetTimedOut()
-		res.StdoutTruncated = r.GetStdoutTruncated()
-		res.StderrTruncated = r.GetStderrTruncated()
+		if r := it.resp.exec; r != nil {
+			res.ExitCode = int(r.exitCode)
+			res.Signal = int(r.signal)
+			res.Duration = time.Duration(r.durationNanos)
+			res.TimedOut = r.timedOut
+			res.StdoutTruncated = r.stdoutTruncated
+			res.StderrTruncated = r.stderrTruncated
+		}
 		if ctxErr != nil {
 			return res, fmt.Errorf("agent exec %s: %w", execName(req), ctxErr)
 		}
@@ -241,12 +241,12 @@ func appendCapped(b, p []byte, limit int64) []byte {
 // given permission bits (0 means 0644).
 func (c *Client) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
 	op := "write file " + path
-	s, err := c.open(op, &agentpb.Request{Op: &agentpb.Request_WriteFile{WriteFile: &agentpb.WriteFileRequest{Path: path, Mode: mode}}})
+	s, err := c.open(op, &request{writeFile: &writeFileRequest{path: path, mode: mode}})
 	if err != nil {
 		return err
 	}
 	defer c.m.remove(s)
-	if err := s.sendData(ctx, agentpb.Channel_CHANNEL_BODY, data, true); err != nil && !errors.Is(err, errStreamDone) {
+	if err := s.sendData(ctx, chBody, data, true); err != nil && !errors.Is(err, errStreamDone) {
 		if ctx.Err() != nil {
 			c.cancel(s)
 		}
@@ -260,14 +260,14 @@ func (c *Client) WriteFile(ctx context.Context, path string, data []byte, mode u
 // means DefaultMaxReadBytes) is an error with code CODE_TOO_LARGE.
 func (c *Client) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
 	op := "read file " + path
-	s, err := c.open(op, &agentpb.Request{Op: &agentpb.Request_ReadFile{ReadFile: &agentpb.ReadFileRequest{Path: path, MaxBytes: maxBytes}}})
+	s, err := c.open(op, &request{readFile: &readFileRequest{path: path, maxBytes: maxBytes}})
 	if err != nil {
 		return nil, err
 	}
 	defer c.m.remove(s)
 	var buf []byte
-	_, err = c.finish(ctx, op, s, func(d *agentpb.Data) error {
-		buf = append(buf, d.GetChunk()...)
+	_, err = c.finish(ctx, op, s, func(d *dataMsg) error {
+		buf = append(buf, d.chunk...)
 		return nil
 	})
 	if err != nil {
@@ -283,7 +283,7 @@ func (c *Client) ReadFile(ctx context.Context, path string, maxBytes int64) ([]b
 // Entries cannot land outside dir.
 func (c *Client) PutArchive(ctx context.Context, dir string, r io.Reader) error {
 	op := "put archive " + dir
-	s, err := c.open(op, &agentpb.Request{Op: &agentpb.Request_PutArchive{PutArchive: &agentpb.PutArchiveRequest{Dir: dir}}})
+	s, err := c.open(op, &request{putArchive: &putArchiveRequest{dir: dir}})
 	if err != nil {
 		return err
 	}
@@ -297,7 +297,7 @@ func (c *Client) PutArchive(ctx context.Context, dir string, r io.Reader) error 
 			return fmt.Errorf("agent %s: reading the archive: %w", op, rerr)
 		}
 		if n > 0 || eof {
-			if err := s.sendData(ctx, agentpb.Channel_CHANNEL_BODY, buf[:n], eof); err != nil {
+			if err := s.sendData(ctx, chBody, buf[:n], eof); err != nil {
 				if errors.Is(err, errStreamDone) {
 					break // the agent answered early (an error): read it
 				}
@@ -318,13 +318,13 @@ func (c *Client) PutArchive(ctx context.Context, dir string, r io.Reader) error 
 // GetArchive writes dir as a tar stream to w.
 func (c *Client) GetArchive(ctx context.Context, dir string, w io.Writer) error {
 	op := "get archive " + dir
-	s, err := c.open(op, &agentpb.Request{Op: &agentpb.Request_GetArchive{GetArchive: &agentpb.GetArchiveRequest{Dir: dir}}})
+	s, err := c.open(op, &request{getArchive: &getArchiveRequest{dir: dir}})
 	if err != nil {
 		return err
 	}
 	defer c.m.remove(s)
-	_, err = c.finish(ctx, op, s, func(d *agentpb.Data) error {
-		if _, err := w.Write(d.GetChunk()); err != nil {
+	_, err = c.finish(ctx, op, s, func(d *dataMsg) error {
+		if _, err := w.Write(d.chunk); err != nil {
 			return fmt.Errorf("agent %s: writing the archive: %w", op, err)
 		}
 		return nil

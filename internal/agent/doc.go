@@ -9,6 +9,12 @@
 // stream (see Window) so a slow reader of one exec's output never holds up
 // another.
 //
+// agentpb/agent.proto defines the frames, but both ends encode and decode
+// them with the small hand-written codec in wire.go rather than the
+// generated code: the protobuf-go runtime would add milliseconds of package
+// init and over half a megabyte to every sandbox's agent. Tests keep the two
+// in agreement.
+//
 // Inside the sandbox the agent is PID 1, so it also reaps orphans. One
 // goroutine owns wait4 (see procTable): statuses of the processes the agent
 // started are handed to the exec that started them, everything else is

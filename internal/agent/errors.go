@@ -4,16 +4,16 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"strings"
 	"syscall"
 
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
 // Error is a failure the agent reported for one operation: the operation
 // reached the agent and was refused or failed there (the sandbox is fine).
 type Error struct {
-	Code    agentpb.Code
+	Code    Code
 	Message string
 }
 
@@ -23,55 +23,57 @@ func (e *Error) Error() string { return e.Message }
 // (errors.Is(err, fs.ErrNotExist)).
 func (e *Error) Is(target error) bool {
 	switch e.Code {
-	case agentpb.Code_CODE_NOT_FOUND:
+	case CodeNotFound:
 		return target == fs.ErrNotExist
-	case agentpb.Code_CODE_PERMISSION_DENIED:
+	case CodePermissionDenied:
 		return target == fs.ErrPermission
-	case agentpb.Code_CODE_ALREADY_EXISTS:
+	case CodeAlreadyExists:
 		return target == fs.ErrExist
-	case agentpb.Code_CODE_INVALID_ARGUMENT:
+	case CodeInvalidArgument:
 		return target == fs.ErrInvalid
 	}
 	return false
 }
 
-func errorf(code agentpb.Code, format string, args ...any) *Error {
+func errorf(code Code, format string, args ...any) *Error {
 	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
 }
 
 // codeOf classifies a local error for the wire.
-func codeOf(err error) agentpb.Code {
+func codeOf(err error) Code {
 	var ae *Error
 	switch {
 	case errors.As(err, &ae):
 		return ae.Code
 	case errors.Is(err, fs.ErrNotExist):
-		return agentpb.Code_CODE_NOT_FOUND
+		return CodeNotFound
 	case errors.Is(err, fs.ErrPermission):
-		return agentpb.Code_CODE_PERMISSION_DENIED
+		return CodePermissionDenied
 	case errors.Is(err, fs.ErrExist):
-		return agentpb.Code_CODE_ALREADY_EXISTS
+		return CodeAlreadyExists
 	case errors.Is(err, fs.ErrInvalid), errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.EISDIR),
 		errors.Is(err, syscall.ENAMETOOLONG), errors.Is(err, syscall.ELOOP):
-		return agentpb.Code_CODE_INVALID_ARGUMENT
+		return CodeInvalidArgument
 	case errors.Is(err, errCanceled):
-		return agentpb.Code_CODE_CANCELED
+		return CodeCanceled
 	}
-	return agentpb.Code_CODE_UNKNOWN
+	return CodeUnknown
 }
 
 var errCanceled = errors.New("operation canceled")
 
-func errResponse(err error) *agentpb.Response {
-	return &agentpb.Response{Error: &agentpb.Error{Code: codeOf(err), Message: err.Error()}}
+// The message is made valid UTF-8 (a path in it need not be), as proto3
+// requires of strings; otherwise the response could not be sent at all.
+func errResponse(err error) *response {
+	return &response{err: &wireError{code: codeOf(err), message: strings.ToValidUTF8(err.Error(), "\uFFFD")}}
 }
 
 // fromWire turns a response's error into a Go error (nil if none).
-func fromWire(e *agentpb.Error) error {
-	if e == nil || e.GetCode() == agentpb.Code_CODE_OK {
+func fromWire(e *wireError) error {
+	if e == nil || e.code == CodeOK {
 		return nil
 	}
-	return &Error{Code: e.GetCode(), Message: e.GetMessage()}
+	return &Error{Code: e.code, Message: e.message}
 }
 
 // goneError wraps the reason a connection ended so callers can test it with

@@ -11,8 +11,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 )
 
 // execSpec is a validated exec request, ready to fork.
@@ -24,18 +22,18 @@ type execSpec struct {
 	cred *syscall.Credential
 }
 
-func (srv *server) prepare(r *agentpb.ExecRequest) (*execSpec, error) {
-	argv := r.GetArgv()
+func (srv *server) prepare(r *execRequest) (*execSpec, error) {
+	argv := r.argv
 	if len(argv) == 0 {
-		if r.GetShell() == "" {
-			return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: argv and shell are both empty")
+		if r.shell == "" {
+			return nil, errorf(CodeInvalidArgument, "exec: argv and shell are both empty")
 		}
-		argv = []string{"/bin/sh", "-c", r.GetShell()}
+		argv = []string{"/bin/sh", "-c", r.shell}
 	}
 	if argv[0] == "" {
-		return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: argv[0] is empty")
+		return nil, errorf(CodeInvalidArgument, "exec: argv[0] is empty")
 	}
-	dir := r.GetCwd()
+	dir := r.cwd
 	if dir == "" {
 		dir = srv.opts.Workdir
 	} else if !filepath.IsAbs(dir) {
@@ -44,12 +42,12 @@ func (srv *server) prepare(r *agentpb.ExecRequest) (*execSpec, error) {
 	if fi, err := os.Stat(dir); err != nil {
 		return nil, errorf(codeOf(err), "exec: cwd %s: %v", dir, unwrapPath(err))
 	} else if !fi.IsDir() {
-		return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec: cwd %s is not a directory", dir)
+		return nil, errorf(CodeInvalidArgument, "exec: cwd %s is not a directory", dir)
 	}
 
 	sp := &execSpec{argv: argv, dir: dir}
 	home := ""
-	if u := r.GetUser(); u != "" {
+	if u := r.user; u != "" {
 		id, err := lookupUser(srv.opts.EtcDir, u)
 		if err != nil {
 			return nil, err
@@ -57,7 +55,7 @@ func (srv *server) prepare(r *agentpb.ExecRequest) (*execSpec, error) {
 		sp.cred = &syscall.Credential{Uid: id.uid, Gid: id.gid, Groups: id.groups}
 		home = id.home
 	}
-	sp.env = mergeEnv(srv.opts.Env, r.GetEnv())
+	sp.env = mergeEnv(srv.opts.Env, r.env)
 	if envGet(sp.env, "PATH") == "" {
 		sp.env = append(sp.env, "PATH="+defaultPath)
 	}
@@ -77,12 +75,12 @@ func (srv *server) prepare(r *agentpb.ExecRequest) (*execSpec, error) {
 
 // exec runs one command and streams its output. The response is the exit
 // status; errors are reserved for commands that could not be started.
-func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
+func (srv *server) exec(s *stream, r *execRequest) *response {
 	sp, err := srv.prepare(r)
 	if err != nil {
 		return errResponse(err)
 	}
-	maxOut := r.GetMaxOutputBytes()
+	maxOut := r.maxOutputBytes
 	if maxOut <= 0 {
 		maxOut = DefaultMaxOutputBytes
 	}
@@ -100,7 +98,7 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 	for i := 0; i < 6; i += 2 {
 		if pipes[i], pipes[i+1], err = os.Pipe(); err != nil {
 			closeAll()
-			return errResponse(errorf(agentpb.Code_CODE_UNAVAILABLE, "exec %s: pipe: %v", sp.argv[0], err))
+			return errResponse(errorf(CodeUnavailable, "exec %s: pipe: %v", sp.argv[0], err))
 		}
 	}
 	stdinR, stdinW := pipes[0], pipes[1]
@@ -142,7 +140,7 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 
 	// stdin: feed the request body, then keep draining it after the
 	// process stops reading so the client's sender never stalls.
-	if r.GetHasStdin() {
+	if r.hasStdin {
 		s.bg.Add(1)
 		go func() {
 			defer s.bg.Done()
@@ -166,20 +164,20 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 		stdinW.Close()
 	}
 
-	res := &agentpb.ExecResult{}
+	res := &execResult{}
 	var readers sync.WaitGroup
 	readers.Add(2)
 	go func() {
 		defer readers.Done()
-		res.StdoutTruncated = srv.pump(s, outR, agentpb.Channel_CHANNEL_STDOUT, r.GetStreamOutput(), maxOut)
+		res.stdoutTruncated = srv.pump(s, outR, chStdout, r.streamOutput, maxOut)
 	}()
 	go func() {
 		defer readers.Done()
-		res.StderrTruncated = srv.pump(s, errR, agentpb.Channel_CHANNEL_STDERR, r.GetStreamOutput(), maxOut)
+		res.stderrTruncated = srv.pump(s, errR, chStderr, r.streamOutput, maxOut)
 	}()
 
 	var timeout <-chan time.Time
-	if d := r.GetTimeoutNanos(); d > 0 {
+	if d := r.timeoutNanos; d > 0 {
 		t := time.NewTimer(time.Duration(d))
 		defer t.Stop()
 		timeout = t.C
@@ -191,7 +189,7 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 		select {
 		case ws = <-wait:
 		default:
-			res.TimedOut = timedOut
+			res.timedOut = timedOut
 			killSession(pid, srv.level, srv.log)
 			ws = <-wait
 		}
@@ -203,13 +201,13 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 	case <-s.ctx.Done():
 		kill(false)
 	}
-	res.DurationNanos = int64(time.Since(started))
+	res.durationNanos = int64(time.Since(started))
 	switch {
 	case ws.Exited():
-		res.ExitCode = int32(ws.ExitStatus())
+		res.exitCode = int32(ws.ExitStatus())
 	case ws.Signaled():
-		res.Signal = int32(ws.Signal())
-		res.ExitCode = 128 + res.Signal
+		res.signal = int32(ws.Signal())
+		res.exitCode = 128 + res.signal
 	}
 
 	deadline := time.Now().Add(srv.opts.OutputGrace)
@@ -221,7 +219,7 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 	// A background child may hold stdin open without reading it; stop
 	// writing to it (the stdin goroutine then just drains the body).
 	stdinW.SetWriteDeadline(time.Now())
-	return &agentpb.Response{Exec: res}
+	return &response{exec: res}
 }
 
 // pump copies one output pipe to the client until end of file, or until the
@@ -229,7 +227,7 @@ func (srv *server) exec(s *stream, r *agentpb.ExecRequest) *agentpb.Response {
 // is already buffered in the pipe without waiting and stops. Output beyond
 // limit is counted but sent only when the client streams everything.
 // It reports whether the output exceeded limit.
-func (srv *server) pump(s *stream, f *os.File, ch agentpb.Channel, sendAll bool, limit int64) bool {
+func (srv *server) pump(s *stream, f *os.File, ch channel, sendAll bool, limit int64) bool {
 	buf := make([]byte, MaxChunk)
 	var total int64
 	sendFailed := false
@@ -294,15 +292,15 @@ func drainNow(f *os.File, buf []byte, emit func([]byte)) {
 func startError(name, path string, err error) error {
 	switch {
 	case errors.Is(err, syscall.ENOENT):
-		return errorf(agentpb.Code_CODE_NOT_FOUND, "exec %s: %s not found (or its interpreter is missing)", name, path)
+		return errorf(CodeNotFound, "exec %s: %s not found (or its interpreter is missing)", name, path)
 	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
-		return errorf(agentpb.Code_CODE_PERMISSION_DENIED, "exec %s: %v", name, err)
+		return errorf(CodePermissionDenied, "exec %s: %v", name, err)
 	case errors.Is(err, syscall.ENOEXEC), errors.Is(err, syscall.ENOTDIR):
-		return errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "exec %s: %v", name, err)
+		return errorf(CodeInvalidArgument, "exec %s: %v", name, err)
 	case errors.Is(err, syscall.EAGAIN), errors.Is(err, syscall.ENOMEM):
-		return errorf(agentpb.Code_CODE_UNAVAILABLE, "exec %s: %v", name, err)
+		return errorf(CodeUnavailable, "exec %s: %v", name, err)
 	}
-	return errorf(agentpb.Code_CODE_UNKNOWN, "exec %s: %v", name, err)
+	return errorf(CodeUnknown, "exec %s: %v", name, err)
 }
 
 // lookPath finds name in PATH the way a shell does; names with a slash are
@@ -323,7 +321,7 @@ func lookPath(name, pathEnv, dir string) (string, error) {
 			return cand, nil
 		}
 	}
-	return "", errorf(agentpb.Code_CODE_NOT_FOUND, "exec %s: executable file not found in PATH %q", name, pathEnv)
+	return "", errorf(CodeNotFound, "exec %s: executable file not found in PATH %q", name, pathEnv)
 }
 
 // mergeEnv appends extra to base, later entries replacing earlier ones with

@@ -17,7 +17,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
@@ -66,18 +65,18 @@ func TestExecErrors(t *testing.T) {
 	tests := []struct {
 		name string
 		req  runtime.ExecRequest
-		code agentpb.Code
+		code Code
 		is   error
 		msg  string
 	}{
-		{"empty", runtime.ExecRequest{}, agentpb.Code_CODE_INVALID_ARGUMENT, fs.ErrInvalid, "empty"},
-		{"not in PATH", runtime.ExecRequest{Argv: []string{"no-such-command-xyz"}}, agentpb.Code_CODE_NOT_FOUND, fs.ErrNotExist, "no-such-command-xyz"},
-		{"missing path", runtime.ExecRequest{Argv: []string{"/no/such/bin"}}, agentpb.Code_CODE_NOT_FOUND, fs.ErrNotExist, "/no/such/bin"},
-		{"missing cwd", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/no/such/dir"}, agentpb.Code_CODE_NOT_FOUND, fs.ErrNotExist, "/no/such/dir"},
-		{"cwd is a file", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/etc/passwd"}, agentpb.Code_CODE_INVALID_ARGUMENT, fs.ErrInvalid, "/etc/passwd"},
-		{"not executable", runtime.ExecRequest{Argv: []string{"/etc/passwd"}}, agentpb.Code_CODE_PERMISSION_DENIED, fs.ErrPermission, "/etc/passwd"},
-		{"unknown user", runtime.ExecRequest{Argv: []string{"true"}, User: "no-such-user-xyz"}, agentpb.Code_CODE_NOT_FOUND, fs.ErrNotExist, "no-such-user-xyz"},
-		{"bad user spec", runtime.ExecRequest{Argv: []string{"true"}, User: "root:"}, agentpb.Code_CODE_INVALID_ARGUMENT, fs.ErrInvalid, "root:"},
+		{"empty", runtime.ExecRequest{}, CodeInvalidArgument, fs.ErrInvalid, "empty"},
+		{"not in PATH", runtime.ExecRequest{Argv: []string{"no-such-command-xyz"}}, CodeNotFound, fs.ErrNotExist, "no-such-command-xyz"},
+		{"missing path", runtime.ExecRequest{Argv: []string{"/no/such/bin"}}, CodeNotFound, fs.ErrNotExist, "/no/such/bin"},
+		{"missing cwd", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/no/such/dir"}, CodeNotFound, fs.ErrNotExist, "/no/such/dir"},
+		{"cwd is a file", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/etc/passwd"}, CodeInvalidArgument, fs.ErrInvalid, "/etc/passwd"},
+		{"not executable", runtime.ExecRequest{Argv: []string{"/etc/passwd"}}, CodePermissionDenied, fs.ErrPermission, "/etc/passwd"},
+		{"unknown user", runtime.ExecRequest{Argv: []string{"true"}, User: "no-such-user-xyz"}, CodeNotFound, fs.ErrNotExist, "no-such-user-xyz"},
+		{"bad user spec", runtime.ExecRequest{Argv: []string{"true"}, User: "root:"}, CodeInvalidArgument, fs.ErrInvalid, "root:"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -10,15 +10,13 @@ import (
 	"path"
 	"path/filepath"
 	"strings"
-
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 )
 
 // abs resolves a request path: relative paths are taken from the default
 // working directory.
 func (srv *server) abs(p, field string) (string, error) {
 	if p == "" {
-		return "", errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "%s is empty", field)
+		return "", errorf(CodeInvalidArgument, "%s is empty", field)
 	}
 	if !filepath.IsAbs(p) {
 		p = filepath.Join(srv.opts.Workdir, p)
@@ -26,13 +24,13 @@ func (srv *server) abs(p, field string) (string, error) {
 	return filepath.Clean(p), nil
 }
 
-func (srv *server) writeFile(s *stream, r *agentpb.WriteFileRequest) error {
-	p, err := srv.abs(r.GetPath(), "write file: path")
+func (srv *server) writeFile(s *stream, r *writeFileRequest) error {
+	p, err := srv.abs(r.path, "write file: path")
 	if err != nil {
 		return err
 	}
-	mode := fs.FileMode(r.GetMode()) & fs.ModePerm
-	if r.GetMode() == 0 {
+	mode := fs.FileMode(r.mode) & fs.ModePerm
+	if r.mode == 0 {
 		mode = 0o644
 	}
 	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
@@ -55,12 +53,12 @@ func (srv *server) writeFile(s *stream, r *agentpb.WriteFileRequest) error {
 	return nil
 }
 
-func (srv *server) readFile(s *stream, r *agentpb.ReadFileRequest) error {
-	p, err := srv.abs(r.GetPath(), "read file: path")
+func (srv *server) readFile(s *stream, r *readFileRequest) error {
+	p, err := srv.abs(r.path, "read file: path")
 	if err != nil {
 		return err
 	}
-	limit := r.GetMaxBytes()
+	limit := r.maxBytes
 	if limit <= 0 {
 		limit = DefaultMaxReadBytes
 	}
@@ -74,10 +72,10 @@ func (srv *server) readFile(s *stream, r *agentpb.ReadFileRequest) error {
 		return fmt.Errorf("read file: %w", err)
 	}
 	if fi.IsDir() {
-		return errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "read file %s: is a directory", p)
+		return errorf(CodeInvalidArgument, "read file %s: is a directory", p)
 	}
 	tooLarge := func(n int64) error {
-		return errorf(agentpb.Code_CODE_TOO_LARGE, "read file %s: %d bytes or more, limit is %d", p, n, limit)
+		return errorf(CodeTooLarge, "read file %s: %d bytes or more, limit is %d", p, n, limit)
 	}
 	if fi.Size() > limit {
 		return tooLarge(fi.Size())
@@ -92,7 +90,7 @@ func (srv *server) readFile(s *stream, r *agentpb.ReadFileRequest) error {
 			if total > limit {
 				return tooLarge(total)
 			}
-			if serr := s.sendData(s.ctx, agentpb.Channel_CHANNEL_BODY, buf[:n], false); serr != nil {
+			if serr := s.sendData(s.ctx, chBody, buf[:n], false); serr != nil {
 				return fmt.Errorf("read file %s: %w", p, serr)
 			}
 		}
@@ -108,8 +106,8 @@ func (srv *server) readFile(s *stream, r *agentpb.ReadFileRequest) error {
 // putArchive extracts a tar stream under dir. Every entry goes through an
 // os.Root, so neither "../" names nor symlinks (planted earlier in the same
 // archive or already in the sandbox) can write outside dir.
-func (srv *server) putArchive(s *stream, r *agentpb.PutArchiveRequest) error {
-	dir, err := srv.abs(r.GetDir(), "put archive: dir")
+func (srv *server) putArchive(s *stream, r *putArchiveRequest) error {
+	dir, err := srv.abs(r.dir, "put archive: dir")
 	if err != nil {
 		return err
 	}
@@ -164,7 +162,7 @@ func extract(root *os.Root, name string, hdr *tar.Header, body io.Reader, chown 
 			return root.Remove(name)
 		}
 		if err == nil {
-			return errorf(agentpb.Code_CODE_ALREADY_EXISTS, "a directory is in the way")
+			return errorf(CodeAlreadyExists, "a directory is in the way")
 		}
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil
@@ -233,8 +231,8 @@ func extract(root *os.Root, name string, hdr *tar.Header, body io.Reader, chown 
 }
 
 // getArchive writes dir as a tar stream. Names are relative to dir.
-func (srv *server) getArchive(s *stream, r *agentpb.GetArchiveRequest) error {
-	dir, err := srv.abs(r.GetDir(), "get archive: dir")
+func (srv *server) getArchive(s *stream, r *getArchiveRequest) error {
+	dir, err := srv.abs(r.dir, "get archive: dir")
 	if err != nil {
 		return err
 	}
@@ -243,7 +241,7 @@ func (srv *server) getArchive(s *stream, r *agentpb.GetArchiveRequest) error {
 		return fmt.Errorf("get archive: %w", err)
 	}
 	if !fi.IsDir() {
-		return errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "get archive: %s is not a directory", dir)
+		return errorf(CodeInvalidArgument, "get archive: %s is not a directory", dir)
 	}
 	tw := tar.NewWriter(bodyWriter{ctx: s.ctx, s: s})
 	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {

@@ -13,8 +13,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 )
 
 func TestWriteReadFile(t *testing.T) {
@@ -70,7 +68,7 @@ func TestWriteReadFile(t *testing.T) {
 		_, err := c.ReadFile(ctx, filepath.Join(dir, "big"), 1000)
 		var ae *Error
 		require.ErrorAs(t, err, &ae)
-		assert.Equal(t, agentpb.Code_CODE_TOO_LARGE, ae.Code)
+		assert.Equal(t, CodeTooLarge, ae.Code)
 		assert.Contains(t, err.Error(), filepath.Join(dir, "big"))
 	})
 	t.Run("size unknown until read", func(t *testing.T) {
@@ -80,7 +78,7 @@ func TestWriteReadFile(t *testing.T) {
 		_, err = c.ReadFile(ctx, "/proc/self/status", 10)
 		var ae *Error
 		require.ErrorAs(t, err, &ae)
-		assert.Equal(t, agentpb.Code_CODE_TOO_LARGE, ae.Code)
+		assert.Equal(t, CodeTooLarge, ae.Code)
 	})
 	t.Run("missing", func(t *testing.T) {
 		p := filepath.Join(dir, "nope")

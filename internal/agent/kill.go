@@ -2,7 +2,6 @@ package agent
 
 import (
 	"bytes"
-	"log/slog"
 	"os"
 	"strconv"
 	"syscall"
@@ -38,7 +37,7 @@ func nsLevel() int {
 }
 
 // killSession SIGKILLs every process in session sid.
-func killSession(sid, level int, log *slog.Logger) {
+func killSession(sid, level int, log Logger) {
 	_ = syscall.Kill(-sid, syscall.SIGKILL)
 	start := time.Now()
 	for round := 0; ; round++ {

@@ -7,10 +7,6 @@ import (
 	"fmt"
 	"io"
 	"sync"
-
-	"google.golang.org/protobuf/proto"
-
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 )
 
 // Protocol limits. Both ends use the same constants; they are part of the
@@ -38,8 +34,8 @@ var (
 
 // item is one inbound frame queued on a stream, in arrival order.
 type item struct {
-	data *agentpb.Data
-	resp *agentpb.Response
+	data *dataMsg
+	resp *response
 }
 
 // stream is one operation on a mux. Its lock (stream.mu) is never held while
@@ -84,7 +80,7 @@ type mux struct {
 	rw io.ReadWriteCloser
 	// onRequest is set on the agent side; it runs on the read loop and must
 	// not block.
-	onRequest func(s *stream, req *agentpb.Request)
+	onRequest func(s *stream, req *request)
 
 	wmu sync.Mutex // serialises frame writes
 
@@ -160,16 +156,16 @@ func (m *mux) remove(s *stream) {
 var framePool = sync.Pool{New: func() any { b := make([]byte, 0, MaxChunk+256); return &b }}
 
 // send writes one frame. A write error ends the connection.
-func (m *mux) send(f *agentpb.Frame) error {
+func (m *mux) send(f *frame) error {
+	if err := f.checkUTF8(); err != nil {
+		return fmt.Errorf("encode frame for stream %d: %w", f.stream, err)
+	}
 	bp := framePool.Get().(*[]byte)
-	b := append((*bp)[:0], 0, 0, 0, 0)
-	b, err := proto.MarshalOptions{}.MarshalAppend(b, f)
-	if err != nil {
-		return fmt.Errorf("encode frame for stream %d: %w", f.GetStream(), err)
-	}
+	b := appendFrame(append((*bp)[:0], 0, 0, 0, 0), f)
 	if len(b)-4 > MaxFrame {
-		return fmt.Errorf("frame for stream %d is %d bytes, more than the %d byte limit", f.GetStream(), len(b)-4, MaxFrame)
+		return fmt.Errorf("frame for stream %d is %d bytes, more than the %d byte limit", f.stream, len(b)-4, MaxFrame)
 	}
+	var err error
 	binary.BigEndian.PutUint32(b, uint32(len(b)-4))
 	m.wmu.Lock()
 	select {
@@ -209,9 +205,9 @@ func (m *mux) readLoop() error {
 		if _, err := io.ReadFull(m.rw, buf); err != nil {
 			return err
 		}
-		f := &agentpb.Frame{}
-		// Unmarshal copies bytes fields, so buf can be reused.
-		if err := proto.Unmarshal(buf, f); err != nil {
+		// unmarshalFrame copies bytes fields, so buf can be reused.
+		f, err := unmarshalFrame(buf)
+		if err != nil {
 			return fmt.Errorf("decode frame: %w", err)
 		}
 		if cap(buf) > 2*MaxChunk {
@@ -223,10 +219,10 @@ func (m *mux) readLoop() error {
 	}
 }
 
-func (m *mux) dispatch(f *agentpb.Frame) error {
-	id := f.GetStream()
-	switch msg := f.Msg.(type) {
-	case *agentpb.Frame_Request:
+func (m *mux) dispatch(f *frame) error {
+	id := f.stream
+	switch {
+	case f.request != nil:
 		if m.onRequest == nil {
 			return fmt.Errorf("peer sent a request on stream %d to a client", id)
 		}
@@ -234,23 +230,23 @@ func (m *mux) dispatch(f *agentpb.Frame) error {
 		if err != nil {
 			return err
 		}
-		m.onRequest(s, msg.Request)
-	case *agentpb.Frame_Data:
+		m.onRequest(s, f.request)
+	case f.data != nil:
 		if s := m.lookup(id); s != nil {
-			return s.pushData(msg.Data)
+			return s.pushData(f.data)
 		}
-	case *agentpb.Frame_Window:
+	case f.window != nil:
 		if s := m.lookup(id); s != nil {
-			s.addCredit(int(msg.Window.GetBytes()))
+			s.addCredit(int(f.window.bytes))
 		}
-	case *agentpb.Frame_Cancel:
+	case f.cancel != nil:
 		if s := m.lookup(id); s != nil && s.cancel != nil {
 			s.cancel()
 		}
-	case *agentpb.Frame_Response:
+	case f.response != nil:
 		if s := m.lookup(id); s != nil {
 			s.mu.Lock()
-			s.queue = append(s.queue, item{resp: msg.Response})
+			s.queue = append(s.queue, item{resp: f.response})
 			s.mu.Unlock()
 			wake(s.dataWake)
 			m.remove(s)
@@ -261,13 +257,13 @@ func (m *mux) dispatch(f *agentpb.Frame) error {
 	return nil
 }
 
-func (s *stream) pushData(d *agentpb.Data) error {
+func (s *stream) pushData(d *dataMsg) error {
 	s.mu.Lock()
 	if s.finished {
 		s.mu.Unlock()
 		return nil
 	}
-	s.outstanding += len(d.GetChunk())
+	s.outstanding += len(d.chunk)
 	if s.outstanding > Window {
 		s.mu.Unlock()
 		return fmt.Errorf("stream %d: %w", s.id, errWindow)
@@ -341,7 +337,7 @@ func (s *stream) consumed(n int) {
 	s.mu.Unlock()
 	if grant > 0 {
 		// A failed write ends the connection; callers notice there.
-		_ = s.m.send(&agentpb.Frame{Stream: s.id, Msg: &agentpb.Frame_Window{Window: &agentpb.WindowUpdate{Bytes: uint32(grant)}}})
+		_ = s.m.send(&frame{stream: s.id, window: &windowUpdate{bytes: uint32(grant)}})
 	}
 }
 
@@ -373,7 +369,7 @@ func (s *stream) takeCredit(ctx context.Context, want int) (int, error) {
 
 // sendData sends p on channel ch in chunks, waiting for credit; eof marks
 // the end of the body (sent even when p is empty).
-func (s *stream) sendData(ctx context.Context, ch agentpb.Channel, p []byte, eof bool) error {
+func (s *stream) sendData(ctx context.Context, ch channel, p []byte, eof bool) error {
 	for {
 		n := 0
 		if len(p) > 0 {
@@ -389,7 +385,7 @@ func (s *stream) sendData(ctx context.Context, ch agentpb.Channel, p []byte, eof
 			}
 		}
 		last := eof && n == len(p)
-		err := s.m.send(&agentpb.Frame{Stream: s.id, Msg: &agentpb.Frame_Data{Data: &agentpb.Data{Channel: ch, Chunk: p[:n], Eof: last}}})
+		err := s.m.send(&frame{stream: s.id, data: &dataMsg{channel: ch, chunk: p[:n], eof: last}})
 		if err != nil {
 			return err
 		}
@@ -418,11 +414,11 @@ func (r *bodyReader) Read(p []byte) (int, error) {
 		if err != nil {
 			return 0, err
 		}
-		if it.data == nil || it.data.GetChannel() != agentpb.Channel_CHANNEL_BODY {
+		if it.data == nil || it.data.channel != chBody {
 			continue
 		}
-		r.cur = it.data.GetChunk()
-		r.eof = it.data.GetEof()
+		r.cur = it.data.chunk
+		r.eof = it.data.eof
 		r.s.consumed(len(r.cur))
 	}
 	n := copy(p, r.cur)
@@ -437,7 +433,7 @@ type bodyWriter struct {
 }
 
 func (w bodyWriter) Write(p []byte) (int, error) {
-	if err := w.s.sendData(w.ctx, agentpb.Channel_CHANNEL_BODY, p, false); err != nil {
+	if err := w.s.sendData(w.ctx, chBody, p, false); err != nil {
 		return 0, err
 	}
 	return len(p), nil

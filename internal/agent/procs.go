@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"log/slog"
 	"os"
 	"os/signal"
 	"sync"
@@ -40,7 +39,7 @@ var (
 
 // newProcTable returns the process-wide reaping table (started once, lives
 // as long as the process) or a per-pid table.
-func newProcTable(reapAll bool, log *slog.Logger) *procTable {
+func newProcTable(reapAll bool, log Logger) *procTable {
 	if !reapAll {
 		return &procTable{}
 	}

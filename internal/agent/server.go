@@ -4,15 +4,12 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
 	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 )
 
 // Defaults the server applies when a request leaves a bound at zero.
@@ -48,8 +45,8 @@ type Options struct {
 	EtcDir string
 	// OutputGrace overrides DefaultOutputGrace.
 	OutputGrace time.Duration
-	// Logger defaults to slog.Default().
-	Logger *slog.Logger
+	// Logger receives warnings; a *slog.Logger fits. Default: StderrLogger.
+	Logger Logger
 	// OnIdle, if set, is called (from a handler goroutine) each time the
 	// last request in flight finishes; dsec-agent uses it to hand memory
 	// back to the kernel while the sandbox sits idle.
@@ -63,7 +60,7 @@ type Options struct {
 
 type server struct {
 	opts  Options
-	log   *slog.Logger
+	log   Logger
 	procs *procTable
 	level int  // see nsLevel
 	oom   bool // reset children's oom_score_adj to 0
@@ -84,7 +81,7 @@ func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
 	}
 	log := opts.Logger
 	if log == nil {
-		log = slog.Default()
+		log = StderrLogger()
 	}
 	srv := &server{
 		opts:  opts,
@@ -105,7 +102,7 @@ func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
 	m := newMux(conn)
 	var handlers sync.WaitGroup
 	var inFlight atomic.Int64
-	m.onRequest = func(s *stream, req *agentpb.Request) {
+	m.onRequest = func(s *stream, req *request) {
 		s.ctx, s.cancel = context.WithCancel(connCtx)
 		handlers.Add(1)
 		inFlight.Add(1)
@@ -119,7 +116,7 @@ func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
 			defer s.cancel()
 			resp := srv.handle(s, req)
 			// If the connection is gone there is nobody to tell.
-			_ = m.send(&agentpb.Frame{Stream: s.id, Msg: &agentpb.Frame_Response{Response: resp}})
+			_ = m.send(&frame{stream: s.id, response: resp})
 			m.remove(s)
 			s.bg.Wait()
 		}()
@@ -147,28 +144,28 @@ func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
 	return err
 }
 
-func (srv *server) handle(s *stream, req *agentpb.Request) *agentpb.Response {
+func (srv *server) handle(s *stream, req *request) *response {
 	var err error
-	switch op := req.Op.(type) {
-	case *agentpb.Request_Exec:
-		return srv.exec(s, op.Exec)
-	case *agentpb.Request_WriteFile:
-		err = srv.writeFile(s, op.WriteFile)
-	case *agentpb.Request_ReadFile:
-		err = srv.readFile(s, op.ReadFile)
-	case *agentpb.Request_PutArchive:
-		err = srv.putArchive(s, op.PutArchive)
-	case *agentpb.Request_GetArchive:
-		err = srv.getArchive(s, op.GetArchive)
-	case *agentpb.Request_Ping:
+	switch {
+	case req.exec != nil:
+		return srv.exec(s, req.exec)
+	case req.writeFile != nil:
+		err = srv.writeFile(s, req.writeFile)
+	case req.readFile != nil:
+		err = srv.readFile(s, req.readFile)
+	case req.putArchive != nil:
+		err = srv.putArchive(s, req.putArchive)
+	case req.getArchive != nil:
+		err = srv.getArchive(s, req.getArchive)
+	case req.ping != nil:
 	default:
-		err = errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "request on stream %d names no operation", s.id)
+		err = errorf(CodeInvalidArgument, "request on stream %d names no operation", s.id)
 	}
 	if err != nil {
-		if s.ctx.Err() != nil && codeOf(err) == agentpb.Code_CODE_UNKNOWN {
+		if s.ctx.Err() != nil && codeOf(err) == CodeUnknown {
 			err = errCanceled
 		}
 		return errResponse(err)
 	}
-	return &agentpb.Response{}
+	return &response{}
 }

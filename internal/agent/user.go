@@ -6,8 +6,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-
-	"github.com/dsec-dev/dsec/internal/agent/agentpb"
 )
 
 // identity is who an exec runs as, resolved from the sandbox's own
@@ -24,7 +22,7 @@ type identity struct {
 func lookupUser(etcDir, spec string) (*identity, error) {
 	userPart, groupPart, hasGroup := strings.Cut(spec, ":")
 	if userPart == "" || (hasGroup && groupPart == "") {
-		return nil, errorf(agentpb.Code_CODE_INVALID_ARGUMENT, "user %q: want name, uid, name:group or uid:gid", spec)
+		return nil, errorf(CodeInvalidArgument, "user %q: want name, uid, name:group or uid:gid", spec)
 	}
 	passwd := filepath.Join(etcDir, "passwd")
 	groupFile := filepath.Join(etcDir, "group")
@@ -41,7 +39,7 @@ func lookupUser(etcDir, spec string) (*identity, error) {
 	} else {
 		e := findEntry(passwd, 0, userPart)
 		if e == nil {
-			return nil, errorf(agentpb.Code_CODE_NOT_FOUND, "user %q not found in %s", userPart, passwd)
+			return nil, errorf(CodeNotFound, "user %q not found in %s", userPart, passwd)
 		}
 		name = userPart
 		id.uid = parseID(e[2])
@@ -54,7 +52,7 @@ func lookupUser(etcDir, spec string) (*identity, error) {
 		} else {
 			e := findEntry(groupFile, 0, groupPart)
 			if e == nil {
-				return nil, errorf(agentpb.Code_CODE_NOT_FOUND, "group %q not found in %s", groupPart, groupFile)
+				return nil, errorf(CodeNotFound, "group %q not found in %s", groupPart, groupFile)
 			}
 			id.gid = parseID(e[2])
 		}

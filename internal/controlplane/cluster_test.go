@@ -125,6 +125,7 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, oc placement.O
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { mounts.Close() })
 	b, err := container.New(container.Options{
 		StateDir:     filepath.Join(dir, "sandboxes"),
 		AgentPath:    dsectest.BuildBinary(t, "./cmd/dsec-agent"),

@@ -30,7 +30,10 @@ import (
 
 // Defaults for Config fields left zero.
 const (
-	DefaultNodeTimeout   = 3 * time.Second
+	// DefaultNodeTimeout is ten heartbeats: an edge busy creating hundreds
+	// of sandboxes can be late by seconds, and declaring a healthy node lost
+	// turns every rollout on it into an infrastructure failure.
+	DefaultNodeTimeout   = 10 * time.Second
 	DefaultLostRetention = time.Hour
 	// maxCreateAttempts bounds how many edges one create tries before
 	// giving up: each refusal excludes that edge.

@@ -4,12 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -69,6 +67,7 @@ func newWorld(t *testing.T) *world {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { mounts.Close() })
 	stateDir := filepath.Join(root, "sandboxes")
 	b, err := container.New(container.Options{
 		StateDir:     stateDir,
@@ -699,27 +698,9 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name, label, value stri
 // the sandbox's cgroup.
 func agentPID(t *testing.T, b *container.Backend, id string) int {
 	t.Helper()
-	for _, dir := range b.CgroupDirs() {
-		procs, err := os.ReadFile(filepath.Join(dir, id, "cgroup.procs"))
-		if err != nil {
-			continue
-		}
-		for _, f := range strings.Fields(string(procs)) {
-			pid, _ := strconv.Atoi(f)
-			status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-			if err != nil {
-				continue
-			}
-			for _, line := range strings.Split(string(status), "\n") {
-				if rest, ok := strings.CutPrefix(line, "NSpid:"); ok {
-					ns := strings.Fields(rest)
-					if len(ns) > 1 && ns[len(ns)-1] == "1" {
-						return pid
-					}
-				}
-			}
-		}
+	pid, ok := b.AgentPID(id)
+	if !ok {
+		t.Fatalf("no agent process for sandbox %s", id)
 	}
-	t.Fatalf("no agent process found in the cgroups of sandbox %s", id)
-	return 0
+	return pid
 }

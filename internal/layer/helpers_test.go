@@ -129,6 +129,7 @@ func newEnv(t *testing.T) *env {
 		for i := len(points) - 1; i >= 0; i-- {
 			unix.Unmount(points[i], unix.MNT_DETACH)
 		}
+		unix.Unmount(mounts.Root(), unix.MNT_DETACH) // the shared root bind
 	})
 	return &env{repo: repo, images: image.NewStore(repo, repo.Refs()), mounts: mounts}
 }

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -29,7 +30,8 @@ import (
 // while waiting for an entry, so a slow mount of one layer does not delay
 // Acquire or Release of another.
 type Mounts struct {
-	root string
+	root   string
+	linger time.Duration
 
 	mu      sync.Mutex
 	entries map[string]*mountEntry
@@ -40,9 +42,20 @@ type mountEntry struct {
 	// for it honours a context.
 	lock chan struct{}
 	// Guarded by lock.
-	refs int
-	dead bool // removed from the map; Acquire must look again
+	refs    int
+	mounted bool
+	idle    uint64 // bumped at each last release; a stale expiry timer sees the change
+	dead    bool   // removed from the map; Acquire must look again
 }
+
+// MountsOption configures NewMounts.
+type MountsOption func(*Mounts)
+
+// WithLinger keeps a layer mounted for d after its last release, so a
+// create-destroy-create sequence (the common case: the next rollout uses the
+// same image) does not pay an unmount and a mount each time. Zero unmounts
+// at once.
+func WithLinger(d time.Duration) MountsOption { return func(m *Mounts) { m.linger = d } }
 
 // NewMounts returns the mount cache rooted at root (created if missing).
 //
@@ -52,7 +65,7 @@ type mountEntry struct {
 // to use them, and a sandbox still running keeps its own copy of the mount in
 // its mount namespace (or keeps a detached mount alive). Remounting a layer
 // costs well under a millisecond.
-func NewMounts(root string) (*Mounts, error) {
+func NewMounts(root string, opts ...MountsOption) (*Mounts, error) {
 	abs, err := filepath.Abs(root)
 	if err != nil {
 		return nil, fmt.Errorf("layer mounts root %q: %w", root, err)
@@ -61,10 +74,36 @@ func NewMounts(root string) (*Mounts, error) {
 		return nil, fmt.Errorf("layer mounts root %q: %w", root, err)
 	}
 	m := &Mounts{root: abs, entries: map[string]*mountEntry{}}
+	for _, o := range opts {
+		o(m)
+	}
 	if err := m.cleanup(); err != nil {
 		return nil, err
 	}
+	if err := shareRoot(abs); err != nil {
+		return nil, fmt.Errorf("layer mounts root %q: %w", root, err)
+	}
 	return m, nil
+}
+
+// shareRoot makes root a mount point with shared propagation, so that a
+// layer mounted on the host after a sandbox's mount namespace was created
+// (the sandbox was started ahead of demand) still appears in it: sandboxes
+// make their copy of the tree a slave of the host's.
+func shareRoot(root string) error {
+	points, err := mountPoints(func(p string) bool { return p == root })
+	if err != nil {
+		return err
+	}
+	if len(points) == 0 {
+		if err := unix.Mount(root, root, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("bind mount: %w", err)
+		}
+	}
+	if err := unix.Mount("", root, "", unix.MS_SHARED, ""); err != nil {
+		return fmt.Errorf("make shared: %w", err)
+	}
+	return nil
 }
 
 // Root returns the directory layers are mounted under.
@@ -100,11 +139,12 @@ func (m *Mounts) Acquire(ctx context.Context, digest, file string) (string, erro
 			continue
 		}
 		dir := m.dir(digest)
-		if e.refs == 0 {
+		if !e.mounted {
 			if err := mountErofs(file, dir); err != nil {
 				<-e.lock
 				return "", fmt.Errorf("acquire layer %s from %s: %w", digest, file, err)
 			}
+			e.mounted = true
 		}
 		e.refs++
 		<-e.lock
@@ -130,6 +170,57 @@ func (m *Mounts) Release(digest string) error {
 	if e.refs > 0 {
 		return nil
 	}
+	if m.linger > 0 {
+		e.idle++
+		idle := e.idle
+		time.AfterFunc(m.linger, func() { m.expire(digest, e, idle) })
+		return nil
+	}
+	return m.unmountLocked(digest, e)
+}
+
+// expire unmounts a lingering layer unless it was acquired again since.
+func (m *Mounts) expire(digest string, e *mountEntry, idle uint64) {
+	e.lock <- struct{}{}
+	defer func() { <-e.lock }()
+	if e.dead || e.refs > 0 || e.idle != idle {
+		return
+	}
+	if err := m.unmountLocked(digest, e); err != nil {
+		slog.Warn("unmount lingering layer", "digest", digest, "err", err)
+	}
+}
+
+// Close unmounts the layers nobody holds (lingering ones); held layers stay.
+// When none is held any more, the root's own bind mount goes too.
+func (m *Mounts) Close() error {
+	m.mu.Lock()
+	all := make(map[string]*mountEntry, len(m.entries))
+	for d, e := range m.entries {
+		all[d] = e
+	}
+	m.mu.Unlock()
+	var errs []error
+	for d, e := range all {
+		e.lock <- struct{}{}
+		if !e.dead && e.refs == 0 && e.mounted {
+			errs = append(errs, m.unmountLocked(d, e))
+		}
+		<-e.lock
+	}
+	m.mu.Lock()
+	held := len(m.entries)
+	m.mu.Unlock()
+	if held == 0 {
+		if err := unix.Unmount(m.root, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+			errs = append(errs, fmt.Errorf("unmount %s: %w", m.root, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// unmountLocked retires e and unmounts its layer; e's lock is held.
+func (m *Mounts) unmountLocked(digest string, e *mountEntry) error {
 	e.dead = true
 	m.mu.Lock()
 	if m.entries[digest] == e {
@@ -228,6 +319,11 @@ func (m *Mounts) cleanup() error {
 // mountPointsUnder lists mount points strictly below root in this mount
 // namespace.
 func mountPointsUnder(root string) ([]string, error) {
+	return mountPoints(func(p string) bool { return strings.HasPrefix(p, root+"/") })
+}
+
+// mountPoints lists the mount points in /proc/self/mountinfo that match.
+func mountPoints(match func(string) bool) ([]string, error) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
 		return nil, err
@@ -242,7 +338,7 @@ func mountPointsUnder(root string) ([]string, error) {
 			continue
 		}
 		p := unescapeMountinfo(fields[4])
-		if strings.HasPrefix(p, root+"/") {
+		if match(p) {
 			out = append(out, p)
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -162,6 +163,7 @@ func TestNewMountsCleansUpAfterCrash(t *testing.T) {
 
 	fresh, err := NewMounts(root)
 	require.NoError(t, err)
+	t.Cleanup(func() { fresh.Close() })
 	assert.Equal(t, 0, countMounts(t, dir))
 	assert.NoDirExists(t, dir)
 	dir2, err := fresh.Acquire(context.Background(), d.Digest, file)
@@ -184,6 +186,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 	require.NoError(b, err)
 	m, err := NewMounts(filepath.Join(b.TempDir(), "layers"))
 	require.NoError(b, err)
+	b.Cleanup(func() { m.Close() })
 	d, file := smallLayer(b, repo, "bench")
 	ctx := context.Background()
 	b.ResetTimer()
@@ -205,6 +208,7 @@ func BenchmarkAcquireHeld(b *testing.B) {
 	require.NoError(b, err)
 	m, err := NewMounts(filepath.Join(b.TempDir(), "layers"))
 	require.NoError(b, err)
+	b.Cleanup(func() { m.Close() })
 	d, file := smallLayer(b, repo, "bench")
 	ctx := context.Background()
 	_, err = m.Acquire(ctx, d.Digest, file)
@@ -219,4 +223,38 @@ func BenchmarkAcquireHeld(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+func TestMountsLinger(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	d, file := smallLayer(t, e.repo, "hello")
+
+	// Long linger: the last release keeps the mount, a new acquire reuses
+	// it, Close unmounts what nobody holds.
+	m, err := NewMounts(t.TempDir(), WithLinger(time.Hour))
+	require.NoError(t, err)
+	dir, err := m.Acquire(ctx, d.Digest, file)
+	require.NoError(t, err)
+	require.NoError(t, m.Release(d.Digest))
+	assert.Equal(t, 1, countMounts(t, dir), "lingers after the last release")
+	assert.Equal(t, 0, m.Refs(d.Digest))
+	_, err = m.Acquire(ctx, d.Digest, file)
+	require.NoError(t, err)
+	assert.Equal(t, 1, countMounts(t, dir), "reacquired without a second mount")
+	require.NoError(t, m.Close())
+	assert.Equal(t, 1, countMounts(t, dir), "Close keeps held layers")
+	require.NoError(t, m.Release(d.Digest))
+	require.NoError(t, m.Close())
+	assert.Equal(t, 0, countMounts(t, dir))
+	assert.NoDirExists(t, dir)
+
+	// Short linger: the mount goes by itself.
+	m, err = NewMounts(t.TempDir(), WithLinger(time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(func() { m.Close() })
+	dir, err = m.Acquire(ctx, d.Digest, file)
+	require.NoError(t, err)
+	require.NoError(t, m.Release(d.Digest))
+	require.Eventually(t, func() bool { return countMounts(t, dir) == 0 }, 10*time.Second, 5*time.Millisecond)
 }

@@ -40,6 +40,8 @@ type cgroup interface {
 	// cgroup. The process must be born inside, not moved in afterwards:
 	// its cgroup namespace (CLONE_NEWCGROUP) is rooted where it is born.
 	spawn(attr *syscall.SysProcAttr, start func() error) error
+	// update applies r (a pre-started agent gets its sandbox's limits).
+	update(r rt.Resources) error
 	// oomKills is the number of OOM kills in the cgroup so far.
 	oomKills() (uint64, error)
 	// user fills in where the sandbox's user processes are born (see
@@ -108,6 +110,13 @@ func newCgroup1(group string, r rt.Resources) (*cgroupV1, error) {
 		return nil, fmt.Errorf("set pids limit: %w", err)
 	}
 	return c, nil
+}
+
+func (c *cgroupV1) update(r rt.Resources) error {
+	if err := c.cg.Update(toSpec(r)); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(cgroupRoot, "pids", c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
 }
 
 func (c *cgroupV1) user(cfg *sandboxinit.Config) {
@@ -208,7 +217,7 @@ type cgroupV2 struct {
 	m     *cgroup2.Manager
 }
 
-func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
+func v2Resources(r rt.Resources) *cgroup2.Resources {
 	res := &cgroup2.Resources{Pids: &cgroup2.Pids{Max: r.Pids + agentPids}}
 	if r.MilliCPU > 0 {
 		period := uint64(100000)
@@ -220,7 +229,11 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 		zero := int64(0)
 		res.Memory = &cgroup2.Memory{Max: &limit, Swap: &zero}
 	}
-	m, err := cgroup2.NewManager(cgroupRoot, group, res)
+	return res
+}
+
+func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
+	m, err := cgroup2.NewManager(cgroupRoot, group, v2Resources(r))
 	if err != nil {
 		os.Remove(filepath.Join(cgroupRoot, group))
 		return nil, fmt.Errorf("create cgroup %s: %w", group, err)
@@ -245,6 +258,13 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 		return nil, fmt.Errorf("create cgroup %s children: %w", group, err)
 	}
 	return c, nil
+}
+
+func (c *cgroupV2) update(r rt.Resources) error {
+	if err := c.m.Update(v2Resources(r)); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
 }
 
 func (c *cgroupV2) user(cfg *sandboxinit.Config) {

@@ -28,6 +28,7 @@ import (
 	"regexp"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -73,6 +74,9 @@ type Options struct {
 	// Unconfined skips capabilities, no_new_privs and seccomp. Only for
 	// debugging a profile problem; never for agents' code.
 	Unconfined bool
+	// Warm is how many agents to keep started ahead of demand (0: none).
+	// Each idle one costs about a sandbox's idle memory.
+	Warm int
 	// InitTimeout bounds how long a sandbox may take to come up.
 	InitTimeout time.Duration
 	// Logger, default slog.Default().
@@ -84,8 +88,16 @@ type Backend struct {
 	opts Options
 	log  *slog.Logger
 
-	mu   sync.Mutex
-	live map[string]*sandbox
+	mu    sync.Mutex
+	live  map[string]*sandbox
+	slots atomic.Int64
+
+	// Warm pool of pre-started agents (Options.Warm).
+	warm       chan *agentProc
+	refillCh   chan struct{}
+	stop       chan struct{}
+	fillerDone chan struct{}
+	closeOnce  sync.Once
 }
 
 var _ rt.Backend = (*Backend)(nil)
@@ -141,8 +153,13 @@ func New(opts Options) (*Backend, error) {
 	if err := os.MkdirAll(opts.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
-	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{}}
+	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{},
+		warm: make(chan *agentProc, opts.Warm), refillCh: make(chan struct{}, 1), stop: make(chan struct{})}
 	b.cleanStale()
+	if opts.Warm > 0 {
+		b.fillerDone = make(chan struct{})
+		go b.fillWarm()
+	}
 	return b, nil
 }
 
@@ -151,6 +168,18 @@ func (b *Backend) Kind() rt.Kind { return rt.KindContainer }
 
 // StateDir is where sandboxes' directories live (leak checks use it).
 func (b *Backend) StateDir() string { return b.opts.StateDir }
+
+// AgentPID returns the host PID of sandbox id's agent (its PID 1), for
+// operators (nsenter) and tests.
+func (b *Backend) AgentPID(id string) (int, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	sb := b.live[id]
+	if sb == nil {
+		return 0, false
+	}
+	return sb.cmd.Process.Pid, true
+}
 
 // CgroupDirs lists the directories under which sandbox cgroups are created.
 func (b *Backend) CgroupDirs() []string {
@@ -225,15 +254,17 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	b.mu.Unlock()
 	undo = append(undo, func() { b.mu.Lock(); delete(b.live, spec.ID); b.mu.Unlock() })
 
-	dir := filepath.Join(b.opts.StateDir, spec.ID)
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("sandbox dir: %w", err)
-	}
-	undo = append(undo, func() { os.RemoveAll(dir) })
-	for _, d := range []string{"upper", "work", "rootfs"} {
-		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
-			return nil, fmt.Errorf("sandbox dir: %w", err)
+	p := b.takeWarm()
+	if p != nil {
+		undo = append(undo, p.kill)
+		if err := p.cg.update(spec.Resources); err != nil {
+			return nil, fmt.Errorf("set resources: %w", err)
 		}
+	} else {
+		if p, err = b.spawn(spec.Resources); err != nil {
+			return nil, err
+		}
+		undo = append(undo, p.kill)
 	}
 
 	// Overlay wants the top layer first.
@@ -248,7 +279,74 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		lower[len(spec.Layers)-1-i] = d
 	}
 
-	cg, err := newCgroup(b.opts.CgroupParent, spec.ID, spec.Resources)
+	cfg := sandboxinit.Config{
+		Lower:      lower,
+		Upper:      filepath.Join(p.dir, "upper"),
+		Work:       filepath.Join(p.dir, "work"),
+		Rootfs:     filepath.Join(p.dir, "rootfs"),
+		Hostname:   spec.Hostname,
+		Seccomp:    b.opts.Seccomp,
+		Caps:       b.opts.Caps,
+		NoLockdown: b.opts.Unconfined,
+	}
+	p.cg.user(&cfg)
+	if err := b.initSandbox(ctx, p.conn, &cfg, p.done); err != nil {
+		return nil, err
+	}
+	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn)}
+	b.mu.Lock()
+	b.live[spec.ID] = sb
+	b.mu.Unlock()
+	return sb, nil
+}
+
+// agentProc is a dsec-agent started in fresh namespaces and its cgroup,
+// waiting for its sandbox config. Its directory and cgroup are named by a
+// slot name of the backend's own, not by the sandbox ID, so that agents can
+// be started before anyone asks for a sandbox.
+type agentProc struct {
+	slot    string
+	dir     string
+	cg      cgroup
+	cmd     *exec.Cmd
+	conn    net.Conn
+	done    chan struct{}
+	waitErr error
+}
+
+// kill ends the agent (and with it every process of its PID namespace) and
+// removes its cgroup and directory.
+func (p *agentProc) kill() {
+	p.cmd.Process.Kill()
+	<-p.done
+	p.conn.Close()
+	p.cg.delete()
+	os.RemoveAll(p.dir)
+}
+
+// spawn starts an agent with resources r. One process spawn: the agent is
+// born in its cgroup and namespaces and does the rest itself.
+func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
+	var undo []func()
+	defer func() {
+		if err != nil {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
+	slot := fmt.Sprintf("s%d-%d", os.Getpid(), b.slots.Add(1))
+	dir := filepath.Join(b.opts.StateDir, slot)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("sandbox dir: %w", err)
+	}
+	undo = append(undo, func() { os.RemoveAll(dir) })
+	for _, d := range []string{"upper", "work", "rootfs"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			return nil, fmt.Errorf("sandbox dir: %w", err)
+		}
+	}
+	cg, err := newCgroup(b.opts.CgroupParent, slot, r)
 	if err != nil {
 		return nil, err
 	}
@@ -284,34 +382,88 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	if err != nil {
 		return nil, fmt.Errorf("start dsec-agent: %w", err)
 	}
-	done := make(chan struct{})
-	sb := &sandbox{b: b, id: spec.ID, spec: spec, dir: dir, cmd: cmd, cg: cg, conn: conn, done: done}
+	p := &agentProc{slot: slot, dir: dir, cg: cg, cmd: cmd, conn: conn, done: make(chan struct{})}
 	go func() {
-		sb.waitErr = cmd.Wait()
-		close(done)
+		p.waitErr = cmd.Wait()
+		close(p.done)
 	}()
-	undo = append(undo, func() { cmd.Process.Kill(); <-done })
+	return p, nil
+}
 
-	cfg := sandboxinit.Config{
-		Lower:      lower,
-		Upper:      filepath.Join(dir, "upper"),
-		Work:       filepath.Join(dir, "work"),
-		Rootfs:     filepath.Join(dir, "rootfs"),
-		Hostname:   spec.Hostname,
-		Seccomp:    b.opts.Seccomp,
-		Caps:       b.opts.Caps,
-		NoLockdown: b.opts.Unconfined,
+// takeWarm returns a pre-started agent, or nil when none is ready.
+func (b *Backend) takeWarm() *agentProc {
+	for {
+		select {
+		case p := <-b.warm:
+			b.refill()
+			select {
+			case <-p.done: // died while waiting: discard
+				p.kill()
+				continue
+			default:
+			}
+			return p
+		default:
+			return nil
+		}
 	}
-	cg.user(&cfg)
-	if err := b.initSandbox(ctx, conn, &cfg, done); err != nil {
-		return nil, err
-	}
-	sb.client = agent.NewClient(conn)
+}
 
-	b.mu.Lock()
-	b.live[spec.ID] = sb
-	b.mu.Unlock()
-	return sb, nil
+// refill asks the background filler to top the warm pool up.
+func (b *Backend) refill() {
+	select {
+	case b.refillCh <- struct{}{}:
+	default:
+	}
+}
+
+// fillWarm keeps Options.Warm agents started ahead of demand, so a create
+// costs mounts and a round trip instead of a process start (the bulk of
+// it: a Go process takes ~10 ms from exec to main on these machines).
+func (b *Backend) fillWarm() {
+	defer close(b.fillerDone)
+	for {
+		for len(b.warm) < cap(b.warm) {
+			select {
+			case <-b.stop:
+				return
+			default:
+			}
+			p, err := b.spawn(rt.Resources{Pids: b.opts.DefaultPids})
+			if err != nil {
+				b.log.Warn("start warm agent", "err", err)
+				break
+			}
+			b.warm <- p
+		}
+		select {
+		case <-b.stop:
+			return
+		case <-b.refillCh:
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// Close stops the warm pool and removes its agents. Live sandboxes are the
+// caller's to destroy.
+func (b *Backend) Close() error {
+	b.closeOnce.Do(func() {
+		close(b.stop)
+		if b.fillerDone != nil {
+			<-b.fillerDone
+		}
+		for {
+			select {
+			case p := <-b.warm:
+				p.kill()
+				continue
+			default:
+			}
+			break
+		}
+	})
+	return nil
 }
 
 // initSandbox sends the config and waits for the agent's reply, bounded by
@@ -375,17 +527,11 @@ func (b *Backend) cleanStale() {
 }
 
 type sandbox struct {
-	b    *Backend
-	id   string
-	spec rt.Spec
-	dir  string
-	cmd  *exec.Cmd
-	cg   cgroup
-	conn net.Conn
-
-	client  *agent.Client
-	done    chan struct{}
-	waitErr error
+	*agentProc
+	b      *Backend
+	id     string
+	spec   rt.Spec
+	client *agent.Client
 
 	destroyOnce sync.Once
 	destroyErr  error
@@ -482,6 +628,7 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		s.cmd.Process.Signal(syscall.SIGKILL)
 		<-s.done
 		s.client.Close()
+		s.conn.Close()
 		var errs []error
 		if err := s.cg.delete(); err != nil {
 			errs = append(errs, fmt.Errorf("delete cgroup: %w", err))

@@ -184,9 +184,11 @@ func userCgroup(cfg *Config) (Fork, error) {
 }
 
 func setupRoot(cfg *Config, lock Lockdown) error {
-	// Stop mount events from propagating back to the host (or from it).
-	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
-		return fmt.Errorf("make mounts private: %w", err)
+	// Mount events must never propagate back to the host; the host's layer
+	// mounts must still reach an agent started ahead of demand (the layer
+	// cache's root is shared), so the copy of the tree becomes a slave.
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
+		return fmt.Errorf("make mounts slave: %w", err)
 	}
 	if err := mountRootfs(cfg); err != nil {
 		return err
