@@ -141,6 +141,16 @@ func (m *Mounts) Acquire(ctx context.Context, digest, file string) (string, erro
 		dir := m.dir(digest)
 		if !e.mounted {
 			if err := mountErofs(file, dir); err != nil {
+				if e.refs == 0 {
+					// Nobody holds it: forget the entry, so a failed mount
+					// leaves nothing behind.
+					e.dead = true
+					m.mu.Lock()
+					if m.entries[digest] == e {
+						delete(m.entries, digest)
+					}
+					m.mu.Unlock()
+				}
 				<-e.lock
 				return "", fmt.Errorf("acquire layer %s from %s: %w", digest, file, err)
 			}
@@ -208,9 +218,14 @@ func (m *Mounts) Close() error {
 		}
 		<-e.lock
 	}
-	m.mu.Lock()
-	held := len(m.entries)
-	m.mu.Unlock()
+	held := 0
+	for _, e := range all {
+		e.lock <- struct{}{}
+		if !e.dead && e.refs > 0 {
+			held++
+		}
+		<-e.lock
+	}
 	if held == 0 {
 		if err := unix.Unmount(m.root, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
 			errs = append(errs, fmt.Errorf("unmount %s: %w", m.root, err))
