@@ -1,7 +1,9 @@
 package main
 
-// DSec's own row: the native container backend (internal/runtime/container)
-// over the same busybox tree, packed as one EROFS layer.
+// DSec's own rows: the native container backend (internal/runtime/container)
+// over the same busybox tree, packed as one EROFS layer. "dsec" is the
+// edge's configuration (edgeWarm agents started ahead of demand);
+// "dsec-cold" starts every sandbox's agent on the create path.
 
 import (
 	"context"
@@ -20,7 +22,12 @@ import (
 	"github.com/dsec-dev/dsec/internal/runtime/container"
 )
 
+// edgeWarm matches the edge's warm pool (cmd/dsec: warmAgents).
+const edgeWarm = 8
+
 type dsecSystem struct {
+	name    string
+	warm    int
 	backend *container.Backend
 	mounts  *layer.Mounts
 	layer   rt.Layer
@@ -28,9 +35,10 @@ type dsecSystem struct {
 	n       atomic.Int64
 }
 
-func newDSec() System { return &dsecSystem{} }
+func newDSec() System     { return &dsecSystem{name: "dsec", warm: edgeWarm} }
+func newDSecCold() System { return &dsecSystem{name: "dsec-cold"} }
 
-func (d *dsecSystem) Name() string { return "dsec" }
+func (d *dsecSystem) Name() string { return d.name }
 
 func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 	agent := filepath.Join(env.WorkDir, "dsec-agent")
@@ -61,6 +69,7 @@ func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 		AgentPath:    agent,
 		Layers:       mounts,
 		CgroupParent: d.parent,
+		Warm:         d.warm,
 	})
 	if err != nil {
 		return err
@@ -120,6 +129,7 @@ func (d *dsecSystem) Teardown(context.Context) error {
 	if d.backend == nil {
 		return nil
 	}
+	d.backend.Close()
 	for _, dir := range d.backend.CgroupDirs() {
 		os.Remove(dir)
 	}

@@ -62,7 +62,7 @@ func main() {
 
 func mainErr() error {
 	var (
-		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
+		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,dsec-cold,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
 		n         = flag.Int("n", 100, "sequential: timed create->true->destroy cycles")
 		warmup    = flag.Int("warmup", 10, "sequential: untimed cycles first")
 		total     = flag.Int("total", 300, "concurrent: cycles per concurrency level")

@@ -73,6 +73,7 @@ var registry = []entry{
 	{name: "host-exec", new: newHostExec},
 	{name: "ns-spawn", new: newNSSpawn},
 	{name: "dsec", new: newDSec},
+	{name: "dsec-cold", new: newDSecCold},
 	{name: "crun", new: func() System { return newOCI("crun") }, peer: true, privateMounts: true, hideCgroup2: true},
 	{name: "runc", new: func() System { return newOCI("runc") }, peer: true, privateMounts: true},
 	{name: "bwrap", new: newBwrap, peer: true},

@@ -246,6 +246,32 @@ func allThreads(what string, trap, a1, a2, a3 uintptr) error {
 //  4. no_new_privs last: it needs no privilege, and set-user-ID bits and file
 //     capabilities stop granting anything on exec from here on.
 func Restrict(keep Set) error {
+	if err := dropBounding(keep, func(c int) error {
+		return allThreads("drop "+Name(c)+" from bounding set", unix.SYS_PRCTL, unix.PR_CAPBSET_DROP, uintptr(c), 0)
+	}); err != nil {
+		return err
+	}
+	return RestrictProcess(keep)
+}
+
+// DropBoundingThread drops every capability outside keep from the bounding
+// set of the calling OS thread only. The agent calls it on the one locked
+// thread every sandbox process is forked from, then RestrictProcess: the
+// forked processes inherit exactly keep, and the agent's other threads,
+// which never fork, get by with a reduced permitted set and no_new_privs
+// (with no_new_privs, exec cannot grant capabilities beyond the permitted
+// set, root or not). One prctl per capability on one thread is far cheaper
+// than a stop-the-world round per capability on every thread.
+func DropBoundingThread(keep Set) error {
+	return dropBounding(keep, func(c int) error {
+		if err := unix.Prctl(unix.PR_CAPBSET_DROP, uintptr(c), 0, 0, 0); err != nil {
+			return fmt.Errorf("caps: drop %s from bounding set: %w", Name(c), err)
+		}
+		return nil
+	})
+}
+
+func dropBounding(keep Set, drop func(c int) error) error {
 	last, err := LastCap()
 	if err != nil {
 		return err
@@ -270,11 +296,16 @@ func Restrict(keep Set) error {
 		if in == 0 {
 			continue
 		}
-		if err := allThreads("drop "+Name(c)+" from bounding set", unix.SYS_PRCTL, unix.PR_CAPBSET_DROP, uintptr(c), 0); err != nil {
+		if err := drop(c); err != nil {
 			return err
 		}
 	}
+	return nil
+}
 
+// RestrictProcess does steps 2-4 of Restrict (ambient set, capset,
+// no_new_privs) on every thread, leaving bounding sets as they are.
+func RestrictProcess(keep Set) error {
 	if _, _, e := syscall.AllThreadsSyscall6(unix.SYS_PRCTL, unix.PR_CAP_AMBIENT, unix.PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0, 0); e != 0 {
 		if e == syscall.ENOTSUP {
 			return fmt.Errorf("clear ambient set: %w", ErrCgo)
@@ -288,7 +319,7 @@ func Restrict(keep Set) error {
 		{Effective: lo, Permitted: lo, Inheritable: lo},
 		{Effective: hi, Permitted: hi, Inheritable: hi},
 	}
-	err = allThreads("capset", unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0)
+	err := allThreads("capset", unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0)
 	runtime.KeepAlive(&hdr)
 	runtime.KeepAlive(&data)
 	if err != nil {

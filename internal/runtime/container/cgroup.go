@@ -121,7 +121,6 @@ func (c *cgroupV1) update(r rt.Resources) error {
 
 func (c *cgroupV1) user(cfg *sandboxinit.Config) {
 	cfg.UserTasks = filepath.Join(cgroupRoot, "pids", c.group, "user", "tasks")
-	cfg.HomeTasks = filepath.Join(cgroupRoot, "pids", c.group, "tasks")
 }
 
 func removeV1Dirs(group string) {

@@ -5,10 +5,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/dsec-dev/dsec/internal/audit/caps"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/layer"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
@@ -136,5 +138,47 @@ func TestWarmPoolCleanup(t *testing.T) {
 	entries, _ := os.ReadDir(e.backend.StateDir())
 	if len(entries) != 0 {
 		t.Fatalf("after Close the state dir holds %d entries", len(entries))
+	}
+}
+
+// TestSecurityProfile checks what every command in a sandbox runs with:
+// Docker's capability set minus CAP_MKNOD (bounding, permitted, effective),
+// no_new_privs, and the seccomp filter. The agent gives the bounding set to
+// its spawner thread only, so this is what proves the processes it forks
+// inherit it.
+func TestSecurityProfile(t *testing.T) {
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	sb, err := e.backend.Create(ctx, e.spec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Destroy(ctx)
+	want := fmt.Sprintf("%016x", uint64(caps.DockerDefault()))
+	for _, user := range []string{"", "65534"} {
+		res, err := sb.Exec(ctx, rt.ExecRequest{Argv: []string{"cat", "/proc/self/status"}, User: user}, nil)
+		if err != nil || res.ExitCode != 0 {
+			t.Fatalf("cat status: %v %s", err, res.Stderr)
+		}
+		fields := map[string]string{}
+		for _, line := range strings.Split(string(res.Stdout), "\n") {
+			if k, v, ok := strings.Cut(line, ":"); ok {
+				fields[k] = strings.TrimSpace(v)
+			}
+		}
+		if fields["CapBnd"] != want {
+			t.Errorf("user %q: CapBnd %s, want %s", user, fields["CapBnd"], want)
+		}
+		if user == "" && (fields["CapEff"] != want || fields["CapPrm"] != want) {
+			t.Errorf("root: CapEff %s CapPrm %s, want %s", fields["CapEff"], fields["CapPrm"], want)
+		}
+		if fields["NoNewPrivs"] != "1" || fields["Seccomp"] != "2" {
+			t.Errorf("user %q: NoNewPrivs %s Seccomp %s, want 1 and 2", user, fields["NoNewPrivs"], fields["Seccomp"])
+		}
+	}
+	// mknod is refused even to root (CAP_MKNOD dropped), and mount by seccomp.
+	res, err := sb.Exec(ctx, rt.ExecRequest{Shell: "mknod /tmp/null c 1 3 || echo mknod-denied; mount -t tmpfs x /mnt || echo mount-denied"}, nil)
+	if err != nil || !strings.Contains(string(res.Stdout), "mknod-denied") || !strings.Contains(string(res.Stdout), "mount-denied") {
+		t.Fatalf("mknod/mount inside the sandbox were not denied: %v %q %q", err, res.Stdout, res.Stderr)
 	}
 }

@@ -50,14 +50,16 @@ type Config struct {
 	NoLockdown bool `json:"no_lockdown,omitempty"`
 	// User processes are born in a child cgroup whose pids limit excludes
 	// the agent's own threads, so a fork bomb cannot starve the agent (a Go
-	// program dies when it cannot create a thread). On cgroup v1 the agent
-	// moves its forking thread into UserTasks and back to HomeTasks (the
-	// "tasks" files); on v2 it forks with CLONE_INTO_CGROUP into
+	// program dies when it cannot create a thread). All of them are forked
+	// from one spawner thread: on cgroup v1 that thread lives in UserTasks
+	// (v1 places single threads); on v2 it forks with CLONE_INTO_CGROUP into
 	// UserCgroupDir. The files are opened before pivot_root, while the host
 	// cgroup file system is still visible.
 	UserTasks     string `json:"user_tasks,omitempty"`
-	HomeTasks     string `json:"home_tasks,omitempty"`
 	UserCgroupDir string `json:"user_cgroup_dir,omitempty"`
+
+	userTasks *os.File // opened UserTasks
+	userDirFD int      // opened UserCgroupDir
 }
 
 // Reply is init's answer: empty Error means the sandbox is ready.
@@ -99,19 +101,26 @@ func ReadMessage(r io.Reader, v any) error {
 	return json.Unmarshal(b, v)
 }
 
-// Lockdown applies the capability set, no_new_privs and the seccomp program
-// to every thread of the calling process. It is provided by the agent (which
-// links the audit packages) so that this package stays free of them.
-type Lockdown func(caps []int, seccomp []byte) error
+// Lockdown restricts the agent, and so every process it forks. It is
+// provided by the agent (which links the audit packages) so that this
+// package stays free of them.
+type Lockdown struct {
+	// Thread drops the bounding set of the calling OS thread to caps: the
+	// spawner thread every sandbox process is forked from.
+	Thread func(caps []int) error
+	// Process applies caps, no_new_privs and the seccomp program to every
+	// thread.
+	Process func(caps []int, seccomp []byte) error
+}
 
-// Fork wraps a process start so that the process is born in the sandbox's
-// user cgroup (see Config.UserTasks); it matches agent.Options.Fork.
+// Fork wraps a process start so that the process is forked from the
+// sandbox's spawner thread; it matches agent.Options.Fork.
 type Fork func(attr *syscall.SysProcAttr, start func() error) error
 
 // Run reads the Config from conn, builds the sandbox and replies. It returns
 // an error (already reported to the edge) if the sandbox could not be built;
-// the caller must then exit. The returned Fork (nil if the config names no
-// user cgroup) must wrap every process the agent starts.
+// the caller must then exit. The returned Fork must wrap every process the
+// agent starts.
 func Run(conn io.ReadWriter, lock Lockdown) (Fork, error) {
 	var cfg Config
 	if err := ReadMessage(conn, &cfg); err != nil {
@@ -132,58 +141,97 @@ func setup(cfg *Config, lock Lockdown) (Fork, error) {
 	if len(cfg.Lower) == 0 {
 		return nil, errors.New("no lower layers")
 	}
-	fork, err := userCgroup(cfg)
+	if err := setupRoot(cfg); err != nil {
+		return nil, err
+	}
+	fork, err := startSpawner(cfg, lock)
 	if err != nil {
 		return nil, err
 	}
-	return fork, setupRoot(cfg, lock)
+	if cfg.NoLockdown || lock.Process == nil {
+		return fork, nil
+	}
+	if err := lock.Process(cfg.Caps, cfg.Seccomp); err != nil {
+		return nil, fmt.Errorf("lock down: %w", err)
+	}
+	return fork, nil
 }
 
-// userCgroup opens the user cgroup's files and returns the Fork using them.
-func userCgroup(cfg *Config) (Fork, error) {
+type spawnReq struct {
+	attr  *syscall.SysProcAttr
+	start func() error
+	done  chan error
+}
+
+// startSpawner dedicates one OS thread to forking the sandbox's processes.
+// That thread alone carries what must be inherited by them and is costly or
+// impossible to apply to a whole Go process: the reduced bounding set, and
+// on cgroup v1 membership of the user cgroup (v1 places single threads), so
+// every process is born there (openUserCgroup opened its files before the
+// pivot).
+func startSpawner(cfg *Config, lock Lockdown) (Fork, error) {
+	ready := make(chan error, 1)
+	reqs := make(chan spawnReq)
+	go func() {
+		// Never unlocked: the thread is the spawner for the sandbox's life
+		// (if setup fails, the runtime ends the thread with the goroutine).
+		runtime.LockOSThread()
+		if cfg.userTasks != nil {
+			if _, err := cfg.userTasks.Write([]byte(strconv.Itoa(unix.Gettid()))); err != nil {
+				ready <- fmt.Errorf("enter user cgroup: %w", err)
+				return
+			}
+			cfg.userTasks.Close()
+		}
+		if !cfg.NoLockdown && lock.Thread != nil {
+			if err := lock.Thread(cfg.Caps); err != nil {
+				ready <- fmt.Errorf("lock down spawner: %w", err)
+				return
+			}
+		}
+		ready <- nil
+		for r := range reqs {
+			if cfg.userDirFD > 0 {
+				r.attr.UseCgroupFD = true
+				r.attr.CgroupFD = cfg.userDirFD
+			}
+			r.done <- r.start()
+		}
+	}()
+	if err := <-ready; err != nil {
+		return nil, err
+	}
+	return func(attr *syscall.SysProcAttr, start func() error) error {
+		done := make(chan error, 1)
+		reqs <- spawnReq{attr: attr, start: start, done: done}
+		return <-done
+	}, nil
+}
+
+// openUserCgroup opens the user cgroup's files while the host's cgroup file
+// system is still in view (before pivot_root).
+func openUserCgroup(cfg *Config) error {
 	switch {
 	case cfg.UserCgroupDir != "":
 		fd, err := unix.Open(cfg.UserCgroupDir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return nil, fmt.Errorf("open user cgroup: %w", err)
+			return fmt.Errorf("open user cgroup: %w", err)
 		}
-		return func(attr *syscall.SysProcAttr, start func() error) error {
-			attr.UseCgroupFD = true
-			attr.CgroupFD = fd
-			return start()
-		}, nil
+		cfg.userDirFD = fd
 	case cfg.UserTasks != "":
-		user, err := os.OpenFile(cfg.UserTasks, os.O_WRONLY, 0)
+		f, err := os.OpenFile(cfg.UserTasks, os.O_WRONLY, 0)
 		if err != nil {
-			return nil, fmt.Errorf("open user cgroup: %w", err)
+			return fmt.Errorf("open user cgroup: %w", err)
 		}
-		home, err := os.OpenFile(cfg.HomeTasks, os.O_WRONLY, 0)
-		if err != nil {
-			user.Close()
-			return nil, fmt.Errorf("open sandbox cgroup: %w", err)
-		}
-		return func(_ *syscall.SysProcAttr, start func() error) error {
-			runtime.LockOSThread()
-			tid := []byte(strconv.Itoa(unix.Gettid()))
-			if _, err := user.Write(tid); err != nil {
-				runtime.UnlockOSThread()
-				return fmt.Errorf("enter user cgroup: %w", err)
-			}
-			err := start()
-			if _, werr := home.Write(tid); werr != nil {
-				// Stay locked: the runtime ends this thread when the
-				// goroutine exits, instead of running the agent inside
-				// the user's pids limit.
-				return errors.Join(err, fmt.Errorf("leave user cgroup: %w", werr))
-			}
-			runtime.UnlockOSThread()
-			return err
-		}, nil
+		cfg.userTasks = f
 	}
-	return nil, nil
+	return nil
 }
 
-func setupRoot(cfg *Config, lock Lockdown) error {
+func setupRoot(cfg *Config) error {
+	if err := openUserCgroup(cfg); err != nil {
+		return err
+	}
 	// Mount events must never propagate back to the host; the host's layer
 	// mounts must still reach an agent started ahead of demand (the layer
 	// cache's root is shared), so the copy of the tree becomes a slave.
@@ -212,12 +260,6 @@ func setupRoot(cfg *Config, lock Lockdown) error {
 	if err := os.WriteFile("/proc/self/oom_score_adj", []byte("-1000"), 0); err != nil &&
 		!errors.Is(err, os.ErrPermission) {
 		return fmt.Errorf("oom_score_adj: %w", err)
-	}
-	if cfg.NoLockdown || lock == nil {
-		return nil
-	}
-	if err := lock(cfg.Caps, cfg.Seccomp); err != nil {
-		return fmt.Errorf("lock down: %w", err)
 	}
 	return nil
 }
