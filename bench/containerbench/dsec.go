@@ -42,7 +42,7 @@ func (d *dsecSystem) Name() string { return d.name }
 
 func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 	agent := filepath.Join(env.WorkDir, "dsec-agent")
-	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", agent, "./cmd/dsec-agent")
+	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", agent, "./cmd/dsec-agent")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
 		return fmt.Errorf("build dsec-agent (run from the repository root): %v\n%s", err, out)
