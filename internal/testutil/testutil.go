@@ -44,16 +44,32 @@ func BuildBinary(t testing.TB, pkg string) string {
 	if p, ok := buildCache[pkg]; ok {
 		return p
 	}
-	dir, err := os.MkdirTemp("", "dsec-testbin-")
-	if err != nil {
+	// One shared directory, reused by every run, so test binaries do not
+	// pile up in /tmp; each build lands under a temporary name and is
+	// renamed into place, so packages testing in parallel never see a
+	// half-written binary.
+	dir := filepath.Join(os.TempDir(), "dsec-testbin")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	out := filepath.Join(dir, filepath.Base(pkg))
-	cmd := exec.Command("go", "build", "-trimpath", "-o", out, pkg)
+	tmp, err := os.CreateTemp(dir, filepath.Base(pkg)+".*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp.Close()
+	defer os.Remove(tmp.Name())
+	cmd := exec.Command("go", "build", "-trimpath", "-o", tmp.Name(), pkg)
 	cmd.Dir = RepoRoot(t)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build %s: %v\n%s", pkg, err, b)
+	}
+	// Another test process may replace the file meanwhile: harmless, as
+	// every build in a run comes from the same tree, and a running binary
+	// keeps its own inode.
+	if err := os.Rename(tmp.Name(), out); err != nil {
+		t.Fatal(err)
 	}
 	buildCache[pkg] = out
 	return out

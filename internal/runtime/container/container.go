@@ -26,7 +26,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -557,7 +556,9 @@ func (s *sandbox) gone(err error) error {
 }
 
 func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFunc) (rt.ExecResult, error) {
-	req.Env = mergeEnv(s.spec.Env, req.Env)
+	// The agent resolves duplicates (later K=V wins) and adds PATH and HOME
+	// when missing.
+	req.Env = append(append(make([]string, 0, len(s.spec.Env)+len(req.Env)), s.spec.Env...), req.Env...)
 	if req.Cwd == "" {
 		req.Cwd = s.spec.Workdir
 	}
@@ -575,30 +576,6 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 		}
 	}
 	return res, nil
-}
-
-// defaultPath is used when neither the image nor the request sets PATH.
-const defaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-// mergeEnv returns base overridden by extra (later K=V wins), with PATH set.
-func mergeEnv(base, extra []string) []string {
-	idx := map[string]int{}
-	out := make([]string, 0, len(base)+len(extra)+1)
-	for _, list := range [][]string{base, extra} {
-		for _, kv := range list {
-			k, _, _ := strings.Cut(kv, "=")
-			if i, ok := idx[k]; ok {
-				out[i] = kv
-				continue
-			}
-			idx[k] = len(out)
-			out = append(out, kv)
-		}
-	}
-	if _, ok := idx["PATH"]; !ok {
-		out = append(out, defaultPath)
-	}
-	return out
 }
 
 func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
