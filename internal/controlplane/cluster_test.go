@@ -665,6 +665,16 @@ func TestCluster(t *testing.T) {
 	})
 
 	t.Run("dead node", func(t *testing.T) {
+		// n2 must have reported the sandbox in a heartbeat before it dies,
+		// or the registry only knows it as a pending create.
+		c.waitFor("n2 reports "+onN2.GetId(), func() bool {
+			for _, s := range c.srv.reg.liveSummaries("n2") {
+				if s.GetId() == onN2.GetId() {
+					return true
+				}
+			}
+			return false
+		})
 		c.edges["n2"].stop()
 		// Move the server's clock past the node timeout, then wait for a
 		// heartbeat from n1 so that only n2 is dead.
