@@ -532,6 +532,9 @@ type sandbox struct {
 	spec   rt.Spec
 	client *agent.Client
 
+	// oomSeen is the cgroup's OOM-kill count already reported.
+	oomSeen atomic.Uint64
+
 	destroyOnce sync.Once
 	destroyErr  error
 }
@@ -565,14 +568,25 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	if req.User == "" {
 		req.User = s.spec.User
 	}
-	before, _ := s.cg.oomKills()
 	res, err := s.client.Exec(ctx, req, out)
 	if err != nil {
 		return res, s.gone(err)
 	}
+	// The cgroup's OOM-kill counter is read only when a process died of
+	// SIGKILL, not around every exec: a new kill since the last one we saw
+	// is this exec's (or a concurrent one's: the kernel does not say whose).
 	if res.Signal == int(syscall.SIGKILL) && !res.TimedOut {
-		if after, err := s.cg.oomKills(); err == nil && after > before {
-			res.OOMKilled = true
+		if n, err := s.cg.oomKills(); err == nil {
+			for {
+				seen := s.oomSeen.Load()
+				if n <= seen {
+					break
+				}
+				if s.oomSeen.CompareAndSwap(seen, n) {
+					res.OOMKilled = true
+					break
+				}
+			}
 		}
 	}
 	return res, nil
