@@ -25,7 +25,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -101,8 +100,21 @@ type Backend struct {
 
 var _ rt.Backend = (*Backend)(nil)
 
-// idPattern keeps IDs safe as path and cgroup components.
-var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$`)
+// validID keeps IDs safe as path and cgroup components: 1-128 of
+// [A-Za-z0-9_.-], starting with a letter or digit (so never "." or "..").
+func validID(id string) bool {
+	if len(id) == 0 || len(id) > 128 {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		alnum := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
+		if !alnum && (i == 0 || c != '_' && c != '.' && c != '-') {
+			return false
+		}
+	}
+	return true
+}
 
 // New returns a container backend. It removes what a previous process with
 // the same state directory left behind (sandboxes do not survive their edge).
@@ -193,7 +205,7 @@ func (b *Backend) CgroupDirs() []string {
 }
 
 func (b *Backend) validate(spec *rt.Spec) error {
-	if !idPattern.MatchString(spec.ID) {
+	if !validID(spec.ID) {
 		return fmt.Errorf("%w: id %q must be 1-128 characters of [A-Za-z0-9_.-]", rt.ErrInvalidSpec, spec.ID)
 	}
 	if len(spec.Layers) == 0 {
