@@ -115,7 +115,20 @@ func TestConformanceWarm(t *testing.T) {
 func TestWarmPoolCleanup(t *testing.T) {
 	e := newEnv(t, 3)
 	leaks := testsuite.HostLeaks(e.backend.CgroupDirs(), []string{e.backend.StateDir()})
-	before := leaks(t) // may already hold some warm agents
+	// The pool fills in the background: wait until its three agents are up
+	// (one directory and one process each).
+	deadline := time.Now().Add(time.Minute)
+	for {
+		entries, _ := os.ReadDir(e.backend.StateDir())
+		if len(entries) == 3 && len(leaks(t).Processes) >= 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("warm pool did not start 3 agents: %d state entries", len(entries))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	before := leaks(t)
 	ctx := context.Background()
 	// A create takes a warm agent when one is ready; either way it works.
 	sb, err := e.backend.Create(ctx, e.spec(t))
