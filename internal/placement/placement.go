@@ -184,6 +184,20 @@ type slot struct {
 	capCPU, capMem, capSB int64 // after overcommit
 	useCPU, useMem, useSB int64
 	invCPU, invMem, invSB float64 // 1/cap, 0 when cap is 0
+	start                 float64 // utilization before this batch
+}
+
+// utilization is the fullest of the slot's resources after adding
+// (cpu, mem, 1 sandbox) to its use.
+func (sl *slot) utilization(cpu, mem, sb int64) float64 {
+	util := float64(sl.useCPU+cpu) * sl.invCPU
+	if m := float64(sl.useMem+mem) * sl.invMem; m > util {
+		util = m
+	}
+	if c := float64(sl.useSB+sb) * sl.invSB; c > util {
+		util = c
+	}
+	return util
 }
 
 // pool holds the eligible nodes of one backend.
@@ -329,6 +343,7 @@ func (p *planner) buildPools(nodes []NodeView, def Overcommit) error {
 				useSB:  u.Sandboxes,
 			}
 			s.invCPU, s.invMem, s.invSB = inverse(s.capCPU), inverse(s.capMem), inverse(s.capSB)
+			s.start = s.utilization(0, 0, 0)
 			pl.slots = append(pl.slots, s)
 		}
 	}
@@ -450,13 +465,7 @@ func (p *planner) place(i int) Decision {
 		if r.MilliCPU > sl.capCPU-sl.useCPU || r.MemoryBytes > sl.capMem-sl.useMem || sl.useSB >= sl.capSB {
 			continue
 		}
-		util := float64(sl.useCPU+r.MilliCPU) * sl.invCPU
-		if m := float64(sl.useMem+r.MemoryBytes) * sl.invMem; m > util {
-			util = m
-		}
-		if c := float64(sl.useSB+1) * sl.invSB; c > util {
-			util = c
-		}
+		util := sl.utilization(r.MilliCPU, r.MemoryBytes, 1)
 		loc := 0.0
 		if info.total > 0 {
 			row := p.held[sl.node*p.words:]
@@ -468,7 +477,7 @@ func (p *planner) place(i int) Decision {
 			}
 			loc = h / info.total
 		}
-		score := p.scorer.Score(r, Candidate{Node: &p.nodes[sl.node], Index: sl.node, Utilization: util, Locality: loc})
+		score := p.scorer.Score(r, Candidate{Node: &p.nodes[sl.node], Index: sl.node, Utilization: util, Added: util - sl.start, Locality: loc})
 		switch {
 		case best < 0 || score > bestScore:
 			best, bestScore, ties = s, score, 1

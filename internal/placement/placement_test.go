@@ -660,3 +660,29 @@ func TestRandomBatchesAgainstReplay(t *testing.T) {
 	}
 	t.Logf("placed %d, failed %d", totalPlaced, totalFailed)
 }
+
+// TestBurstSpreadsOverHotNodes: the measured load of every node is stale
+// for the length of a batch. A burst onto nodes that all report a high load
+// (or loads in the same quarter band) must still spread by what the batch
+// adds, not pile onto whichever node reported a hair less.
+func TestBurstSpreadsOverHotNodes(t *testing.T) {
+	c := Capacity{MilliCPU: 64000, MemoryBytes: 256 << 30, Sandboxes: 4096}
+	for _, loads := range [][]float64{{3.1, 2.4, 5.0}, {0.71, 0.74, 0.70}} {
+		nodes := []NodeView{
+			withLoad(node("a", c), loads[0]), withLoad(node("b", c), loads[1]), withLoad(node("c", c), loads[2]),
+		}
+		reqs := make([]Request, 9)
+		for i := range reqs {
+			reqs[i] = ctr(0, 0)
+		}
+		count := map[string]int{}
+		for _, d := range mustPlace(t, nodes, reqs, WithSeed(1)) {
+			count[d.NodeID]++
+		}
+		for _, id := range []string{"a", "b", "c"} {
+			if count[id] != 3 {
+				t.Fatalf("loads %v: placements %v, want 3 on each node", loads, count)
+			}
+		}
+	}
+}
