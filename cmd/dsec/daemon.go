@@ -40,6 +40,24 @@ type daemonFlags struct {
 	logLevel  string
 }
 
+// open does what every daemon does first: its logger, the blob store and
+// the cluster token (created if missing when createToken is set).
+func (f *daemonFlags) open(createToken bool) (*slog.Logger, blobstore.Repository, string, error) {
+	log, err := f.logger()
+	if err != nil {
+		return nil, nil, "", err
+	}
+	store, err := f.openStore()
+	if err != nil {
+		return nil, nil, "", err
+	}
+	token, err := f.clusterToken(createToken)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	return log, store, token, nil
+}
+
 func (f *daemonFlags) logger() (*slog.Logger, error) {
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(f.logLevel)); err != nil {

@@ -156,15 +156,7 @@ func newEdgeCmd() *cobra.Command {
 					servers[i] = "http://" + s
 				}
 			}
-			log, err := f.logger()
-			if err != nil {
-				return err
-			}
-			store, err := f.openStore()
-			if err != nil {
-				return err
-			}
-			token, err := f.clusterToken(false)
+			log, store, token, err := f.open(false)
 			if err != nil {
 				return err
 			}

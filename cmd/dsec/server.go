@@ -23,15 +23,7 @@ func newServerCmd() *cobra.Command {
 		Short: "Run a control-plane replica (API, IAM, placement); edges heartbeat to it",
 		Args:  exactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			log, err := f.logger()
-			if err != nil {
-				return err
-			}
-			store, err := f.openStore()
-			if err != nil {
-				return err
-			}
-			token, err := f.clusterToken(true)
+			log, store, token, err := f.open(true)
 			if err != nil {
 				return err
 			}

@@ -34,21 +34,13 @@ directory and one port. The server reaches the edge over loopback exactly as
 it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 		Args: exactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			log, err := f.logger()
-			if err != nil {
-				return err
-			}
 			if err := validNodeFlag(ef.nodeID); err != nil {
 				return err
 			}
 			if err := os.MkdirAll(f.dataDir, 0o755); err != nil {
 				return fmt.Errorf("--data-dir: %w", err)
 			}
-			store, err := f.openStore()
-			if err != nil {
-				return err
-			}
-			token, err := f.clusterToken(true)
+			log, store, token, err := f.open(true)
 			if err != nil {
 				return err
 			}

@@ -450,6 +450,10 @@ func syncDir(dir string) error {
 	return nil
 }
 
+// ContextReader returns r wrapped so that a long copy from it stops with
+// ctx's error once ctx is cancelled.
+func ContextReader(ctx context.Context, r io.Reader) io.Reader { return ctxReader{ctx, r} }
+
 // ctxReader stops a long copy when its context is cancelled.
 type ctxReader struct {
 	ctx context.Context

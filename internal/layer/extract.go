@@ -17,6 +17,8 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/blobstore"
 )
 
 // Compression of a tar stream, detected from its first bytes.
@@ -305,7 +307,7 @@ func (x *extractor) entry(ctx context.Context, hdr *tar.Header, r io.Reader) err
 			return err
 		}
 		f := os.NewFile(uintptr(fd), name)
-		_, err = io.Copy(f, ctxReader{ctx, r})
+		_, err = io.Copy(f, blobstore.ContextReader(ctx, r))
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}
@@ -426,17 +428,4 @@ func (x *extractor) finish() error {
 		}
 	}
 	return nil
-}
-
-// ctxReader stops a long copy when its context is cancelled.
-type ctxReader struct {
-	ctx context.Context
-	r   io.Reader
-}
-
-func (c ctxReader) Read(p []byte) (int, error) {
-	if err := c.ctx.Err(); err != nil {
-		return 0, err
-	}
-	return c.r.Read(p)
 }
