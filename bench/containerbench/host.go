@@ -77,9 +77,22 @@ func cgroupMemoryUsage(rel string) (int64, error) {
 // removeCgroupTree removes the cgroup directory rel and everything below
 // it in every mounted hierarchy. Runtimes delete their per-container
 // cgroups but leave the parent they created, and a killed runtime leaves
-// both. Cgroup directories only go away with rmdir, deepest first, once
-// empty of tasks.
+// both, sometimes with a half-started container's processes still inside
+// (an interrupted `crun run --detach`). Cgroup directories only go away
+// with rmdir, deepest first, once empty of tasks, so each pass kills what
+// is left, reaps it, and tries again until a bound passes.
 func removeCgroupTree(rel string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := removeCgroupTreeOnce(rel)
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func removeCgroupTreeOnce(rel string) error {
 	roots := []string{filepath.Join(cgroupRoot, rel)}
 	if !cgroupV2() {
 		hs, err := filepath.Glob(filepath.Join(cgroupRoot, "*", rel))
@@ -99,6 +112,7 @@ func removeCgroupTree(rel string) error {
 		}
 	}
 	var errs []error
+	killed := false
 	for _, root := range roots {
 		var dirs []string
 		err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
@@ -118,6 +132,18 @@ func removeCgroupTree(rel string) error {
 			continue
 		}
 		sort.Slice(dirs, func(i, j int) bool { return len(dirs[i]) > len(dirs[j]) })
+		for _, d := range dirs {
+			if b, err := os.ReadFile(filepath.Join(d, "cgroup.procs")); err == nil {
+				for _, f := range strings.Fields(string(b)) {
+					if pid, err := strconv.Atoi(f); err == nil && unix.Kill(pid, unix.SIGKILL) == nil {
+						killed = true
+					}
+				}
+			}
+		}
+		if killed {
+			reapOrphans()
+		}
 		for _, d := range dirs {
 			if err := unix.Rmdir(d); err != nil && !errors.Is(err, unix.ENOENT) {
 				errs = append(errs, fmt.Errorf("remove cgroup %s: %w", d, err))

@@ -230,4 +230,7 @@ func TestHarnessInterrupt(t *testing.T) {
 		t.Errorf("harness did not report the interruption:\n%s", log.String())
 	}
 	assertNoLeaks(t, tmp, cgBefore)
+	if t.Failed() {
+		t.Logf("harness output:\n%s", log.String())
+	}
 }
