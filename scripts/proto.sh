@@ -14,5 +14,6 @@ protoc -I api --go_out=api --go_opt=paths=source_relative \
   --connect-go_out=api --connect-go_opt=paths=source_relative \
   dsec/v1/dsec.proto dsec/v1/edge.proto
 for p in $(git ls-files 'internal/*.proto'); do
-  protoc -I . --go_out=. --go_opt=paths=source_relative "$p"
+  d=$(dirname "$p")
+  protoc -I "$d" --go_out="$d" --go_opt=paths=source_relative "$(basename "$p")"
 done

@@ -29,6 +29,7 @@ type edgeFlags struct {
 	maxSandboxes int64
 	heartbeat    time.Duration
 	oc           placement.Overcommit
+	trajectory   bool
 
 	mounts  *layer.Mounts      // set by build
 	backend *container.Backend // set by build
@@ -52,6 +53,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
 	fl.Float64Var(&f.oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the servers')")
 	fl.Float64Var(&f.oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the servers')")
+	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
 // build makes the node's container backend and its edge. Sandbox state and
@@ -103,6 +105,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		HeartbeatInterval: f.heartbeat,
 		Logger:            log,
 		Registry:          reg,
+		NoTrajectory:      !f.trajectory,
 	})
 }
 

@@ -193,7 +193,7 @@ func newSandboxExecCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return streamExec(cmd, c.Sandbox(args[0]), opts)
+			return streamExec(cmd, c.Sandbox(args[0], dsec.Unnumbered()), opts)
 		},
 	}
 	f.register(cmd)
@@ -227,9 +227,9 @@ func newSandboxCpCmd(g *globals) *cobra.Command {
 				if strings.HasSuffix(dst, "/") && from.Path != "-" {
 					dst = path.Join(dst, filepath.Base(from.Path))
 				}
-				return c.Sandbox(to.Sandbox).WriteFile(ctx, dst, data, mode)
+				return c.Sandbox(to.Sandbox, dsec.Unnumbered()).WriteFile(ctx, dst, data, mode)
 			}
-			data, err := c.Sandbox(from.Sandbox).ReadFile(ctx, from.Path, maxCopyBytes)
+			data, err := c.Sandbox(from.Sandbox, dsec.Unnumbered()).ReadFile(ctx, from.Path, maxCopyBytes)
 			if err != nil {
 				return err
 			}

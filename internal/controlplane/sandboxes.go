@@ -462,7 +462,7 @@ func (s *Server) exec(ctx context.Context, r *dsecv1.ExecRequest) (*dsecv1.ExecR
 	if err != nil {
 		return nil, err
 	}
-	if rt.lostReason != "" {
+	if rt.lostReason != "" && !(rt.alive && r.GetSeq() != 0) {
 		return infraResult(rt.lostReason), nil
 	}
 	cctx, cancel := execContext(ctx, r)
@@ -508,7 +508,7 @@ func (s *Server) execStream(ctx context.Context, r *dsecv1.ExecRequest, out *con
 		res := infraResult(reason)
 		return res.Outcome, out.Send(&dsecv1.ExecStreamResponse{Event: &dsecv1.ExecStreamResponse_Result{Result: res}})
 	}
-	if rt.lostReason != "" {
+	if rt.lostReason != "" && !(rt.alive && r.GetSeq() != 0) {
 		return sendInfra(rt.lostReason)
 	}
 	cctx, cancel := execContext(ctx, r)
@@ -547,13 +547,15 @@ func (s *Server) execStream(ctx context.Context, r *dsecv1.ExecRequest, out *con
 }
 
 // live routes a call that needs a running sandbox: lost sandboxes are
-// Unavailable (there is nothing to act on).
-func (s *Server) live(p iam.Principal, id string) (route, error) {
+// Unavailable (there is nothing to act on), unless the call carries a
+// sequence number and the node is up, since a recorded number is answered
+// from the sandbox's trajectory.
+func (s *Server) live(p iam.Principal, id string, seq uint64) (route, error) {
 	rt, err := s.locate(p, "sandbox_id", id)
 	if err != nil {
 		return route{}, err
 	}
-	if rt.lostReason != "" {
+	if rt.lostReason != "" && !(rt.alive && seq != 0) {
 		return route{}, errf(connect.CodeUnavailable, "sandbox %q is lost: %s", id, rt.lostReason)
 	}
 	return rt, nil
@@ -568,7 +570,7 @@ func (ss *sandboxService) WriteFile(ctx context.Context, req *connect.Request[ds
 	if req.Msg.GetPath() == "" {
 		return nil, errf(connect.CodeInvalidArgument, "path: required")
 	}
-	rt, err := s.live(p, req.Msg.GetSandboxId())
+	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {
 		return nil, err
 	}
@@ -593,7 +595,7 @@ func (ss *sandboxService) ReadFile(ctx context.Context, req *connect.Request[dse
 	if req.Msg.GetMaxBytes() < 0 {
 		return nil, errf(connect.CodeInvalidArgument, "max_bytes: %d is negative", req.Msg.GetMaxBytes())
 	}
-	rt, err := s.live(p, req.Msg.GetSandboxId())
+	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {
 		return nil, err
 	}
@@ -611,18 +613,15 @@ func (s *Server) destroy(ctx context.Context, p iam.Principal, id string) error 
 	if err != nil {
 		return err
 	}
-	if rt.lostReason != "" {
-		if !rt.alive {
-			return errf(connect.CodeUnavailable, "sandbox %q is lost: %s", id, rt.lostReason)
-		}
-		// Its node restarted: nothing is left to tear down.
-		s.reg.forget(id)
-		return nil
+	if rt.lostReason != "" && !rt.alive {
+		return errf(connect.CodeUnavailable, "sandbox %q is lost: %s", id, rt.lostReason)
 	}
+	// A lost sandbox on a live node (it restarted) has nothing left to
+	// tear down, but its node marks it destroyed and ends its trajectory.
 	cctx, cancel := callContext(ctx, edgeCallTimeout)
 	defer cancel()
 	_, err = s.edges.get(rt.url).DestroyOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: callerOf(p), SandboxId: id}))
-	if err != nil {
+	if err != nil && !(rt.lostReason != "" && connect.CodeOf(err) == connect.CodeNotFound) {
 		return edgeFailure(rt.node, err)
 	}
 	s.reg.forget(id)

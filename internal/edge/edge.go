@@ -38,6 +38,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
 // Defaults for Config's zero values.
@@ -47,6 +48,9 @@ const (
 	// DefaultRetention is how long a destroyed, lost or failed sandbox is
 	// remembered, so that Get can say what became of it.
 	DefaultRetention = 5 * time.Minute
+	// DefaultShipInterval is how often trajectories are shipped while
+	// their sandboxes run.
+	DefaultShipInterval = 30 * time.Second
 )
 
 // Config configures an Edge. Zero values get defaults where one makes sense.
@@ -87,6 +91,13 @@ type Config struct {
 	Logger *slog.Logger
 	// Registry receives the edge's metrics; default a private registry.
 	Registry prometheus.Registerer
+	// NoTrajectory turns the trajectory log off: no records, no
+	// fast-forward (operations that carry a seq are refused). For
+	// measuring the log's overhead.
+	NoTrajectory bool
+	// ShipInterval is how often running sandboxes' new trajectory records
+	// are shipped to the blob store, default DefaultShipInterval.
+	ShipInterval time.Duration
 }
 
 // Edge is one node's agent. Create it with New, mount its service with
@@ -98,6 +109,10 @@ type Edge struct {
 	local   blobstore.Local
 	bootID  string
 	metrics *metrics
+	// traj is the node's trajectory log; nil when Config.NoTrajectory.
+	traj *trajectory.Log
+	// ship takes sandboxes whose trajectory ended, to ship at once.
+	ship chan string
 	// wake nudges the reaper when a deadline earlier than its timer appears.
 	wake chan struct{}
 
@@ -148,6 +163,9 @@ func New(cfg Config) (*Edge, error) {
 	if cfg.Retention <= 0 {
 		cfg.Retention = DefaultRetention
 	}
+	if cfg.ShipInterval <= 0 {
+		cfg.ShipInterval = DefaultShipInterval
+	}
 	if cfg.Overcommit.CPU == 0 {
 		cfg.Overcommit.CPU = placement.DefaultOvercommit.CPU
 	}
@@ -197,7 +215,7 @@ func New(cfg Config) (*Edge, error) {
 		return nil, fmt.Errorf("boot id: %w", err)
 	}
 	stopCtx, stop := context.WithCancel(context.Background())
-	return &Edge{
+	e := &Edge{
 		cfg:       cfg,
 		log:       cfg.Logger.With("node", cfg.NodeID),
 		images:    image.NewStore(cfg.Store, cfg.Store.Refs()),
@@ -208,9 +226,17 @@ func New(cfg Config) (*Edge, error) {
 		sandboxes: map[string]*sandbox{},
 		used:      map[runtime.Kind]placement.Capacity{},
 		layers:    map[string]int{},
+		ship:      make(chan string, 1024),
 		stop:      stop,
 		stopCtx:   stopCtx,
-	}, nil
+	}
+	if !cfg.NoTrajectory {
+		if err := e.openTrajectory(); err != nil {
+			stop()
+			return nil, err
+		}
+	}
+	return e, nil
 }
 
 // NodeID returns the node this edge serves.
@@ -247,6 +273,9 @@ func (e *Edge) Run(ctx context.Context) error {
 		wg.Go(func() { e.heartbeatLoop(ctx, url) })
 	}
 	wg.Go(func() { e.reapLoop(ctx) })
+	if e.traj != nil {
+		wg.Go(func() { e.shipLoop(ctx) })
+	}
 	wg.Wait()
 	return nil
 }
@@ -286,6 +315,14 @@ func (e *Edge) Close(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
+	if e.traj != nil {
+		if err := e.traj.ShipAll(ctx); err != nil {
+			errs = append(errs, err)
+		}
+		if err := e.traj.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return errors.Join(errs...)
 }
 

@@ -75,7 +75,7 @@ type expiry struct {
 
 // collect pops what is due at now: sandboxes to destroy, lost sandboxes to
 // release, records to forget. It returns when it next has work.
-func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*sandbox, next time.Time) {
+func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*sandbox, forgotten []string, next time.Time) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for len(e.deadlines) > 0 && !e.deadlines[0].at.After(now) {
@@ -97,6 +97,7 @@ func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*san
 		e.tombstones = e.tombstones[1:]
 		if e.sandboxes[sb.id] == sb && sb.terminal() {
 			delete(e.sandboxes, sb.id)
+			forgotten = append(forgotten, sb.id)
 			if sb.state != StateDestroyed {
 				e.metrics.live.WithLabelValues(string(sb.kind), sb.state).Dec()
 			}
@@ -122,7 +123,7 @@ func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*san
 	if len(e.tombstones) > 0 && (next.IsZero() || e.tombstones[0].at.Before(next)) {
 		next = e.tombstones[0].at
 	}
-	return expired, lost, next
+	return expired, lost, forgotten, next
 }
 
 // reapLoop runs until ctx is done.
@@ -137,8 +138,11 @@ func (e *Edge) reapLoop(ctx context.Context) {
 		if sweep {
 			nextSweep = now.Add(sweepEvery)
 		}
-		expired, lost, next := e.collect(now, sweep)
+		expired, lost, forgotten, next := e.collect(now, sweep)
 		e.reap(ctx, expired, lost)
+		for _, id := range forgotten {
+			e.forgetTrajectory(id)
+		}
 		if next.IsZero() || nextSweep.Before(next) {
 			next = nextSweep
 		}

@@ -20,6 +20,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
 // Sandbox states as reported in Get, List and heartbeats.
@@ -90,6 +91,7 @@ func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
 		LastActiveAt: timestamppb.New(sb.lastActive),
 		Layers:       sb.layers,
 		Reason:       sb.reason,
+		NextSeq:      e.nextSeq(sb.id),
 	}
 }
 
@@ -243,6 +245,15 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		User:      resolved.Config.User,
 	})
 
+	if err == nil && e.traj != nil {
+		// The creation record is durable before anyone learns the
+		// sandbox exists: every later record chains to it.
+		if lerr := e.traj.Create(ctx, id, environment(sb), now, time.Now()); lerr != nil {
+			rs.Destroy(context.WithoutCancel(ctx))
+			err = fmt.Errorf("trajectory: %w", lerr)
+		}
+	}
+
 	e.mu.Lock()
 	if err != nil {
 		e.uncharge(sb)
@@ -266,6 +277,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		e.setState(sb, StateDestroyed, "")
 		e.mu.Unlock()
 		rs.Destroy(context.WithoutCancel(ctx))
+		e.endTrajectory(sb, trajectory.KindDestroy, "destroyed while being created")
 		return nil, connect.NewError(connect.CodeAborted, fmt.Errorf("sandbox %q was destroyed while being created", id))
 	}
 	sb.rt = rs
@@ -497,8 +509,13 @@ func (e *Edge) loseLocked(sb *sandbox, reason string) runtime.Sandbox {
 	return sb.rt
 }
 
-// release frees what a lost sandbox still holds (mounts, cgroups, dirs).
+// release records that sb is lost and frees what it still holds (mounts,
+// cgroups, dirs).
 func (e *Edge) release(sb *sandbox, rs runtime.Sandbox) {
+	e.mu.Lock()
+	reason := sb.reason
+	e.mu.Unlock()
+	e.endTrajectory(sb, trajectory.KindLost, reason)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := rs.Destroy(ctx); err != nil {
@@ -531,6 +548,7 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 		e.uncharge(sb)
 		e.setState(sb, StateDestroyed, "")
 		e.mu.Unlock()
+		e.endTrajectory(sb, trajectory.KindDestroy, reason)
 		return nil
 	}
 	done := make(chan struct{})
@@ -552,6 +570,13 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 		why = "node shut down"
 	}
 	e.setState(sb, StateDestroyed, why)
+	e.mu.Unlock()
+	if why == "" {
+		why = "destroyed on request"
+	}
+	// The destroy record is written before the destroy is acknowledged.
+	e.endTrajectory(sb, trajectory.KindDestroy, why)
+	e.mu.Lock()
 	close(done)
 	e.mu.Unlock()
 	e.metrics.destroys.WithLabelValues(string(sb.kind), reason).Inc()

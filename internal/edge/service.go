@@ -17,6 +17,7 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
 // Exec outcomes (ExecResult.outcome).
@@ -90,6 +91,15 @@ func (s *service) ExecStreamOnEdge(ctx context.Context, req *connect.Request[dse
 	if err != nil {
 		return err
 	}
+	if res.Replayed {
+		// A fast-forward ran nothing: the recorded output goes out first.
+		if len(res.Stdout) > 0 {
+			out(runtime.Stdout, res.Stdout)
+		}
+		if len(res.Stderr) > 0 {
+			out(runtime.Stderr, res.Stderr)
+		}
+	}
 	mu.Lock()
 	defer mu.Unlock()
 	if sendErr != nil {
@@ -115,13 +125,15 @@ func (s *service) WriteFileOnEdge(ctx context.Context, req *connect.Request[dsec
 	if mode == 0 {
 		mode = 0o644
 	}
-	err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, "write "+r.Path, func(rs runtime.Sandbox) error {
+	rec := &trajectory.Record{Kind: trajectory.KindWriteFile, RequestID: r.RequestId,
+		File: &trajectory.File{Path: r.Path, Mode: mode, Data: trajectory.NewData(r.Data)}}
+	seq, replay, err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, r.Seq, "write "+r.Path, rec, func(ctx context.Context, rs runtime.Sandbox) error {
 		return rs.WriteFile(ctx, r.Path, r.Data, mode)
 	})
 	if err != nil {
 		return nil, err
 	}
-	return connect.NewResponse(&dsecv1.WriteFileResponse{}), nil
+	return connect.NewResponse(&dsecv1.WriteFileResponse{Seq: seq, Replayed: replay != nil}), nil
 }
 
 func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeReadFileRequest]) (*connect.Response[dsecv1.ReadFileResponse], error) {
@@ -136,15 +148,42 @@ func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv
 		return nil, invalid("request.max_bytes %d must not be negative", r.MaxBytes)
 	}
 	var data []byte
-	err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, "read "+r.Path, func(rs runtime.Sandbox) error {
+	rec := &trajectory.Record{Kind: trajectory.KindReadFile, RequestID: r.RequestId,
+		File: &trajectory.File{Path: r.Path, MaxBytes: r.MaxBytes}}
+	seq, replay, err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, r.Seq, "read "+r.Path, rec, func(ctx context.Context, rs runtime.Sandbox) error {
 		var err error
 		data, err = rs.ReadFile(ctx, r.Path, r.MaxBytes)
+		if err == nil {
+			rec.File.Data = trajectory.NewData(data)
+		}
 		return err
 	})
 	if err != nil {
 		return nil, err
 	}
-	return connect.NewResponse(&dsecv1.ReadFileResponse{Data: data}), nil
+	if replay != nil {
+		if replay.File == nil || replay.File.Data == nil {
+			return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("seq %d is a %s record, not a read", replay.Seq, replay.Kind))
+		}
+		data = replay.File.Data.Inline
+	}
+	return connect.NewResponse(&dsecv1.ReadFileResponse{Data: data, Seq: seq, Replayed: replay != nil}), nil
+}
+
+func (s *service) SubmitRewardOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSubmitRewardRequest]) (*connect.Response[dsecv1.SubmitRewardResponse], error) {
+	res, err := s.e.reward(ctx, req.Msg.Caller, req.Msg.Request)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+func (s *service) GetTrajectoryOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeGetTrajectoryRequest]) (*connect.Response[dsecv1.GetTrajectoryResponse], error) {
+	res, err := s.e.trajectoryPage(ctx, req.Msg.Caller, req.Msg.Request)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
 }
 
 func (s *service) DestroyOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSandboxRequest]) (*connect.Response[dsecv1.DestroySandboxResponse], error) {
@@ -158,20 +197,56 @@ func (s *service) DestroyOnEdge(ctx context.Context, req *connect.Request[dsecv1
 	return connect.NewResponse(&dsecv1.DestroySandboxResponse{}), nil
 }
 
-// fileOp runs op on a running sandbox of caller's.
-func (e *Edge) fileOp(ctx context.Context, caller *dsecv1.Caller, id, what string, op func(runtime.Sandbox) error) error {
+// fileOp runs op on a running sandbox of caller's and records it as rec
+// (op fills in the result). It returns the operation's seq, or the recorded
+// record when seq was recorded already (fast-forward).
+func (e *Edge) fileOp(ctx context.Context, caller *dsecv1.Caller, id string, seq uint64, what string,
+	rec *trajectory.Record, op func(context.Context, runtime.Sandbox) error) (uint64, *trajectory.Record, error) {
 	sb, err := e.lookup(caller, id)
 	if err != nil {
-		return err
+		return 0, nil, err
 	}
+	top, replay, err := e.admitOp(ctx, sb, seq, rec)
+	if err != nil {
+		return 0, nil, err
+	}
+	if replay != nil {
+		if replay.Error != nil {
+			return 0, nil, recordedError(replay)
+		}
+		return replay.Seq, replay, nil
+	}
+	ctx = detach(ctx, seq, top)
+	start := time.Now()
+	err = e.runFileOp(ctx, sb, id, what, op)
+	if top == nil {
+		return 0, nil, err
+	}
+	if cerr := e.commit(ctx, top, rec, start, err); cerr != nil {
+		return 0, nil, cerr
+	}
+	return top.Seq(), nil, err
+}
+
+func (e *Edge) runFileOp(ctx context.Context, sb *sandbox, id, what string, op func(context.Context, runtime.Sandbox) error) error {
 	rs, err := e.begin(sb)
 	if err != nil {
 		return opError(ctx, id, what, err)
 	}
-	if err := e.end(sb, op(rs)); err != nil {
+	if err := e.end(sb, op(ctx, rs)); err != nil {
 		return opError(ctx, id, what, err)
 	}
 	return nil
+}
+
+// detach lets an operation whose client numbered it run to completion even
+// if the client goes away: the client will re-send the number after a
+// reconnect and must get the outcome, not a half-run command.
+func detach(ctx context.Context, seq uint64, op *trajectory.Op) context.Context {
+	if seq != 0 && op != nil {
+		return context.WithoutCancel(ctx)
+	}
+	return ctx
 }
 
 // exec runs one command. A sandbox that is lost, or dies during the exec,
@@ -189,6 +264,31 @@ func (e *Edge) exec(ctx context.Context, caller *dsecv1.Caller, req *dsecv1.Exec
 	if err != nil {
 		return nil, err
 	}
+	rec := execRequestRecord(req)
+	op, replay, err := e.admitOp(ctx, sb, req.Seq, rec)
+	if err != nil {
+		return nil, err
+	}
+	if replay != nil {
+		return replayedExec(replay)
+	}
+	ctx = detach(ctx, req.Seq, op)
+	start := time.Now()
+	res, err := e.runExec(ctx, sb, rreq, out)
+	if op == nil {
+		return res, err
+	}
+	if res != nil {
+		fillExecResult(rec, res)
+		res.Seq = op.Seq()
+	}
+	if cerr := e.commit(ctx, op, rec, start, err); cerr != nil {
+		return nil, cerr
+	}
+	return res, err
+}
+
+func (e *Edge) runExec(ctx context.Context, sb *sandbox, rreq runtime.ExecRequest, out runtime.OutputFunc) (*dsecv1.ExecResult, error) {
 	rs, err := e.begin(sb)
 	var lost errLost
 	if errors.As(err, &lost) {
@@ -204,7 +304,7 @@ func (e *Edge) exec(ctx context.Context, caller *dsecv1.Caller, req *dsecv1.Exec
 		if errors.As(err, &lost) {
 			return infraResult(lost), nil
 		}
-		return nil, opError(ctx, req.SandboxId, "exec", err)
+		return nil, opError(ctx, sb.id, "exec", err)
 	}
 	return toProtoResult(res), nil
 }

@@ -217,7 +217,10 @@ type Sandbox struct {
 	// Ordered layer digests the sandbox was built from (bottom first).
 	Layers []string `protobuf:"bytes,8,rep,name=layers,proto3" json:"layers,omitempty"`
 	// Why the sandbox is lost or failed.
-	Reason        string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
+	Reason string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
+	// The sequence number the sandbox's trajectory expects next (see
+	// ExecRequest.seq); 0 when the node keeps no trajectory.
+	NextSeq       uint64 `protobuf:"varint,10,opt,name=next_seq,json=nextSeq,proto3" json:"next_seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -313,6 +316,13 @@ func (x *Sandbox) GetReason() string {
 		return x.Reason
 	}
 	return ""
+}
+
+func (x *Sandbox) GetNextSeq() uint64 {
+	if x != nil {
+		return x.NextSeq
+	}
+	return 0
 }
 
 type CreateSandboxRequest struct {
@@ -794,8 +804,18 @@ type ExecRequest struct {
 	Timeout *durationpb.Duration `protobuf:"bytes,8,opt,name=timeout,proto3" json:"timeout,omitempty"`
 	// Bound on captured stdout and stderr each; 0 = server default.
 	MaxOutputBytes int64 `protobuf:"varint,9,opt,name=max_output_bytes,json=maxOutputBytes,proto3" json:"max_output_bytes,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The operation's step in the sandbox's trajectory (1, 2, ...), numbered
+	// by the client; 0 lets the node number it. A number already recorded
+	// returns the recorded result without running anything (replayed); a
+	// number beyond the next expected one is FailedPrecondition. An operation
+	// with a seq runs to completion even if the caller goes away, so that a
+	// re-send after a reconnect gets its result. Exec, WriteFile, ReadFile and
+	// SubmitReward share one numbering per sandbox.
+	Seq uint64 `protobuf:"varint,10,opt,name=seq,proto3" json:"seq,omitempty"`
+	// Free-form client request id, kept in the trajectory record.
+	RequestId     string `protobuf:"bytes,11,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExecRequest) Reset() {
@@ -891,6 +911,20 @@ func (x *ExecRequest) GetMaxOutputBytes() int64 {
 	return 0
 }
 
+func (x *ExecRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ExecRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
 type ExecResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// "ok" (exit 0), "failed" (non-zero exit or signal), "timeout" or
@@ -906,7 +940,12 @@ type ExecResult struct {
 	TimedOut        bool                 `protobuf:"varint,9,opt,name=timed_out,json=timedOut,proto3" json:"timed_out,omitempty"`
 	OomKilled       bool                 `protobuf:"varint,10,opt,name=oom_killed,json=oomKilled,proto3" json:"oom_killed,omitempty"`
 	// Set when outcome is "infra_error": what failed.
-	InfraError    string `protobuf:"bytes,11,opt,name=infra_error,json=infraError,proto3" json:"infra_error,omitempty"`
+	InfraError string `protobuf:"bytes,11,opt,name=infra_error,json=infraError,proto3" json:"infra_error,omitempty"`
+	// The operation's step in the sandbox's trajectory.
+	Seq uint64 `protobuf:"varint,12,opt,name=seq,proto3" json:"seq,omitempty"`
+	// True when the result was recorded earlier and returned without running
+	// the command again (client fast-forward).
+	Replayed      bool `protobuf:"varint,13,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1016,6 +1055,20 @@ func (x *ExecResult) GetInfraError() string {
 		return x.InfraError
 	}
 	return ""
+}
+
+func (x *ExecResult) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ExecResult) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
 }
 
 type ExecResponse struct {
@@ -1166,7 +1219,10 @@ type WriteFileRequest struct {
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	Data      []byte                 `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
 	// Permission bits; 0 means 0644.
-	Mode          uint32 `protobuf:"varint,4,opt,name=mode,proto3" json:"mode,omitempty"`
+	Mode uint32 `protobuf:"varint,4,opt,name=mode,proto3" json:"mode,omitempty"`
+	// As ExecRequest.seq and request_id.
+	Seq           uint64 `protobuf:"varint,5,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId     string `protobuf:"bytes,6,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1229,8 +1285,24 @@ func (x *WriteFileRequest) GetMode() uint32 {
 	return 0
 }
 
+func (x *WriteFileRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *WriteFileRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
 type WriteFileResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
+	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Replayed      bool                   `protobuf:"varint,2,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1265,12 +1337,29 @@ func (*WriteFileResponse) Descriptor() ([]byte, []int) {
 	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
 }
 
+func (x *WriteFileResponse) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *WriteFileResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
 type ReadFileRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// 0 means the server default bound.
-	MaxBytes      int64 `protobuf:"varint,3,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	MaxBytes int64 `protobuf:"varint,3,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	// As ExecRequest.seq and request_id.
+	Seq           uint64 `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId     string `protobuf:"bytes,5,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1326,9 +1415,25 @@ func (x *ReadFileRequest) GetMaxBytes() int64 {
 	return 0
 }
 
+func (x *ReadFileRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ReadFileRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
 type ReadFileResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Data          []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	Seq           uint64                 `protobuf:"varint,2,opt,name=seq,proto3" json:"seq,omitempty"`
+	Replayed      bool                   `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1370,6 +1475,285 @@ func (x *ReadFileResponse) GetData() []byte {
 	return nil
 }
 
+func (x *ReadFileResponse) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ReadFileResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
+type SubmitRewardRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Value     float64                `protobuf:"fixed64,2,opt,name=value,proto3" json:"value,omitempty"`
+	Metadata  map[string]string      `protobuf:"bytes,3,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// As ExecRequest.seq and request_id.
+	Seq           uint64 `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId     string `protobuf:"bytes,5,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SubmitRewardRequest) Reset() {
+	*x = SubmitRewardRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SubmitRewardRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SubmitRewardRequest) ProtoMessage() {}
+
+func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SubmitRewardRequest.ProtoReflect.Descriptor instead.
+func (*SubmitRewardRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *SubmitRewardRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *SubmitRewardRequest) GetValue() float64 {
+	if x != nil {
+		return x.Value
+	}
+	return 0
+}
+
+func (x *SubmitRewardRequest) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
+}
+
+func (x *SubmitRewardRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *SubmitRewardRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type SubmitRewardResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Replayed      bool                   `protobuf:"varint,2,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SubmitRewardResponse) Reset() {
+	*x = SubmitRewardResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SubmitRewardResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SubmitRewardResponse) ProtoMessage() {}
+
+func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SubmitRewardResponse.ProtoReflect.Descriptor instead.
+func (*SubmitRewardResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *SubmitRewardResponse) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *SubmitRewardResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
+type GetTrajectoryRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// Records per page; 0 means 1000, at most 10000.
+	PageSize int32 `protobuf:"varint,2,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// From a previous response's next_page_token; empty for the first page.
+	PageToken string `protobuf:"bytes,3,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// Inline the data kept in the blob store (large outputs, file contents,
+	// stdin), so that the records are self-contained (export, replay).
+	IncludeData   bool `protobuf:"varint,4,opt,name=include_data,json=includeData,proto3" json:"include_data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetTrajectoryRequest) Reset() {
+	*x = GetTrajectoryRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetTrajectoryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetTrajectoryRequest) ProtoMessage() {}
+
+func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetTrajectoryRequest.ProtoReflect.Descriptor instead.
+func (*GetTrajectoryRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *GetTrajectoryRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *GetTrajectoryRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *GetTrajectoryRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+func (x *GetTrajectoryRequest) GetIncludeData() bool {
+	if x != nil {
+		return x.IncludeData
+	}
+	return false
+}
+
+type GetTrajectoryResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One record per entry, in log order, each the canonical JSON a
+	// trajectory JSONL export holds on one line (see docs/trajectory.md).
+	Records []string `protobuf:"bytes,1,rep,name=records,proto3" json:"records,omitempty"`
+	// Empty on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	// The sequence number the trajectory expects next.
+	NextSeq       uint64 `protobuf:"varint,3,opt,name=next_seq,json=nextSeq,proto3" json:"next_seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetTrajectoryResponse) Reset() {
+	*x = GetTrajectoryResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetTrajectoryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetTrajectoryResponse) ProtoMessage() {}
+
+func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetTrajectoryResponse.ProtoReflect.Descriptor instead.
+func (*GetTrajectoryResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *GetTrajectoryResponse) GetRecords() []string {
+	if x != nil {
+		return x.Records
+	}
+	return nil
+}
+
+func (x *GetTrajectoryResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+func (x *GetTrajectoryResponse) GetNextSeq() uint64 {
+	if x != nil {
+		return x.NextSeq
+	}
+	return 0
+}
+
 type DestroySandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1379,7 +1763,7 @@ type DestroySandboxRequest struct {
 
 func (x *DestroySandboxRequest) Reset() {
 	*x = DestroySandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1391,7 +1775,7 @@ func (x *DestroySandboxRequest) String() string {
 func (*DestroySandboxRequest) ProtoMessage() {}
 
 func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1404,7 +1788,7 @@ func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxRequest.ProtoReflect.Descriptor instead.
 func (*DestroySandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *DestroySandboxRequest) GetId() string {
@@ -1422,7 +1806,7 @@ type DestroySandboxResponse struct {
 
 func (x *DestroySandboxResponse) Reset() {
 	*x = DestroySandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1434,7 +1818,7 @@ func (x *DestroySandboxResponse) String() string {
 func (*DestroySandboxResponse) ProtoMessage() {}
 
 func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1447,7 +1831,7 @@ func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxResponse.ProtoReflect.Descriptor instead.
 func (*DestroySandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
 }
 
 type BatchDestroySandboxesRequest struct {
@@ -1459,7 +1843,7 @@ type BatchDestroySandboxesRequest struct {
 
 func (x *BatchDestroySandboxesRequest) Reset() {
 	*x = BatchDestroySandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1471,7 +1855,7 @@ func (x *BatchDestroySandboxesRequest) String() string {
 func (*BatchDestroySandboxesRequest) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1484,7 +1868,7 @@ func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesRequest.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *BatchDestroySandboxesRequest) GetIds() []string {
@@ -1504,7 +1888,7 @@ type BatchDestroyResult struct {
 
 func (x *BatchDestroyResult) Reset() {
 	*x = BatchDestroyResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1516,7 +1900,7 @@ func (x *BatchDestroyResult) String() string {
 func (*BatchDestroyResult) ProtoMessage() {}
 
 func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1529,7 +1913,7 @@ func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroyResult.ProtoReflect.Descriptor instead.
 func (*BatchDestroyResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *BatchDestroyResult) GetId() string {
@@ -1555,7 +1939,7 @@ type BatchDestroySandboxesResponse struct {
 
 func (x *BatchDestroySandboxesResponse) Reset() {
 	*x = BatchDestroySandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1567,7 +1951,7 @@ func (x *BatchDestroySandboxesResponse) String() string {
 func (*BatchDestroySandboxesResponse) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1580,7 +1964,7 @@ func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesResponse.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *BatchDestroySandboxesResponse) GetResults() []*BatchDestroyResult {
@@ -1606,7 +1990,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1618,7 +2002,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1631,7 +2015,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Image) GetRef() string {
@@ -1689,7 +2073,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1701,7 +2085,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1714,7 +2098,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -1773,7 +2157,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1785,7 +2169,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1798,7 +2182,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -1831,7 +2215,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1843,7 +2227,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1856,7 +2240,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -1874,7 +2258,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1886,7 +2270,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1899,7 +2283,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
 }
 
 type ListImagesResponse struct {
@@ -1911,7 +2295,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1923,7 +2307,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1936,7 +2320,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -1955,7 +2339,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1967,7 +2351,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1980,7 +2364,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -1999,7 +2383,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2011,7 +2395,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2024,7 +2408,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -2044,7 +2428,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2056,7 +2440,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2069,7 +2453,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -2095,7 +2479,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2107,7 +2491,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2120,7 +2504,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -2139,7 +2523,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2151,7 +2535,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2164,7 +2548,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -2182,7 +2566,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2194,7 +2578,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2207,7 +2591,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
 }
 
 type Quota struct {
@@ -2222,7 +2606,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2234,7 +2618,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2247,7 +2631,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -2281,7 +2665,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2293,7 +2677,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2306,7 +2690,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -2334,7 +2718,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2346,7 +2730,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2359,7 +2743,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -2397,7 +2781,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x03env\x18\t \x03(\tR\x03env\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb2\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xcd\x02\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x16\n" +
@@ -2408,7 +2792,9 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12@\n" +
 	"\x0elast_active_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\flastActiveAt\x12\x16\n" +
 	"\x06layers\x18\b \x03(\tR\x06layers\x12\x16\n" +
-	"\x06reason\x18\t \x01(\tR\x06reason\"@\n" +
+	"\x06reason\x18\t \x01(\tR\x06reason\x12\x19\n" +
+	"\bnext_seq\x18\n" +
+	" \x01(\x04R\anextSeq\"@\n" +
 	"\x14CreateSandboxRequest\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\"C\n" +
 	"\x15CreateSandboxResponse\x12*\n" +
@@ -2434,7 +2820,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"G\n" +
 	"\x15ListSandboxesResponse\x12.\n" +
-	"\tsandboxes\x18\x01 \x03(\v2\x10.dsec.v1.SandboxR\tsandboxes\"\x83\x02\n" +
+	"\tsandboxes\x18\x01 \x03(\v2\x10.dsec.v1.SandboxR\tsandboxes\"\xb4\x02\n" +
 	"\vExecRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -2445,7 +2831,11 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x04user\x18\x06 \x01(\tR\x04user\x12\x14\n" +
 	"\x05stdin\x18\a \x01(\fR\x05stdin\x123\n" +
 	"\atimeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\atimeout\x12(\n" +
-	"\x10max_output_bytes\x18\t \x01(\x03R\x0emaxOutputBytes\"\xf5\x02\n" +
+	"\x10max_output_bytes\x18\t \x01(\x03R\x0emaxOutputBytes\x12\x10\n" +
+	"\x03seq\x18\n" +
+	" \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\v \x01(\tR\trequestId\"\xa3\x03\n" +
 	"\n" +
 	"ExecResult\x12\x18\n" +
 	"\aoutcome\x18\x01 \x01(\tR\aoutcome\x12\x1b\n" +
@@ -2461,28 +2851,65 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"oom_killed\x18\n" +
 	" \x01(\bR\toomKilled\x12\x1f\n" +
 	"\vinfra_error\x18\v \x01(\tR\n" +
-	"infraError\";\n" +
+	"infraError\x12\x10\n" +
+	"\x03seq\x18\f \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\r \x01(\bR\breplayed\";\n" +
 	"\fExecResponse\x12+\n" +
 	"\x06result\x18\x01 \x01(\v2\x13.dsec.v1.ExecResultR\x06result\"\x80\x01\n" +
 	"\x12ExecStreamResponse\x12\x18\n" +
 	"\x06stdout\x18\x01 \x01(\fH\x00R\x06stdout\x12\x18\n" +
 	"\x06stderr\x18\x02 \x01(\fH\x00R\x06stderr\x12-\n" +
 	"\x06result\x18\x03 \x01(\v2\x13.dsec.v1.ExecResultH\x00R\x06resultB\a\n" +
-	"\x05event\"m\n" +
+	"\x05event\"\x9e\x01\n" +
 	"\x10WriteFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
 	"\x04data\x18\x03 \x01(\fR\x04data\x12\x12\n" +
-	"\x04mode\x18\x04 \x01(\rR\x04mode\"\x13\n" +
-	"\x11WriteFileResponse\"a\n" +
+	"\x04mode\x18\x04 \x01(\rR\x04mode\x12\x10\n" +
+	"\x03seq\x18\x05 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x06 \x01(\tR\trequestId\"A\n" +
+	"\x11WriteFileResponse\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\x02 \x01(\bR\breplayed\"\x92\x01\n" +
 	"\x0fReadFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1b\n" +
-	"\tmax_bytes\x18\x03 \x01(\x03R\bmaxBytes\"&\n" +
+	"\tmax_bytes\x18\x03 \x01(\x03R\bmaxBytes\x12\x10\n" +
+	"\x03seq\x18\x04 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x05 \x01(\tR\trequestId\"T\n" +
 	"\x10ReadFileResponse\x12\x12\n" +
-	"\x04data\x18\x01 \x01(\fR\x04data\"'\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x10\n" +
+	"\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\"\x80\x02\n" +
+	"\x13SubmitRewardRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x01R\x05value\x12F\n" +
+	"\bmetadata\x18\x03 \x03(\v2*.dsec.v1.SubmitRewardRequest.MetadataEntryR\bmetadata\x12\x10\n" +
+	"\x03seq\x18\x04 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x05 \x01(\tR\trequestId\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"D\n" +
+	"\x14SubmitRewardResponse\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\x02 \x01(\bR\breplayed\"\x94\x01\n" +
+	"\x14GetTrajectoryRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1b\n" +
+	"\tpage_size\x18\x02 \x01(\x05R\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x03 \x01(\tR\tpageToken\x12!\n" +
+	"\finclude_data\x18\x04 \x01(\bR\vincludeData\"t\n" +
+	"\x15GetTrajectoryResponse\x12\x18\n" +
+	"\arecords\x18\x01 \x03(\tR\arecords\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12\x19\n" +
+	"\bnext_seq\x18\x03 \x01(\x04R\anextSeq\"'\n" +
 	"\x15DestroySandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x18\n" +
 	"\x16DestroySandboxResponse\"0\n" +
@@ -2536,7 +2963,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\"@\n" +
 	"\x14CreateTenantResponse\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
-	"\x05token\x18\x02 \x01(\tR\x05token2\xe4\x05\n" +
+	"\x05token\x18\x02 \x01(\tR\x05token2\x81\a\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -2548,7 +2975,9 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x1a.dsec.v1.WriteFileResponse\x12?\n" +
 	"\bReadFile\x12\x18.dsec.v1.ReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse\x12J\n" +
 	"\aDestroy\x12\x1e.dsec.v1.DestroySandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse\x12]\n" +
-	"\fBatchDestroy\x12%.dsec.v1.BatchDestroySandboxesRequest\x1a&.dsec.v1.BatchDestroySandboxesResponse2\xd3\x02\n" +
+	"\fBatchDestroy\x12%.dsec.v1.BatchDestroySandboxesRequest\x1a&.dsec.v1.BatchDestroySandboxesResponse\x12K\n" +
+	"\fSubmitReward\x12\x1c.dsec.v1.SubmitRewardRequest\x1a\x1d.dsec.v1.SubmitRewardResponse\x12N\n" +
+	"\rGetTrajectory\x12\x1d.dsec.v1.GetTrajectoryRequest\x1a\x1e.dsec.v1.GetTrajectoryResponse2\xd3\x02\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
@@ -2570,7 +2999,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 48)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -2593,39 +3022,44 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*WriteFileResponse)(nil),             // 18: dsec.v1.WriteFileResponse
 	(*ReadFileRequest)(nil),               // 19: dsec.v1.ReadFileRequest
 	(*ReadFileResponse)(nil),              // 20: dsec.v1.ReadFileResponse
-	(*DestroySandboxRequest)(nil),         // 21: dsec.v1.DestroySandboxRequest
-	(*DestroySandboxResponse)(nil),        // 22: dsec.v1.DestroySandboxResponse
-	(*BatchDestroySandboxesRequest)(nil),  // 23: dsec.v1.BatchDestroySandboxesRequest
-	(*BatchDestroyResult)(nil),            // 24: dsec.v1.BatchDestroyResult
-	(*BatchDestroySandboxesResponse)(nil), // 25: dsec.v1.BatchDestroySandboxesResponse
-	(*Image)(nil),                         // 26: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 27: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 28: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 29: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 30: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 31: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 32: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 33: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 34: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 35: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 36: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 37: dsec.v1.DeleteImageResponse
-	(*Quota)(nil),                         // 38: dsec.v1.Quota
-	(*CreateTenantRequest)(nil),           // 39: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 40: dsec.v1.CreateTenantResponse
-	nil,                                   // 41: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 42: dsec.v1.ListSandboxesRequest.LabelsEntry
-	(*durationpb.Duration)(nil),           // 43: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 44: google.protobuf.Timestamp
+	(*SubmitRewardRequest)(nil),           // 21: dsec.v1.SubmitRewardRequest
+	(*SubmitRewardResponse)(nil),          // 22: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryRequest)(nil),          // 23: dsec.v1.GetTrajectoryRequest
+	(*GetTrajectoryResponse)(nil),         // 24: dsec.v1.GetTrajectoryResponse
+	(*DestroySandboxRequest)(nil),         // 25: dsec.v1.DestroySandboxRequest
+	(*DestroySandboxResponse)(nil),        // 26: dsec.v1.DestroySandboxResponse
+	(*BatchDestroySandboxesRequest)(nil),  // 27: dsec.v1.BatchDestroySandboxesRequest
+	(*BatchDestroyResult)(nil),            // 28: dsec.v1.BatchDestroyResult
+	(*BatchDestroySandboxesResponse)(nil), // 29: dsec.v1.BatchDestroySandboxesResponse
+	(*Image)(nil),                         // 30: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 31: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 32: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 33: dsec.v1.ImportImageResponse
+	(*ListImagesRequest)(nil),             // 34: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 35: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 36: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 37: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 38: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 39: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 40: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 41: dsec.v1.DeleteImageResponse
+	(*Quota)(nil),                         // 42: dsec.v1.Quota
+	(*CreateTenantRequest)(nil),           // 43: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 44: dsec.v1.CreateTenantResponse
+	nil,                                   // 45: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 46: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 47: dsec.v1.SubmitRewardRequest.MetadataEntry
+	(*durationpb.Duration)(nil),           // 48: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 49: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	41, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	43, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	43, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	45, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	48, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	48, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	44, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	44, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	49, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	49, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,  // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,  // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -2633,58 +3067,63 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	6,  // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	7,  // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,  // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	42, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	46, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,  // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	43, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	43, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	48, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	48, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	14, // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	14, // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	6,  // 20: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
-	24, // 21: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	44, // 22: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	28, // 23: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	26, // 24: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	26, // 25: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	26, // 26: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	26, // 27: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	38, // 28: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	3,  // 29: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,  // 30: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,  // 31: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11, // 32: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13, // 33: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13, // 34: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17, // 35: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	19, // 36: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	21, // 37: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	23, // 38: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	27, // 39: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	30, // 40: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	32, // 41: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	34, // 42: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	36, // 43: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	39, // 44: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	4,  // 45: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,  // 46: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10, // 47: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12, // 48: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15, // 49: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16, // 50: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18, // 51: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	20, // 52: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	22, // 53: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	25, // 54: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	29, // 55: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	31, // 56: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	33, // 57: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	35, // 58: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	37, // 59: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	40, // 60: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	45, // [45:61] is the sub-list for method output_type
-	29, // [29:45] is the sub-list for method input_type
-	29, // [29:29] is the sub-list for extension type_name
-	29, // [29:29] is the sub-list for extension extendee
-	0,  // [0:29] is the sub-list for field type_name
+	47, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	6,  // 21: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
+	28, // 22: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	49, // 23: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	32, // 24: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	30, // 25: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	30, // 26: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	30, // 27: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	30, // 28: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	42, // 29: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	3,  // 30: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	5,  // 31: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	9,  // 32: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	11, // 33: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	13, // 34: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	13, // 35: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	17, // 36: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	19, // 37: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	25, // 38: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	27, // 39: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	21, // 40: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	23, // 41: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	31, // 42: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	34, // 43: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	36, // 44: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	38, // 45: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	40, // 46: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	43, // 47: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	4,  // 48: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	8,  // 49: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	10, // 50: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	12, // 51: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	15, // 52: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	16, // 53: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	18, // 54: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	20, // 55: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 56: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	29, // 57: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	22, // 58: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	24, // 59: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	33, // 60: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	35, // 61: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	37, // 62: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	39, // 63: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	41, // 64: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	44, // 65: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	48, // [48:66] is the sub-list for method output_type
+	30, // [30:48] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -2697,7 +3136,7 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ExecStreamResponse_Stderr)(nil),
 		(*ExecStreamResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[27].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[31].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
@@ -2707,7 +3146,7 @@ func file_dsec_v1_dsec_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   43,
+			NumMessages:   48,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

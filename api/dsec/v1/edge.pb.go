@@ -401,6 +401,110 @@ func (x *EdgeReadFileRequest) GetRequest() *ReadFileRequest {
 	return nil
 }
 
+type EdgeSubmitRewardRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *SubmitRewardRequest   `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeSubmitRewardRequest) Reset() {
+	*x = EdgeSubmitRewardRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeSubmitRewardRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeSubmitRewardRequest) ProtoMessage() {}
+
+func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeSubmitRewardRequest.ProtoReflect.Descriptor instead.
+func (*EdgeSubmitRewardRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *EdgeSubmitRewardRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeSubmitRewardRequest) GetRequest() *SubmitRewardRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type EdgeGetTrajectoryRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *GetTrajectoryRequest  `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeGetTrajectoryRequest) Reset() {
+	*x = EdgeGetTrajectoryRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeGetTrajectoryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeGetTrajectoryRequest) ProtoMessage() {}
+
+func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeGetTrajectoryRequest.ProtoReflect.Descriptor instead.
+func (*EdgeGetTrajectoryRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *EdgeGetTrajectoryRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeGetTrajectoryRequest) GetRequest() *GetTrajectoryRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
 type BackendCapacity struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Backend kind, e.g. "container".
@@ -419,7 +523,7 @@ type BackendCapacity struct {
 
 func (x *BackendCapacity) Reset() {
 	*x = BackendCapacity{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -431,7 +535,7 @@ func (x *BackendCapacity) String() string {
 func (*BackendCapacity) ProtoMessage() {}
 
 func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -444,7 +548,7 @@ func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackendCapacity.ProtoReflect.Descriptor instead.
 func (*BackendCapacity) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *BackendCapacity) GetBackend() string {
@@ -511,7 +615,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -523,7 +627,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -536,7 +640,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -607,7 +711,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -619,7 +723,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -632,7 +736,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -694,7 +798,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -706,7 +810,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -719,7 +823,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -760,7 +864,13 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.WriteFileRequestR\arequest\"r\n" +
 	"\x13EdgeReadFileRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x122\n" +
-	"\arequest\x18\x02 \x01(\v2\x18.dsec.v1.ReadFileRequestR\arequest\"\x82\x02\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.dsec.v1.ReadFileRequestR\arequest\"z\n" +
+	"\x17EdgeSubmitRewardRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x126\n" +
+	"\arequest\x18\x02 \x01(\v2\x1c.dsec.v1.SubmitRewardRequestR\arequest\"|\n" +
+	"\x18EdgeGetTrajectoryRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x127\n" +
+	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.GetTrajectoryRequestR\arequest\"\x82\x02\n" +
 	"\x0fBackendCapacity\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
 	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
@@ -789,7 +899,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\tsandboxes\x18\x06 \x03(\v2\x17.dsec.v1.SandboxSummaryR\tsandboxes\x12\x17\n" +
 	"\aboot_id\x18\a \x01(\tR\x06bootId\">\n" +
 	"\x11HeartbeatResponse\x12)\n" +
-	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xdc\x04\n" +
+	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\x8d\x06\n" +
 	"\vEdgeService\x12J\n" +
 	"\fCreateOnEdge\x12\x1a.dsec.v1.EdgeCreateRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12E\n" +
 	"\tGetOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1b.dsec.v1.GetSandboxResponse\x12F\n" +
@@ -800,7 +910,9 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x10ExecStreamOnEdge\x12\x18.dsec.v1.EdgeExecRequest\x1a\x1b.dsec.v1.ExecStreamResponse0\x01\x12L\n" +
 	"\x0fWriteFileOnEdge\x12\x1d.dsec.v1.EdgeWriteFileRequest\x1a\x1a.dsec.v1.WriteFileResponse\x12I\n" +
 	"\x0eReadFileOnEdge\x12\x1c.dsec.v1.EdgeReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse\x12M\n" +
-	"\rDestroyOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse2Q\n" +
+	"\rDestroyOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse\x12U\n" +
+	"\x12SubmitRewardOnEdge\x12 .dsec.v1.EdgeSubmitRewardRequest\x1a\x1d.dsec.v1.SubmitRewardResponse\x12X\n" +
+	"\x13GetTrajectoryOnEdge\x12!.dsec.v1.EdgeGetTrajectoryRequest\x1a\x1e.dsec.v1.GetTrajectoryResponse2Q\n" +
 	"\vNodeService\x12B\n" +
 	"\tHeartbeat\x12\x19.dsec.v1.HeartbeatRequest\x1a\x1a.dsec.v1.HeartbeatResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
@@ -816,72 +928,86 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_dsec_v1_edge_proto_goTypes = []any{
-	(*Caller)(nil),                 // 0: dsec.v1.Caller
-	(*EdgeCreateRequest)(nil),      // 1: dsec.v1.EdgeCreateRequest
-	(*EdgeSandboxRequest)(nil),     // 2: dsec.v1.EdgeSandboxRequest
-	(*EdgeListRequest)(nil),        // 3: dsec.v1.EdgeListRequest
-	(*EdgeExecRequest)(nil),        // 4: dsec.v1.EdgeExecRequest
-	(*EdgeWriteFileRequest)(nil),   // 5: dsec.v1.EdgeWriteFileRequest
-	(*EdgeReadFileRequest)(nil),    // 6: dsec.v1.EdgeReadFileRequest
-	(*BackendCapacity)(nil),        // 7: dsec.v1.BackendCapacity
-	(*SandboxSummary)(nil),         // 8: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),       // 9: dsec.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),      // 10: dsec.v1.HeartbeatResponse
-	nil,                            // 11: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                            // 12: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),            // 13: dsec.v1.SandboxSpec
-	(*ExecRequest)(nil),            // 14: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),       // 15: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),        // 16: dsec.v1.ReadFileRequest
-	(*CreateSandboxResponse)(nil),  // 17: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),     // 18: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),  // 19: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),           // 20: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),     // 21: dsec.v1.ExecStreamResponse
-	(*WriteFileResponse)(nil),      // 22: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),       // 23: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil), // 24: dsec.v1.DestroySandboxResponse
+	(*Caller)(nil),                   // 0: dsec.v1.Caller
+	(*EdgeCreateRequest)(nil),        // 1: dsec.v1.EdgeCreateRequest
+	(*EdgeSandboxRequest)(nil),       // 2: dsec.v1.EdgeSandboxRequest
+	(*EdgeListRequest)(nil),          // 3: dsec.v1.EdgeListRequest
+	(*EdgeExecRequest)(nil),          // 4: dsec.v1.EdgeExecRequest
+	(*EdgeWriteFileRequest)(nil),     // 5: dsec.v1.EdgeWriteFileRequest
+	(*EdgeReadFileRequest)(nil),      // 6: dsec.v1.EdgeReadFileRequest
+	(*EdgeSubmitRewardRequest)(nil),  // 7: dsec.v1.EdgeSubmitRewardRequest
+	(*EdgeGetTrajectoryRequest)(nil), // 8: dsec.v1.EdgeGetTrajectoryRequest
+	(*BackendCapacity)(nil),          // 9: dsec.v1.BackendCapacity
+	(*SandboxSummary)(nil),           // 10: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),         // 11: dsec.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),        // 12: dsec.v1.HeartbeatResponse
+	nil,                              // 13: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                              // 14: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),              // 15: dsec.v1.SandboxSpec
+	(*ExecRequest)(nil),              // 16: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),         // 17: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),          // 18: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),      // 19: dsec.v1.SubmitRewardRequest
+	(*GetTrajectoryRequest)(nil),     // 20: dsec.v1.GetTrajectoryRequest
+	(*CreateSandboxResponse)(nil),    // 21: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),       // 22: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),    // 23: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),             // 24: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),       // 25: dsec.v1.ExecStreamResponse
+	(*WriteFileResponse)(nil),        // 26: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),         // 27: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),   // 28: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),     // 29: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),    // 30: dsec.v1.GetTrajectoryResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	13, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	15, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
 	0,  // 2: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 3: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	11, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	13, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
 	0,  // 5: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	14, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	16, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
 	0,  // 7: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	15, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	17, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
 	0,  // 9: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	16, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
-	12, // 11: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	7,  // 12: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	8,  // 13: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	1,  // 14: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 15: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 16: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 17: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 18: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 19: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	6,  // 20: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 21: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	9,  // 22: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	17, // 23: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	18, // 24: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	19, // 25: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	20, // 26: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	21, // 27: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	22, // 28: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	23, // 29: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	24, // 30: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	10, // 31: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	23, // [23:32] is the sub-list for method output_type
-	14, // [14:23] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	18, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	0,  // 11: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
+	19, // 12: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	0,  // 13: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
+	20, // 14: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	14, // 15: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	9,  // 16: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	10, // 17: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	1,  // 18: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 19: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 20: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 21: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 22: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 23: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	6,  // 24: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 25: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	7,  // 26: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	8,  // 27: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	11, // 28: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	21, // 29: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	22, // 30: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	23, // 31: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	24, // 32: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	25, // 33: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	26, // 34: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	27, // 35: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	28, // 36: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	29, // 37: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	30, // 38: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	12, // 39: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	29, // [29:40] is the sub-list for method output_type
+	18, // [18:29] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -896,7 +1022,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -37,6 +37,12 @@ type ExecOptions struct {
 	// MaxOutputBytes bounds the captured stdout and stderr each; zero means
 	// the server's default. ExecStream writers still get everything.
 	MaxOutputBytes int64
+	// Seq is the operation's step in the sandbox's trajectory. Zero lets a
+	// numbered handle take its next number (or, on an Unnumbered handle,
+	// the server number it).
+	Seq uint64
+	// RequestID is kept in the trajectory record.
+	RequestID string
 }
 
 func (o ExecOptions) proto(id string) *dsecv1.ExecRequest {
@@ -49,6 +55,8 @@ func (o ExecOptions) proto(id string) *dsecv1.ExecRequest {
 		User:           o.User,
 		Stdin:          o.Stdin,
 		MaxOutputBytes: o.MaxOutputBytes,
+		Seq:            o.Seq,
+		RequestId:      o.RequestID,
 	}
 	if o.Timeout > 0 {
 		r.Timeout = durationpb.New(o.Timeout)
@@ -72,6 +80,11 @@ type ExecResult struct {
 	OOMKilled       bool
 	// InfraError says what failed when Outcome is OutcomeInfraError.
 	InfraError string
+	// Seq is the command's step in the sandbox's trajectory.
+	Seq uint64
+	// Replayed is true when the result was recorded earlier and returned
+	// without running the command again.
+	Replayed bool
 }
 
 // OK reports whether the command ran and exited 0.
@@ -89,6 +102,8 @@ func resultFromProto(p *dsecv1.ExecResult) *ExecResult {
 		TimedOut:        p.GetTimedOut(),
 		OOMKilled:       p.GetOomKilled(),
 		InfraError:      p.GetInfraError(),
+		Seq:             p.GetSeq(),
+		Replayed:        p.GetReplayed(),
 	}
 	if p.GetDuration() != nil {
 		r.Duration = p.GetDuration().AsDuration()
@@ -109,7 +124,13 @@ func (s *Sandbox) ExecShell(ctx context.Context, script string) (*ExecResult, er
 
 // ExecWith runs the command described by opts.
 func (s *Sandbox) ExecWith(ctx context.Context, opts ExecOptions) (*ExecResult, error) {
-	resp, err := s.c.sandboxes.Exec(ctx, connect.NewRequest(opts.proto(s.ID)))
+	opts.Seq = s.take(opts.Seq)
+	req := opts.proto(s.ID)
+	var resp *connect.Response[dsecv1.ExecResponse]
+	err := resend(ctx, req.Seq, func() (err error) {
+		resp, err = s.c.sandboxes.Exec(ctx, connect.NewRequest(req))
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("exec in sandbox %s: %w", s.ID, err)
 	}
@@ -125,27 +146,37 @@ func (s *Sandbox) ExecStream(ctx context.Context, opts ExecOptions, stdout, stde
 	// stops flowing to a caller that can no longer take it.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := s.c.sandboxes.ExecStream(ctx, connect.NewRequest(opts.proto(s.ID)))
-	if err != nil {
-		return nil, fmt.Errorf("exec in sandbox %s: %w", s.ID, err)
-	}
-	defer stream.Close()
+	opts.Seq = s.take(opts.Seq)
+	req := opts.proto(s.ID)
+	// A re-send after a broken stream gets the whole recorded output again;
+	// what the writers already have is skipped.
+	out, errOut := &skipWriter{w: stdout}, &skipWriter{w: stderr}
 	var result *ExecResult
-	for stream.Receive() {
-		switch ev := stream.Msg().GetEvent().(type) {
-		case *dsecv1.ExecStreamResponse_Stdout:
-			if err := write(stdout, ev.Stdout); err != nil {
-				return nil, fmt.Errorf("exec in sandbox %s: copy stdout: %w", s.ID, err)
-			}
-		case *dsecv1.ExecStreamResponse_Stderr:
-			if err := write(stderr, ev.Stderr); err != nil {
-				return nil, fmt.Errorf("exec in sandbox %s: copy stderr: %w", s.ID, err)
-			}
-		case *dsecv1.ExecStreamResponse_Result:
-			result = resultFromProto(ev.Result)
+	err := resend(ctx, req.Seq, func() error {
+		out.skip, errOut.skip = out.n, errOut.n
+		out.seen, errOut.seen = 0, 0
+		stream, err := s.c.sandboxes.ExecStream(ctx, connect.NewRequest(req))
+		if err != nil {
+			return err
 		}
-	}
-	if err := stream.Err(); err != nil {
+		defer stream.Close()
+		for stream.Receive() {
+			switch ev := stream.Msg().GetEvent().(type) {
+			case *dsecv1.ExecStreamResponse_Stdout:
+				if err := out.write(ev.Stdout); err != nil {
+					return &writerError{fmt.Errorf("copy stdout: %w", err)}
+				}
+			case *dsecv1.ExecStreamResponse_Stderr:
+				if err := errOut.write(ev.Stderr); err != nil {
+					return &writerError{fmt.Errorf("copy stderr: %w", err)}
+				}
+			case *dsecv1.ExecStreamResponse_Result:
+				result = resultFromProto(ev.Result)
+			}
+		}
+		return stream.Err()
+	})
+	if err != nil {
 		return nil, fmt.Errorf("exec in sandbox %s: %w", s.ID, err)
 	}
 	if result == nil {
@@ -155,10 +186,25 @@ func (s *Sandbox) ExecStream(ctx context.Context, opts ExecOptions, stdout, stde
 	return result, nil
 }
 
-func write(w io.Writer, b []byte) error {
-	if w == nil || len(b) == 0 {
+// skipWriter passes output on, skipping the first skip bytes of a
+// re-sent stream that the writer already has; n counts what it passed.
+type skipWriter struct {
+	w       io.Writer
+	n, skip int64
+	seen    int64
+}
+
+func (s *skipWriter) write(b []byte) error {
+	if s.seen < s.skip {
+		drop := min(int64(len(b)), s.skip-s.seen)
+		s.seen += drop
+		b = b[drop:]
+	}
+	if s.w == nil || len(b) == 0 {
 		return nil
 	}
-	_, err := w.Write(b)
+	s.seen += int64(len(b))
+	n, err := s.w.Write(b)
+	s.n += int64(n)
 	return err
 }

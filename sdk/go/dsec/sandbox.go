@@ -113,6 +113,9 @@ func specFromProto(p *dsecv1.SandboxSpec) Spec {
 // fetches them again.
 type Sandbox struct {
 	c *Client
+	// seq numbers the handle's operations (see trajectory.go); shared by
+	// copies of the handle.
+	seq *numbering
 
 	ID     string
 	Node   string
@@ -126,18 +129,23 @@ type Sandbox struct {
 	LastActiveAt time.Time
 	// Layers are the layer digests the sandbox was built from, bottom first.
 	Layers []string
+	// NextSeq is the step number the sandbox's trajectory expected next when
+	// this description was fetched (0 if its node keeps no trajectory).
+	NextSeq uint64
 }
 
 func (c *Client) sandbox(p *dsecv1.Sandbox) *Sandbox {
 	sb := &Sandbox{
-		c:      c,
-		ID:     p.GetId(),
-		Node:   p.GetNode(),
-		Tenant: p.GetTenant(),
-		Spec:   specFromProto(p.GetSpec()),
-		State:  p.GetState(),
-		Reason: p.GetReason(),
-		Layers: p.GetLayers(),
+		c:       c,
+		seq:     &numbering{next: 1},
+		NextSeq: p.GetNextSeq(),
+		ID:      p.GetId(),
+		Node:    p.GetNode(),
+		Tenant:  p.GetTenant(),
+		Spec:    specFromProto(p.GetSpec()),
+		State:   p.GetState(),
+		Reason:  p.GetReason(),
+		Layers:  p.GetLayers(),
 	}
 	if p.CreatedAt != nil {
 		sb.CreatedAt = p.CreatedAt.AsTime()
@@ -149,8 +157,17 @@ func (c *Client) sandbox(p *dsecv1.Sandbox) *Sandbox {
 }
 
 // Sandbox returns a handle for an existing sandbox without asking the
-// server; only ID is set.
-func (c *Client) Sandbox(id string) *Sandbox { return &Sandbox{c: c, ID: id} }
+// server; only ID is set. The handle numbers its operations from 1 (or as
+// opts say): a client that restarts and re-issues a sandbox's operations in
+// the same order gets the recorded results back (fast-forward) up to where
+// it left off, and the rest run.
+func (c *Client) Sandbox(id string, opts ...HandleOption) *Sandbox {
+	sb := &Sandbox{c: c, ID: id, seq: &numbering{next: 1}}
+	for _, o := range opts {
+		o(sb)
+	}
+	return sb
+}
 
 // Create creates one sandbox and returns when it is running.
 func (c *Client) Create(ctx context.Context, spec Spec) (*Sandbox, error) {
@@ -245,9 +262,9 @@ func (s *Sandbox) Refresh(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	c := s.c
+	c, seq := s.c, s.seq
 	*s = *fresh
-	s.c = c
+	s.c, s.seq = c, seq
 	return nil
 }
 
@@ -257,9 +274,11 @@ func (s *Sandbox) Destroy(ctx context.Context) error { return s.c.Destroy(ctx, s
 // WriteFile writes data to path inside the sandbox with permission bits
 // mode (0 means 0644), creating parent directories as needed.
 func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
-	_, err := s.c.sandboxes.WriteFile(ctx, connect.NewRequest(&dsecv1.WriteFileRequest{
-		SandboxId: s.ID, Path: path, Data: data, Mode: mode,
-	}))
+	req := &dsecv1.WriteFileRequest{SandboxId: s.ID, Path: path, Data: data, Mode: mode, Seq: s.take(0)}
+	err := resend(ctx, req.Seq, func() error {
+		_, err := s.c.sandboxes.WriteFile(ctx, connect.NewRequest(req))
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("write %s in sandbox %s: %w", path, s.ID, err)
 	}
@@ -269,9 +288,12 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 // ReadFile reads path inside the sandbox. maxBytes bounds the size (0 means
 // the server's default bound).
 func (s *Sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
-	resp, err := s.c.sandboxes.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{
-		SandboxId: s.ID, Path: path, MaxBytes: maxBytes,
-	}))
+	req := &dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path, MaxBytes: maxBytes, Seq: s.take(0)}
+	var resp *connect.Response[dsecv1.ReadFileResponse]
+	err := resend(ctx, req.Seq, func() (err error) {
+		resp, err = s.c.sandboxes.ReadFile(ctx, connect.NewRequest(req))
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("read %s in sandbox %s: %w", path, s.ID, err)
 	}

@@ -65,6 +65,12 @@ const (
 	// SandboxServiceBatchDestroyProcedure is the fully-qualified name of the SandboxService's
 	// BatchDestroy RPC.
 	SandboxServiceBatchDestroyProcedure = "/dsec.v1.SandboxService/BatchDestroy"
+	// SandboxServiceSubmitRewardProcedure is the fully-qualified name of the SandboxService's
+	// SubmitReward RPC.
+	SandboxServiceSubmitRewardProcedure = "/dsec.v1.SandboxService/SubmitReward"
+	// SandboxServiceGetTrajectoryProcedure is the fully-qualified name of the SandboxService's
+	// GetTrajectory RPC.
+	SandboxServiceGetTrajectoryProcedure = "/dsec.v1.SandboxService/GetTrajectory"
 	// ImageServiceImportProcedure is the fully-qualified name of the ImageService's Import RPC.
 	ImageServiceImportProcedure = "/dsec.v1.ImageService/Import"
 	// ImageServiceListProcedure is the fully-qualified name of the ImageService's List RPC.
@@ -91,6 +97,11 @@ type SandboxServiceClient interface {
 	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	Destroy(context.Context, *connect.Request[v1.DestroySandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
 	BatchDestroy(context.Context, *connect.Request[v1.BatchDestroySandboxesRequest]) (*connect.Response[v1.BatchDestroySandboxesResponse], error)
+	// SubmitReward appends a reward record to the sandbox's trajectory.
+	SubmitReward(context.Context, *connect.Request[v1.SubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error)
+	// GetTrajectory pages through a sandbox's trajectory, also after the
+	// sandbox is destroyed or its node is gone (from the blob store).
+	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
 }
 
 // NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
@@ -164,21 +175,35 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("BatchDestroy")),
 			connect.WithClientOptions(opts...),
 		),
+		submitReward: connect.NewClient[v1.SubmitRewardRequest, v1.SubmitRewardResponse](
+			httpClient,
+			baseURL+SandboxServiceSubmitRewardProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("SubmitReward")),
+			connect.WithClientOptions(opts...),
+		),
+		getTrajectory: connect.NewClient[v1.GetTrajectoryRequest, v1.GetTrajectoryResponse](
+			httpClient,
+			baseURL+SandboxServiceGetTrajectoryProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("GetTrajectory")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // sandboxServiceClient implements SandboxServiceClient.
 type sandboxServiceClient struct {
-	create       *connect.Client[v1.CreateSandboxRequest, v1.CreateSandboxResponse]
-	batchCreate  *connect.Client[v1.BatchCreateSandboxesRequest, v1.BatchCreateSandboxesResponse]
-	get          *connect.Client[v1.GetSandboxRequest, v1.GetSandboxResponse]
-	list         *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
-	exec         *connect.Client[v1.ExecRequest, v1.ExecResponse]
-	execStream   *connect.Client[v1.ExecRequest, v1.ExecStreamResponse]
-	writeFile    *connect.Client[v1.WriteFileRequest, v1.WriteFileResponse]
-	readFile     *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
-	destroy      *connect.Client[v1.DestroySandboxRequest, v1.DestroySandboxResponse]
-	batchDestroy *connect.Client[v1.BatchDestroySandboxesRequest, v1.BatchDestroySandboxesResponse]
+	create        *connect.Client[v1.CreateSandboxRequest, v1.CreateSandboxResponse]
+	batchCreate   *connect.Client[v1.BatchCreateSandboxesRequest, v1.BatchCreateSandboxesResponse]
+	get           *connect.Client[v1.GetSandboxRequest, v1.GetSandboxResponse]
+	list          *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
+	exec          *connect.Client[v1.ExecRequest, v1.ExecResponse]
+	execStream    *connect.Client[v1.ExecRequest, v1.ExecStreamResponse]
+	writeFile     *connect.Client[v1.WriteFileRequest, v1.WriteFileResponse]
+	readFile      *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
+	destroy       *connect.Client[v1.DestroySandboxRequest, v1.DestroySandboxResponse]
+	batchDestroy  *connect.Client[v1.BatchDestroySandboxesRequest, v1.BatchDestroySandboxesResponse]
+	submitReward  *connect.Client[v1.SubmitRewardRequest, v1.SubmitRewardResponse]
+	getTrajectory *connect.Client[v1.GetTrajectoryRequest, v1.GetTrajectoryResponse]
 }
 
 // Create calls dsec.v1.SandboxService.Create.
@@ -231,6 +256,16 @@ func (c *sandboxServiceClient) BatchDestroy(ctx context.Context, req *connect.Re
 	return c.batchDestroy.CallUnary(ctx, req)
 }
 
+// SubmitReward calls dsec.v1.SandboxService.SubmitReward.
+func (c *sandboxServiceClient) SubmitReward(ctx context.Context, req *connect.Request[v1.SubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error) {
+	return c.submitReward.CallUnary(ctx, req)
+}
+
+// GetTrajectory calls dsec.v1.SandboxService.GetTrajectory.
+func (c *sandboxServiceClient) GetTrajectory(ctx context.Context, req *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error) {
+	return c.getTrajectory.CallUnary(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	Create(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.CreateSandboxResponse], error)
@@ -243,6 +278,11 @@ type SandboxServiceHandler interface {
 	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	Destroy(context.Context, *connect.Request[v1.DestroySandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
 	BatchDestroy(context.Context, *connect.Request[v1.BatchDestroySandboxesRequest]) (*connect.Response[v1.BatchDestroySandboxesResponse], error)
+	// SubmitReward appends a reward record to the sandbox's trajectory.
+	SubmitReward(context.Context, *connect.Request[v1.SubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error)
+	// GetTrajectory pages through a sandbox's trajectory, also after the
+	// sandbox is destroyed or its node is gone (from the blob store).
+	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -312,6 +352,18 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("BatchDestroy")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceSubmitRewardHandler := connect.NewUnaryHandler(
+		SandboxServiceSubmitRewardProcedure,
+		svc.SubmitReward,
+		connect.WithSchema(sandboxServiceMethods.ByName("SubmitReward")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceGetTrajectoryHandler := connect.NewUnaryHandler(
+		SandboxServiceGetTrajectoryProcedure,
+		svc.GetTrajectory,
+		connect.WithSchema(sandboxServiceMethods.ByName("GetTrajectory")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateProcedure:
@@ -334,6 +386,10 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceDestroyHandler.ServeHTTP(w, r)
 		case SandboxServiceBatchDestroyProcedure:
 			sandboxServiceBatchDestroyHandler.ServeHTTP(w, r)
+		case SandboxServiceSubmitRewardProcedure:
+			sandboxServiceSubmitRewardHandler.ServeHTTP(w, r)
+		case SandboxServiceGetTrajectoryProcedure:
+			sandboxServiceGetTrajectoryHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -381,6 +437,14 @@ func (UnimplementedSandboxServiceHandler) Destroy(context.Context, *connect.Requ
 
 func (UnimplementedSandboxServiceHandler) BatchDestroy(context.Context, *connect.Request[v1.BatchDestroySandboxesRequest]) (*connect.Response[v1.BatchDestroySandboxesResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.BatchDestroy is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) SubmitReward(context.Context, *connect.Request[v1.SubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SubmitReward is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetTrajectory is not implemented"))
 }
 
 // ImageServiceClient is a client for the dsec.v1.ImageService service.

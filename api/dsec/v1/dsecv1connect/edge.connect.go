@@ -61,6 +61,12 @@ const (
 	// EdgeServiceDestroyOnEdgeProcedure is the fully-qualified name of the EdgeService's DestroyOnEdge
 	// RPC.
 	EdgeServiceDestroyOnEdgeProcedure = "/dsec.v1.EdgeService/DestroyOnEdge"
+	// EdgeServiceSubmitRewardOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// SubmitRewardOnEdge RPC.
+	EdgeServiceSubmitRewardOnEdgeProcedure = "/dsec.v1.EdgeService/SubmitRewardOnEdge"
+	// EdgeServiceGetTrajectoryOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// GetTrajectoryOnEdge RPC.
+	EdgeServiceGetTrajectoryOnEdgeProcedure = "/dsec.v1.EdgeService/GetTrajectoryOnEdge"
 	// NodeServiceHeartbeatProcedure is the fully-qualified name of the NodeService's Heartbeat RPC.
 	NodeServiceHeartbeatProcedure = "/dsec.v1.NodeService/Heartbeat"
 )
@@ -76,6 +82,8 @@ type EdgeServiceClient interface {
 	WriteFileOnEdge(context.Context, *connect.Request[v1.EdgeWriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error)
 	ReadFileOnEdge(context.Context, *connect.Request[v1.EdgeReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
+	SubmitRewardOnEdge(context.Context, *connect.Request[v1.EdgeSubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error)
+	GetTrajectoryOnEdge(context.Context, *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
 }
 
 // NewEdgeServiceClient constructs a client for the dsec.v1.EdgeService service. By default, it uses
@@ -137,19 +145,33 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(edgeServiceMethods.ByName("DestroyOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
+		submitRewardOnEdge: connect.NewClient[v1.EdgeSubmitRewardRequest, v1.SubmitRewardResponse](
+			httpClient,
+			baseURL+EdgeServiceSubmitRewardOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("SubmitRewardOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		getTrajectoryOnEdge: connect.NewClient[v1.EdgeGetTrajectoryRequest, v1.GetTrajectoryResponse](
+			httpClient,
+			baseURL+EdgeServiceGetTrajectoryOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("GetTrajectoryOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // edgeServiceClient implements EdgeServiceClient.
 type edgeServiceClient struct {
-	createOnEdge     *connect.Client[v1.EdgeCreateRequest, v1.CreateSandboxResponse]
-	getOnEdge        *connect.Client[v1.EdgeSandboxRequest, v1.GetSandboxResponse]
-	listOnEdge       *connect.Client[v1.EdgeListRequest, v1.ListSandboxesResponse]
-	execOnEdge       *connect.Client[v1.EdgeExecRequest, v1.ExecResponse]
-	execStreamOnEdge *connect.Client[v1.EdgeExecRequest, v1.ExecStreamResponse]
-	writeFileOnEdge  *connect.Client[v1.EdgeWriteFileRequest, v1.WriteFileResponse]
-	readFileOnEdge   *connect.Client[v1.EdgeReadFileRequest, v1.ReadFileResponse]
-	destroyOnEdge    *connect.Client[v1.EdgeSandboxRequest, v1.DestroySandboxResponse]
+	createOnEdge        *connect.Client[v1.EdgeCreateRequest, v1.CreateSandboxResponse]
+	getOnEdge           *connect.Client[v1.EdgeSandboxRequest, v1.GetSandboxResponse]
+	listOnEdge          *connect.Client[v1.EdgeListRequest, v1.ListSandboxesResponse]
+	execOnEdge          *connect.Client[v1.EdgeExecRequest, v1.ExecResponse]
+	execStreamOnEdge    *connect.Client[v1.EdgeExecRequest, v1.ExecStreamResponse]
+	writeFileOnEdge     *connect.Client[v1.EdgeWriteFileRequest, v1.WriteFileResponse]
+	readFileOnEdge      *connect.Client[v1.EdgeReadFileRequest, v1.ReadFileResponse]
+	destroyOnEdge       *connect.Client[v1.EdgeSandboxRequest, v1.DestroySandboxResponse]
+	submitRewardOnEdge  *connect.Client[v1.EdgeSubmitRewardRequest, v1.SubmitRewardResponse]
+	getTrajectoryOnEdge *connect.Client[v1.EdgeGetTrajectoryRequest, v1.GetTrajectoryResponse]
 }
 
 // CreateOnEdge calls dsec.v1.EdgeService.CreateOnEdge.
@@ -192,6 +214,16 @@ func (c *edgeServiceClient) DestroyOnEdge(ctx context.Context, req *connect.Requ
 	return c.destroyOnEdge.CallUnary(ctx, req)
 }
 
+// SubmitRewardOnEdge calls dsec.v1.EdgeService.SubmitRewardOnEdge.
+func (c *edgeServiceClient) SubmitRewardOnEdge(ctx context.Context, req *connect.Request[v1.EdgeSubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error) {
+	return c.submitRewardOnEdge.CallUnary(ctx, req)
+}
+
+// GetTrajectoryOnEdge calls dsec.v1.EdgeService.GetTrajectoryOnEdge.
+func (c *edgeServiceClient) GetTrajectoryOnEdge(ctx context.Context, req *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error) {
+	return c.getTrajectoryOnEdge.CallUnary(ctx, req)
+}
+
 // EdgeServiceHandler is an implementation of the dsec.v1.EdgeService service.
 type EdgeServiceHandler interface {
 	// Create admits (or refuses with ResourceExhausted) and builds a sandbox.
@@ -203,6 +235,8 @@ type EdgeServiceHandler interface {
 	WriteFileOnEdge(context.Context, *connect.Request[v1.EdgeWriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error)
 	ReadFileOnEdge(context.Context, *connect.Request[v1.EdgeReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
+	SubmitRewardOnEdge(context.Context, *connect.Request[v1.EdgeSubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error)
+	GetTrajectoryOnEdge(context.Context, *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
 }
 
 // NewEdgeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -260,6 +294,18 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(edgeServiceMethods.ByName("DestroyOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
+	edgeServiceSubmitRewardOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceSubmitRewardOnEdgeProcedure,
+		svc.SubmitRewardOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("SubmitRewardOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceGetTrajectoryOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceGetTrajectoryOnEdgeProcedure,
+		svc.GetTrajectoryOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("GetTrajectoryOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.EdgeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case EdgeServiceCreateOnEdgeProcedure:
@@ -278,6 +324,10 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceReadFileOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceDestroyOnEdgeProcedure:
 			edgeServiceDestroyOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceSubmitRewardOnEdgeProcedure:
+			edgeServiceSubmitRewardOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceGetTrajectoryOnEdgeProcedure:
+			edgeServiceGetTrajectoryOnEdgeHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -317,6 +367,14 @@ func (UnimplementedEdgeServiceHandler) ReadFileOnEdge(context.Context, *connect.
 
 func (UnimplementedEdgeServiceHandler) DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.DestroyOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) SubmitRewardOnEdge(context.Context, *connect.Request[v1.EdgeSubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.SubmitRewardOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) GetTrajectoryOnEdge(context.Context, *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.GetTrajectoryOnEdge is not implemented"))
 }
 
 // NodeServiceClient is a client for the dsec.v1.NodeService service.
