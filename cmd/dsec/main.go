@@ -1,12 +1,14 @@
 // Command dsec is DSec's one binary: the daemons (up, server, edge) and the
-// client CLI (tenant, image, sandbox, run) over the public API.
+// client CLI (tenant, image, sandbox, run, trajectory, replay) over the
+// public API.
 //
 // Exit codes: exec and run exit with the command's own exit code (128+N
 // when it was killed by signal N, 124 when it timed out). DSec itself uses
 // 125 when it could not run the command at all: an API error, or an
 // infra_error outcome (the sandbox or its node failed), so a script can tell
 // "the task failed" from "the infrastructure failed". Other commands exit 1
-// on error and 2 on bad usage.
+// on error and 2 on bad usage; `trajectory verify` exits 1 on a broken hash
+// chain and `replay` when a step diverged.
 package main
 
 import (
@@ -81,7 +83,8 @@ Clients read DSEC_ENDPOINT (default http://127.0.0.1:7110) and DSEC_TOKEN
 Exit codes: exec and run exit with the command's exit code (128+N if it was
 killed by signal N, 124 if it timed out); 125 means DSec could not run it
 (API error or infra_error: the sandbox or its node failed). Other commands
-exit 1 on error and 2 on bad usage.`,
+exit 1 on error and 2 on bad usage; "trajectory verify" exits 1 on a broken
+hash chain, "replay" when a step diverged.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
@@ -97,6 +100,8 @@ exit 1 on error and 2 on bad usage.`,
 		newImageCmd(g),
 		newSandboxCmd(g),
 		newRunCmd(g),
+		newTrajectoryCmd(g),
+		newReplayCmd(g),
 	)
 	return root
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -28,6 +29,7 @@ func newSandboxCmd(g *globals) *cobra.Command {
 		newSandboxLsCmd(g),
 		newSandboxGetCmd(g),
 		newSandboxRmCmd(g),
+		newSandboxLogCmd(g),
 	)
 	return cmd
 }
@@ -155,6 +157,9 @@ func streamExec(cmd *cobra.Command, sb *dsec.Sandbox, opts dsec.ExecOptions) err
 	if err != nil {
 		return &exitCodeError{code: exitInfra, msg: err.Error()}
 	}
+	if res.Replayed {
+		fmt.Fprintf(cmd.ErrOrStderr(), "dsec: seq %d replayed from the trajectory\n", res.Seq)
+	}
 	return resultExit(res)
 }
 
@@ -174,10 +179,20 @@ func resultExit(res *dsec.ExecResult) error {
 }
 
 func newSandboxExecCmd(g *globals) *cobra.Command {
-	var f execFlags
+	var (
+		f   execFlags
+		seq uint64
+	)
 	cmd := &cobra.Command{
 		Use:   "exec [flags] ID -- CMD [ARG...]",
 		Short: "Run a command in a sandbox, streaming its output; exit with its exit code",
+		Long: `Run a command in a sandbox, streaming its output, and exit with its exit code.
+
+With --seq N the command is step N of the sandbox's trajectory. If step N
+is already recorded (a client re-sending its commands after a restart),
+the recorded output and exit code come back without running anything
+again, and a note on stderr says so. N must not be beyond the next step
+the trajectory expects.`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if cmd.ArgsLenAtDash() != 1 {
 				return usagef("want ID -- CMD [ARG...]")
@@ -189,15 +204,40 @@ func newSandboxExecCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if cmd.Flags().Changed("seq") && seq == 0 {
+				return usagef("--seq 0: steps start at 1 (0 is the sandbox's creation record)")
+			}
 			c, err := g.client()
 			if err != nil {
 				return err
+			}
+			if seq != 0 {
+				if err := checkSeq(cmd.Context(), c, args[0], seq); err != nil {
+					return &exitCodeError{code: exitInfra, msg: err.Error()}
+				}
+				opts.Seq = seq
 			}
 			return streamExec(cmd, c.Sandbox(args[0], dsec.Unnumbered()), opts)
 		},
 	}
 	f.register(cmd)
+	cmd.Flags().Uint64Var(&seq, "seq", 0, "run as step N of the sandbox's trajectory; a recorded step returns its recorded result")
 	return cmd
+}
+
+// checkSeq refuses a step beyond the next one the sandbox's trajectory
+// expects. The server refuses it too, but the SDK keeps re-sending such a
+// number for a while (for its own handles, an earlier number may still be
+// on its way), which would only make the CLI hang before failing.
+func checkSeq(ctx context.Context, c *dsec.Client, id string, seq uint64) error {
+	sb, err := c.Get(ctx, id)
+	if err != nil {
+		return err
+	}
+	if sb.NextSeq != 0 && seq > sb.NextSeq {
+		return fmt.Errorf("--seq %d: sandbox %s's trajectory expects step %d next", seq, id, sb.NextSeq)
+	}
+	return nil
 }
 
 // maxCopyBytes bounds a file read from a sandbox by `cp`.

@@ -455,7 +455,9 @@ func (s *Server) exec(ctx context.Context, r *dsecv1.ExecRequest) (*dsecv1.ExecR
 	if err != nil {
 		return nil, err
 	}
-	if err := validateExec(r); err != nil {
+	// A numbered request goes to its node even when invalid: the node
+	// records the refusal under its number (see edge.refuse).
+	if err := validateExec(r); err != nil && r.GetSeq() == 0 {
 		return nil, err
 	}
 	rt, err := s.locate(p, "sandbox_id", r.GetSandboxId())
@@ -497,7 +499,7 @@ func (s *Server) execStream(ctx context.Context, r *dsecv1.ExecRequest, out *con
 	if err != nil {
 		return "", err
 	}
-	if err := validateExec(r); err != nil {
+	if err := validateExec(r); err != nil && r.GetSeq() == 0 {
 		return "", err
 	}
 	rt, err := s.locate(p, "sandbox_id", r.GetSandboxId())
@@ -567,7 +569,7 @@ func (ss *sandboxService) WriteFile(ctx context.Context, req *connect.Request[ds
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetPath() == "" {
+	if req.Msg.GetPath() == "" && req.Msg.GetSeq() == 0 {
 		return nil, errf(connect.CodeInvalidArgument, "path: required")
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
@@ -589,11 +591,13 @@ func (ss *sandboxService) ReadFile(ctx context.Context, req *connect.Request[dse
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetPath() == "" {
-		return nil, errf(connect.CodeInvalidArgument, "path: required")
-	}
-	if req.Msg.GetMaxBytes() < 0 {
-		return nil, errf(connect.CodeInvalidArgument, "max_bytes: %d is negative", req.Msg.GetMaxBytes())
+	if req.Msg.GetSeq() == 0 {
+		if req.Msg.GetPath() == "" {
+			return nil, errf(connect.CodeInvalidArgument, "path: required")
+		}
+		if req.Msg.GetMaxBytes() < 0 {
+			return nil, errf(connect.CodeInvalidArgument, "max_bytes: %d is negative", req.Msg.GetMaxBytes())
+		}
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {

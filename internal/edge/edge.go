@@ -25,6 +25,7 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
+	"path/filepath"
 	goruntime "runtime"
 	"strconv"
 	"sync"
@@ -98,6 +99,9 @@ type Config struct {
 	// ShipInterval is how often running sandboxes' new trajectory records
 	// are shipped to the blob store, default DefaultShipInterval.
 	ShipInterval time.Duration
+	// MaxLayers bounds a snapshot image's layers (default
+	// DefaultMaxLayers); past it the layers are merged into one.
+	MaxLayers int
 }
 
 // Edge is one node's agent. Create it with New, mount its service with
@@ -113,6 +117,8 @@ type Edge struct {
 	traj *trajectory.Log
 	// ship takes sandboxes whose trajectory ended, to ship at once.
 	ship chan string
+	// ckStore keeps checkpoint layers on this node (they do not outlive it).
+	ckStore *blobstore.Dir
 	// wake nudges the reaper when a deadline earlier than its timer appears.
 	wake chan struct{}
 
@@ -121,9 +127,13 @@ type Edge struct {
 	sandboxes map[string]*sandbox
 	used      map[runtime.Kind]placement.Capacity
 	// layers counts live sandboxes per layer digest (what the node holds).
-	layers     map[string]int
-	deadlines  deadlineHeap
-	tombstones []tombstone
+	layers map[string]int
+	// checkpoints by id; ckLayers counts the checkpoints and sandboxes
+	// using each layer of ckStore.
+	checkpoints map[string]*checkpoint
+	ckLayers    map[string]int
+	deadlines   deadlineHeap
+	tombstones  []tombstone
 
 	stop    context.CancelFunc
 	stopCtx context.Context
@@ -165,6 +175,9 @@ func New(cfg Config) (*Edge, error) {
 	}
 	if cfg.ShipInterval <= 0 {
 		cfg.ShipInterval = DefaultShipInterval
+	}
+	if cfg.MaxLayers <= 0 {
+		cfg.MaxLayers = DefaultMaxLayers
 	}
 	if cfg.Overcommit.CPU == 0 {
 		cfg.Overcommit.CPU = placement.DefaultOvercommit.CPU
@@ -214,21 +227,33 @@ func New(cfg Config) (*Edge, error) {
 	if _, err := rand.Read(boot[:]); err != nil {
 		return nil, fmt.Errorf("boot id: %w", err)
 	}
+	// Checkpoints do not survive the edge: start with an empty store.
+	ckDir := filepath.Join(cfg.DataDir, "checkpoints")
+	if err := os.RemoveAll(ckDir); err != nil {
+		return nil, fmt.Errorf("edge checkpoint store: %w", err)
+	}
+	ckStore, err := blobstore.NewDir(ckDir)
+	if err != nil {
+		return nil, fmt.Errorf("edge checkpoint store: %w", err)
+	}
 	stopCtx, stop := context.WithCancel(context.Background())
 	e := &Edge{
-		cfg:       cfg,
-		log:       cfg.Logger.With("node", cfg.NodeID),
-		images:    image.NewStore(cfg.Store, cfg.Store.Refs()),
-		local:     local,
-		bootID:    hex.EncodeToString(boot[:]),
-		metrics:   m,
-		wake:      make(chan struct{}, 1),
-		sandboxes: map[string]*sandbox{},
-		used:      map[runtime.Kind]placement.Capacity{},
-		layers:    map[string]int{},
-		ship:      make(chan string, 1024),
-		stop:      stop,
-		stopCtx:   stopCtx,
+		cfg:         cfg,
+		log:         cfg.Logger.With("node", cfg.NodeID),
+		images:      image.NewStore(cfg.Store, cfg.Store.Refs()),
+		local:       local,
+		bootID:      hex.EncodeToString(boot[:]),
+		metrics:     m,
+		wake:        make(chan struct{}, 1),
+		sandboxes:   map[string]*sandbox{},
+		used:        map[runtime.Kind]placement.Capacity{},
+		layers:      map[string]int{},
+		ship:        make(chan string, 1024),
+		ckStore:     ckStore,
+		checkpoints: map[string]*checkpoint{},
+		ckLayers:    map[string]int{},
+		stop:        stop,
+		stopCtx:     stopCtx,
 	}
 	if !cfg.NoTrajectory {
 		if err := e.openTrajectory(); err != nil {

@@ -106,7 +106,7 @@ func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*san
 	if sweep {
 		// A sandbox whose init died is lost even if nobody calls it.
 		for _, sb := range e.sandboxes {
-			if sb.state != StateRunning || sb.destroying != nil {
+			if sb.state != StateRunning || sb.destroying != nil || sb.rolling {
 				continue
 			}
 			select {

@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"maps"
 	"strings"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -30,6 +31,8 @@ const (
 	StateLost      = "lost"
 	StateDestroyed = "destroyed"
 	StateFailed    = "failed"
+	// StateFrozen is a running sandbox whose processes are frozen.
+	StateFrozen = "frozen"
 )
 
 // Why a sandbox was destroyed (the reason label of the destroys metric).
@@ -66,6 +69,27 @@ type sandbox struct {
 	// operations are refused from its start.
 	destroying chan struct{}
 	rt         runtime.Sandbox
+	// frozen is set while the sandbox is frozen; rolling while a rollback
+	// replaces rt (operations are refused, and the old rt's death is not
+	// the sandbox's loss).
+	frozen  bool
+	rolling bool
+	// rspec is what rt was created from; stack is its layer stack, bottom
+	// first (the image's layers, then checkpoint layers after a rollback).
+	rspec runtime.Spec
+	// stateMu serialises freeze, thaw, snapshot, checkpoint and rollback.
+	stateMu sync.Mutex
+	// stateReleased is set once releaseState ran.
+	stateReleased bool
+}
+
+// visibleState is the state Get, List and heartbeats report: a frozen
+// running sandbox shows as frozen. The caller holds Edge.mu.
+func (sb *sandbox) visibleState() string {
+	if sb.state == StateRunning && sb.frozen {
+		return StateFrozen
+	}
+	return sb.state
 }
 
 // terminal reports whether the sandbox can no longer run anything.
@@ -86,7 +110,7 @@ func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
 		Node:         e.cfg.NodeID,
 		Tenant:       sb.tenant,
 		Spec:         sb.spec,
-		State:        sb.state,
+		State:        sb.visibleState(),
 		CreatedAt:    timestamppb.New(sb.createdAt),
 		LastActiveAt: timestamppb.New(sb.lastActive),
 		Layers:       sb.layers,
@@ -236,14 +260,15 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		return nil, err
 	}
 
-	rs, err := e.cfg.Backends[kind].Create(ctx, runtime.Spec{
+	sb.rspec = runtime.Spec{
 		ID:        id,
 		Layers:    layers,
 		Resources: res,
 		Env:       append(append([]string(nil), resolved.Config.Env...), spec.Env...),
 		Workdir:   resolved.Config.WorkingDir,
 		User:      resolved.Config.User,
-	})
+	}
+	rs, err := e.cfg.Backends[kind].Create(ctx, sb.rspec)
 
 	if err == nil && e.traj != nil {
 		// The creation record is durable before anyone learns the
@@ -445,6 +470,26 @@ type errLost struct{ reason string }
 
 func (e errLost) Error() string { return e.reason }
 
+// paused says why a running sandbox takes no operations right now (frozen,
+// being rolled back, being destroyed), or nil. Numbered operations check it
+// before they take a number: a client that retries after the thaw must not
+// find its number used up by the refusal.
+func (e *Edge) paused(sb *sandbox) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case sb.destroying != nil && sb.state == StateRunning:
+		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+	case sb.state == StateRunning && sb.frozen:
+		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
+	case sb.state == StateRunning && sb.rolling:
+		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
+	case sb.state == StateCreating:
+		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
+	}
+	return nil
+}
+
 // begin marks an operation on sb as started and returns its runtime
 // sandbox. A lost sandbox gives errLost; other non-running states give
 // FailedPrecondition.
@@ -454,6 +499,10 @@ func (e *Edge) begin(sb *sandbox) (runtime.Sandbox, error) {
 	switch {
 	case sb.destroying != nil:
 		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+	case sb.state == StateRunning && sb.frozen:
+		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
+	case sb.state == StateRunning && sb.rolling:
+		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
 	case sb.state == StateRunning:
 		sb.inflight++
 		sb.lastActive = time.Now()
@@ -473,7 +522,7 @@ func (e *Edge) begin(sb *sandbox) (runtime.Sandbox, error) {
 // end closes an operation begun with begin. If it failed because the
 // sandbox is gone, the sandbox is marked lost (unless something already
 // ended it) and the error to report is returned as errLost.
-func (e *Edge) end(sb *sandbox, opErr error) error {
+func (e *Edge) end(sb *sandbox, rs runtime.Sandbox, opErr error) error {
 	e.mu.Lock()
 	sb.inflight--
 	sb.lastActive = time.Now()
@@ -481,20 +530,24 @@ func (e *Edge) end(sb *sandbox, opErr error) error {
 		e.mu.Unlock()
 		return opErr
 	}
-	var rs runtime.Sandbox
+	if sb.state == StateRunning && sb.destroying == nil && (sb.rolling || sb.rt != rs) {
+		e.mu.Unlock()
+		return connect.NewError(connect.CodeAborted, fmt.Errorf("sandbox %q was rolled back during the operation", sb.id))
+	}
+	var gone runtime.Sandbox
 	var lost errLost
 	switch {
 	case sb.destroying != nil:
 		lost = errLost{fmt.Sprintf("sandbox %q was destroyed during the operation", sb.id)}
 	case sb.state == StateRunning:
-		rs = e.loseLocked(sb, opErr.Error())
+		gone = e.loseLocked(sb, opErr.Error())
 		fallthrough
 	default:
 		lost = errLost{fmt.Sprintf("sandbox %q is %s: %s", sb.id, sb.state, sb.reason)}
 	}
 	e.mu.Unlock()
-	if rs != nil {
-		e.release(sb, rs)
+	if gone != nil {
+		e.release(sb, gone)
 	}
 	return lost
 }
@@ -516,6 +569,7 @@ func (e *Edge) release(sb *sandbox, rs runtime.Sandbox) {
 	reason := sb.reason
 	e.mu.Unlock()
 	e.endTrajectory(sb, trajectory.KindLost, reason)
+	defer e.releaseState(sb)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := rs.Destroy(ctx); err != nil {
@@ -576,6 +630,7 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	}
 	// The destroy record is written before the destroy is acknowledged.
 	e.endTrajectory(sb, trajectory.KindDestroy, why)
+	e.releaseState(sb)
 	e.mu.Lock()
 	close(done)
 	e.mu.Unlock()
@@ -629,7 +684,7 @@ func (e *Edge) summaries() []*dsecv1.SandboxSummary {
 		out = append(out, &dsecv1.SandboxSummary{
 			Id:          sb.id,
 			Tenant:      sb.tenant,
-			State:       sb.state,
+			State:       sb.visibleState(),
 			Labels:      maps.Clone(sb.spec.Labels),
 			MilliCpu:    sb.req.MilliCPU,
 			MemoryBytes: sb.req.MemoryBytes,

@@ -115,18 +115,18 @@ func (s *service) WriteFileOnEdge(ctx context.Context, req *connect.Request[dsec
 	if r == nil {
 		return nil, invalid("request is required")
 	}
-	if r.Path == "" {
-		return nil, invalid("request.path is required")
-	}
-	if r.Mode > 0o7777 {
-		return nil, invalid("request.mode %#o has bits beyond 07777", r.Mode)
-	}
 	mode := r.Mode
 	if mode == 0 {
 		mode = 0o644
 	}
 	rec := &trajectory.Record{Kind: trajectory.KindWriteFile, RequestID: r.RequestId,
 		File: &trajectory.File{Path: r.Path, Mode: mode, Data: trajectory.NewData(r.Data)}}
+	switch {
+	case r.Path == "":
+		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.path is required"))
+	case r.Mode > 0o7777:
+		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.mode %#o has bits beyond 07777", r.Mode))
+	}
 	seq, replay, err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, r.Seq, "write "+r.Path, rec, func(ctx context.Context, rs runtime.Sandbox) error {
 		return rs.WriteFile(ctx, r.Path, r.Data, mode)
 	})
@@ -141,15 +141,15 @@ func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv
 	if r == nil {
 		return nil, invalid("request is required")
 	}
-	if r.Path == "" {
-		return nil, invalid("request.path is required")
-	}
-	if r.MaxBytes < 0 {
-		return nil, invalid("request.max_bytes %d must not be negative", r.MaxBytes)
-	}
 	var data []byte
 	rec := &trajectory.Record{Kind: trajectory.KindReadFile, RequestID: r.RequestId,
 		File: &trajectory.File{Path: r.Path, MaxBytes: r.MaxBytes}}
+	switch {
+	case r.Path == "":
+		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.path is required"))
+	case r.MaxBytes < 0:
+		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.max_bytes %d must not be negative", r.MaxBytes))
+	}
 	seq, replay, err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, r.Seq, "read "+r.Path, rec, func(ctx context.Context, rs runtime.Sandbox) error {
 		var err error
 		data, err = rs.ReadFile(ctx, r.Path, r.MaxBytes)
@@ -172,6 +172,91 @@ func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv
 
 func (s *service) SubmitRewardOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSubmitRewardRequest]) (*connect.Response[dsecv1.SubmitRewardResponse], error) {
 	res, err := s.e.reward(ctx, req.Msg.Caller, req.Msg.Request)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+func (s *service) SnapshotOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSnapshotRequest]) (*connect.Response[dsecv1.SnapshotResponse], error) {
+	res, err := s.e.snapshot(ctx, req.Msg.Caller, req.Msg.Request, req.Msg.InternalRef)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+func (s *service) CheckpointOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeCheckpointRequest]) (*connect.Response[dsecv1.CheckpointResponse], error) {
+	res, err := s.e.checkpoint(ctx, req.Msg.Caller, req.Msg.Request)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+func (s *service) RollbackOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeRollbackRequest]) (*connect.Response[dsecv1.RollbackResponse], error) {
+	res, err := s.e.rollback(ctx, req.Msg.Caller, req.Msg.Request)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+func (s *service) DeleteCheckpointOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeDeleteCheckpointRequest]) (*connect.Response[dsecv1.DeleteCheckpointResponse], error) {
+	r := req.Msg.Request
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	sb, err := s.e.lookup(req.Msg.Caller, r.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.e.deleteCheckpoint(sb, r.CheckpointId); err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.DeleteCheckpointResponse{}), nil
+}
+
+func (s *service) FreezeOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSandboxRequest]) (*connect.Response[dsecv1.FreezeResponse], error) {
+	sb, err := s.e.lookup(req.Msg.Caller, req.Msg.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.e.freeze(ctx, sb); err != nil {
+		return nil, err
+	}
+	out, err := s.e.get(req.Msg.Caller, sb.id)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.FreezeResponse{Sandbox: out}), nil
+}
+
+func (s *service) ThawOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeSandboxRequest]) (*connect.Response[dsecv1.ThawResponse], error) {
+	sb, err := s.e.lookup(req.Msg.Caller, req.Msg.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.e.thaw(ctx, sb); err != nil {
+		return nil, err
+	}
+	out, err := s.e.get(req.Msg.Caller, sb.id)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.ThawResponse{Sandbox: out}), nil
+}
+
+func (s *service) FreezeJobOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeListRequest]) (*connect.Response[dsecv1.JobResponse], error) {
+	res, err := s.e.jobOp(ctx, req.Msg.Caller, req.Msg.Labels, s.e.freeze)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}
+
+func (s *service) ThawJobOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeListRequest]) (*connect.Response[dsecv1.JobResponse], error) {
+	res, err := s.e.jobOp(ctx, req.Msg.Caller, req.Msg.Labels, s.e.thaw)
 	if err != nil {
 		return nil, err
 	}
@@ -206,6 +291,9 @@ func (e *Edge) fileOp(ctx context.Context, caller *dsecv1.Caller, id string, seq
 	if err != nil {
 		return 0, nil, err
 	}
+	if err := e.paused(sb); err != nil {
+		return 0, nil, err
+	}
 	top, replay, err := e.admitOp(ctx, sb, seq, rec)
 	if err != nil {
 		return 0, nil, err
@@ -233,7 +321,7 @@ func (e *Edge) runFileOp(ctx context.Context, sb *sandbox, id, what string, op f
 	if err != nil {
 		return opError(ctx, id, what, err)
 	}
-	if err := e.end(sb, op(ctx, rs)); err != nil {
+	if err := e.end(sb, rs, op(ctx, rs)); err != nil {
 		return opError(ctx, id, what, err)
 	}
 	return nil
@@ -258,10 +346,13 @@ func (e *Edge) exec(ctx context.Context, caller *dsecv1.Caller, req *dsecv1.Exec
 	}
 	rreq, err := toRuntimeExec(req)
 	if err != nil {
-		return nil, err
+		return nil, e.refuse(ctx, caller, req.SandboxId, req.Seq, execRequestRecord(req), err)
 	}
 	sb, err := e.lookup(caller, req.SandboxId)
 	if err != nil {
+		return nil, err
+	}
+	if err := e.paused(sb); err != nil {
 		return nil, err
 	}
 	rec := execRequestRecord(req)
@@ -300,7 +391,7 @@ func (e *Edge) runExec(ctx context.Context, sb *sandbox, rreq runtime.ExecReques
 	start := time.Now()
 	res, err := rs.Exec(ctx, rreq, out)
 	e.metrics.execSeconds.WithLabelValues(string(sb.kind)).Observe(time.Since(start).Seconds())
-	if err = e.end(sb, err); err != nil {
+	if err = e.end(sb, rs, err); err != nil {
 		if errors.As(err, &lost) {
 			return infraResult(lost), nil
 		}

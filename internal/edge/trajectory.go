@@ -228,13 +228,45 @@ func (e *Edge) commit(ctx context.Context, op *trajectory.Op, rec *trajectory.Re
 	rec.Start = trajectory.Timestamp(start)
 	rec.End = trajectory.Timestamp(time.Now())
 	if opErr != nil {
-		rec.Error = &trajectory.Error{Code: connect.CodeOf(opErr).String(), Message: opErr.Error()}
+		msg := opErr.Error()
+		var ce *connect.Error
+		if errors.As(opErr, &ce) {
+			msg = ce.Message() // without the "code: " prefix Error adds
+		}
+		rec.Error = &trajectory.Error{Code: connect.CodeOf(opErr).String(), Message: msg}
 	}
 	if err := op.Commit(context.WithoutCancel(ctx), rec); err != nil {
 		e.log.Error("trajectory record not written", "sandbox", rec.Sandbox, "seq", op.Seq(), "err", err)
 		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("record seq %d: %w", op.Seq(), err))
 	}
 	return nil
+}
+
+// refuse answers a numbered request the node will not run (bad
+// arguments): the refusal is recorded under its number, so that the
+// client's numbering and the sandbox's stay in step and a re-send gets the
+// same refusal. Unnumbered requests are simply refused.
+func (e *Edge) refuse(ctx context.Context, caller *dsecv1.Caller, id string, seq uint64, rec *trajectory.Record, why error) error {
+	if seq == 0 || e.traj == nil {
+		return why
+	}
+	sb, err := e.lookup(caller, id)
+	if err != nil {
+		return err
+	}
+	op, replay, err := e.admitOp(ctx, sb, seq, rec)
+	switch {
+	case err != nil:
+		return err
+	case replay != nil && replay.Error != nil:
+		return recordedError(replay)
+	case op == nil || replay != nil:
+		return why
+	}
+	if cerr := e.commit(ctx, op, rec, time.Now(), why); cerr != nil {
+		return cerr
+	}
+	return why
 }
 
 // recordedError turns a recorded failure back into the error it was.

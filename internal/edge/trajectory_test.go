@@ -331,3 +331,25 @@ func TestTrajectoryOff(t *testing.T) {
 	_, err := n.exec(t, admin, sb.Id, &dsecv1.ExecRequest{Shell: "true", Seq: 1})
 	wantCode(t, err, connect.CodeFailedPrecondition, "trajectory logging off")
 }
+
+// TestTrajectoryRefusal checks that a numbered request refused for its
+// arguments uses up its number (recorded as an error), so that the client's
+// numbering and the sandbox's stay in step.
+func TestTrajectoryRefusal(t *testing.T) {
+	w := newWorld(t)
+	n := w.startNode(t, "rf1", nil)
+	sb := n.mustCreate(t, admin, &dsecv1.SandboxSpec{Image: baseImage})
+	for range 2 {
+		_, err := n.exec(t, admin, sb.Id, &dsecv1.ExecRequest{Shell: "true", Env: []string{"=x"}, Seq: 1})
+		wantCode(t, err, connect.CodeInvalidArgument, "must be K=V")
+	}
+	res, err := n.exec(t, admin, sb.Id, &dsecv1.ExecRequest{Shell: "echo next", Seq: 2})
+	if err != nil || res.Seq != 2 || res.Replayed {
+		t.Fatalf("the number after a refusal: %+v %v", res, err)
+	}
+	lines, _ := n.trajectory(t, admin, sb.Id, 0)
+	recs := verifyLines(t, lines)
+	if recs[1].Seq != 1 || recs[1].Error == nil || recs[1].Error.Code != "invalid_argument" || strings.HasPrefix(recs[1].Error.Message, "invalid_argument") {
+		t.Fatalf("refusal record %+v", recs[1].Error)
+	}
+}

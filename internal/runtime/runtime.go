@@ -112,6 +112,15 @@ type ExecResult struct {
 	OOMKilled       bool
 }
 
+// Differ is implemented by sandboxes whose writable layer is an overlay
+// upper directory on the host (the container backend): packing it while the
+// sandbox is frozen gives a layer that, stacked on the sandbox's layers,
+// reproduces its file system (snapshots, checkpoints).
+type Differ interface {
+	// UpperDir is the host path of the sandbox's overlay upper directory.
+	UpperDir() string
+}
+
 // Backend creates sandboxes of one kind.
 type Backend interface {
 	Kind() Kind
@@ -130,6 +139,12 @@ type Sandbox interface {
 	PutArchive(ctx context.Context, dir string, tar io.Reader) error
 	// GetArchive writes dir as a tar stream to w.
 	GetArchive(ctx context.Context, dir string, w io.Writer) error
+	// Freeze stops every process of the sandbox, keeping its memory and
+	// state, and returns once they are stopped; Thaw resumes them. Both are
+	// idempotent. Other calls on a frozen sandbox block until it is thawed:
+	// callers refuse them instead.
+	Freeze(ctx context.Context) error
+	Thaw(ctx context.Context) error
 	// Destroy kills every process and removes every mount, cgroup and
 	// directory of the sandbox. It is idempotent.
 	Destroy(ctx context.Context) error

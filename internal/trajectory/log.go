@@ -77,11 +77,15 @@ type Log struct {
 	in   chan *appendReq
 	done chan struct{}
 
-	// state guards closed and failed. Appenders hold it shared while they
-	// hand a record to the writer, so Close (exclusive) never closes the
-	// channel under a send.
+	// state guards closed. Appenders hold it shared while they hand a
+	// record to the writer, so Close (exclusive) never closes the channel
+	// under a send. The writer must never take it: an appender blocked on a
+	// full queue holds it shared, and a waiting Close keeps new readers
+	// out, so a writer waiting for it would never drain the queue.
 	state  sync.RWMutex
 	closed bool
+	// failMu guards failed, for the same reason not under state.
+	failMu sync.Mutex
 	failed error
 
 	// mu guards the maps, the active segment and segment refs. Lock order:
@@ -188,6 +192,9 @@ func (l *Log) recover() error {
 		return fmt.Errorf("trajectory log: %w", err)
 	}
 	sort.Strings(names)
+	// gap: a segment before this one was deleted (segments are numbered
+	// from 1), and forgotten the sandboxes found to have records in it.
+	gap, prev, forgotten := false, 0, map[string]bool{}
 	for i, name := range names {
 		var id int
 		if _, err := fmt.Sscanf(filepath.Base(name), "wal-%08d.jsonl", &id); err != nil {
@@ -200,7 +207,9 @@ func (l *Log) recover() error {
 		seg := &segment{id: id, f: f}
 		l.segs[id] = seg
 		last := i == len(names)-1
-		if err := l.recoverSegment(seg, last); err != nil {
+		gap = gap || id != prev+1
+		prev = id
+		if err := l.recoverSegment(seg, last, gap, forgotten); err != nil {
 			return err
 		}
 		l.active = seg
@@ -214,7 +223,11 @@ func (l *Log) recover() error {
 	return nil
 }
 
-func (l *Log) recoverSegment(seg *segment, last bool) error {
+// recoverSegment indexes seg's records. Forget deletes a segment only once
+// every sandbox with records in it is forgotten, so after a gap a sound
+// record whose sandbox has no creation record, or whose chain breaks, is
+// a forgotten sandbox's: it and the rest of that sandbox are skipped.
+func (l *Log) recoverSegment(seg *segment, last, gap bool, forgotten map[string]bool) error {
 	r := bufio.NewReaderSize(seg.f, 1<<20)
 	var off int64
 	for {
@@ -243,6 +256,11 @@ func (l *Log) recoverSegment(seg *segment, last bool) error {
 				bad = fmt.Sprintf("record %d of sandbox %s has no creation record before it", rec.Seq, rec.Sandbox)
 			} else if sb != nil && rec.Prev != sb.lastHash {
 				bad = fmt.Sprintf("record %d of sandbox %s breaks the hash chain", rec.Seq, rec.Sandbox)
+			}
+			if forgotten[rec.Sandbox] || bad != "" && gap {
+				l.forgetRecovered(rec.Sandbox, forgotten)
+				off += int64(len(line))
+				continue
 			}
 		}
 		if bad != "" {
@@ -274,6 +292,17 @@ func (l *Log) recoverSegment(seg *segment, last bool) error {
 	return nil
 }
 
+// forgetRecovered drops sandbox id, found forgotten during recovery.
+func (l *Log) forgetRecovered(id string, forgotten map[string]bool) {
+	forgotten[id] = true
+	if sb := l.sandboxes[id]; sb != nil {
+		delete(l.sandboxes, id)
+		for _, seg := range sb.segs {
+			seg.refs--
+		}
+	}
+}
+
 func newSbLog(id string) *sbLog {
 	return &sbLog{id: id, bySeq: map[uint64]int{}, pending: map[uint64]*Op{}}
 }
@@ -281,11 +310,13 @@ func newSbLog(id string) *sbLog {
 // index adds a durable record to the sandbox's index; the caller holds
 // l.mu and sb.mu, or owns sb exclusively (recovery).
 func (sb *sbLog) index(rec *Record, at loc) {
-	sb.bySeq[rec.Seq] = len(sb.recs)
-	sb.recs = append(sb.recs, at)
-	if rec.Seq >= sb.next {
-		sb.next = rec.Seq + 1
+	if !IsEvent(rec.Kind) {
+		sb.bySeq[rec.Seq] = len(sb.recs)
+		if rec.Seq >= sb.next {
+			sb.next = rec.Seq + 1
+		}
 	}
+	sb.recs = append(sb.recs, at)
 	if !slices.Contains(sb.segs, at.seg) {
 		sb.segs = append(sb.segs, at.seg)
 		at.seg.refs++
@@ -379,7 +410,9 @@ func (l *Log) writer() {
 		err := l.failedErr()
 		if err == nil {
 			if l.active.size > 0 && l.active.size >= l.opts.SegmentSize {
-				err = l.rotate()
+				if err = l.rotate(); err != nil {
+					l.fail(err)
+				}
 			}
 		}
 		seg := l.active
@@ -395,10 +428,7 @@ func (l *Log) writer() {
 			}
 			if err != nil {
 				err = fmt.Errorf("trajectory log: append to %s: %w", seg.f.Name(), err)
-				l.state.Lock()
-				l.failed = err
-				l.state.Unlock()
-				l.log.Error("trajectory log failed; no more records are accepted", "err", err)
+				l.fail(err)
 			}
 		}
 		off := start
@@ -435,6 +465,17 @@ func (l *Log) failedErr() error {
 	l.state.RLock()
 	defer l.state.RUnlock()
 	return l.failed
+}
+
+// fail marks the log failed: the records of a batch that was not written
+// are chained onto already, so no record may be written after them.
+func (l *Log) fail(err error) {
+	l.failMu.Lock()
+	if l.failed == nil {
+		l.failed = err
+	}
+	l.failMu.Unlock()
+	l.log.Error("trajectory log failed; no more records are accepted", "err", err)
 }
 
 // Close stops accepting records, waits for those in flight to be written
@@ -486,13 +527,17 @@ func (l *Log) isClosed() bool {
 // writer, so that the chain order is the log order. It returns the channel
 // the write's result arrives on. The caller must not hold sb.mu.
 func (l *Log) enqueue(sb *sbLog, rec *Record, op *Op) (chan error, error) {
+	// Recovery rejects such a record, and with it the rest of the log.
+	if err := rec.checkData(); err != nil {
+		return nil, fmt.Errorf("trajectory record %d of %s: %w", rec.Seq, sb.id, err)
+	}
 	l.state.RLock()
 	defer l.state.RUnlock()
 	if l.closed {
 		return nil, ErrClosed
 	}
-	if l.failed != nil {
-		return nil, l.failed
+	if err := l.failedErr(); err != nil {
+		return nil, err
 	}
 	sb.chain.Lock()
 	defer sb.chain.Unlock()
@@ -667,9 +712,21 @@ func (o *Op) Commit(ctx context.Context, rec *Record) error {
 	return <-done
 }
 
-// End appends the sandbox's final record (destroy or lost) with the next
-// number. Ending an ended or unknown sandbox does nothing.
+// End appends the sandbox's final record, a destroy or lost event. Ending
+// an ended or unknown sandbox does nothing.
 func (l *Log) End(ctx context.Context, id, kind, reason string) error {
+	return l.event(ctx, id, kind, reason, true)
+}
+
+// Event appends an event record (freeze, thaw) to a sandbox's trajectory.
+func (l *Log) Event(ctx context.Context, id, kind, reason string) error {
+	if !IsEvent(kind) {
+		return fmt.Errorf("trajectory: %q is not an event", kind)
+	}
+	return l.event(ctx, id, kind, reason, false)
+}
+
+func (l *Log) event(ctx context.Context, id, kind, reason string, final bool) error {
 	sb, err := l.sandbox(id)
 	if errors.Is(err, ErrUnknown) {
 		return nil
@@ -683,9 +740,11 @@ func (l *Log) End(ctx context.Context, id, kind, reason string) error {
 		sb.mu.Unlock()
 		return nil
 	}
-	rec := &Record{Seq: sb.next, Kind: kind, Start: now, End: now, Reason: reason}
-	sb.next++
-	sb.ended = rec
+	// The event follows the last step admitted.
+	rec := &Record{Seq: sb.next - 1, Kind: kind, Start: now, End: now, Reason: reason}
+	if final {
+		sb.ended = rec
+	}
 	sb.mu.Unlock()
 	done, err := l.enqueue(sb, rec, nil)
 	if err != nil {
@@ -770,7 +829,7 @@ func (l *Log) Page(ctx context.Context, id string, from, n int, withData bool) (
 		sb.mu.Unlock()
 		return nil, 0, 0, fmt.Errorf("page position %d is outside the trajectory of sandbox %q (%d records)", from, id, total)
 	}
-	end := min(total, from+n)
+	end := from + max(0, min(n, total-from)) // from+n may overflow
 	locs := slices.Clone(sb.recs[from:end])
 	nextSeq = sb.next
 	sb.mu.Unlock()
@@ -918,11 +977,19 @@ func LoadData(ctx context.Context, store blobstore.Store, rec *Record) error {
 // re-send from a different operation under the same number.
 func requestKey(r *Record) string {
 	k := struct {
-		Kind   string
-		Exec   *Exec
-		File   *File
-		Reward *Reward
+		Kind       string
+		Exec       *Exec
+		File       *File
+		Reward     *Reward
+		Snapshot   string
+		Checkpoint string
 	}{Kind: r.Kind}
+	if r.Snapshot != nil {
+		k.Snapshot = r.Snapshot.Ref
+	}
+	if r.Checkpoint != nil && r.Kind == KindRollback {
+		k.Checkpoint = r.Checkpoint.ID
+	}
 	if r.Exec != nil {
 		e := *r.Exec
 		k.Exec = &Exec{Argv: e.Argv, Shell: e.Shell, Env: e.Env, Cwd: e.Cwd, User: e.User, Timeout: e.Timeout,

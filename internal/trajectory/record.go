@@ -27,14 +27,32 @@ import (
 
 // Record kinds.
 const (
-	KindCreate    = "create"
-	KindExec      = "exec"
-	KindWriteFile = "write_file"
-	KindReadFile  = "read_file"
-	KindReward    = "reward"
-	KindDestroy   = "destroy"
-	KindLost      = "lost"
+	KindCreate     = "create"
+	KindExec       = "exec"
+	KindWriteFile  = "write_file"
+	KindReadFile   = "read_file"
+	KindReward     = "reward"
+	KindSnapshot   = "snapshot"
+	KindCheckpoint = "checkpoint"
+	KindRollback   = "rollback"
+	// Events happen to a sandbox rather than being operations a client
+	// numbers: they carry the seq of the step they follow, and do not take
+	// a number of their own (a job-wide freeze must not shift the numbers
+	// every client of the job is counting).
+	KindDestroy = "destroy"
+	KindLost    = "lost"
+	KindFreeze  = "freeze"
+	KindThaw    = "thaw"
 )
+
+// IsEvent reports whether records of kind are events (see KindDestroy).
+func IsEvent(kind string) bool {
+	switch kind {
+	case KindDestroy, KindLost, KindFreeze, KindThaw:
+		return true
+	}
+	return false
+}
 
 // Record is one entry of a sandbox's trajectory.
 type Record struct {
@@ -53,6 +71,8 @@ type Record struct {
 	Exec        *Exec        `json:"exec,omitempty"`
 	File        *File        `json:"file,omitempty"`
 	Reward      *Reward      `json:"reward,omitempty"`
+	Snapshot    *Snapshot    `json:"snapshot,omitempty"`
+	Checkpoint  *Checkpoint  `json:"checkpoint,omitempty"`
 	// Error is set when the operation failed with an error rather than a
 	// result (a file that does not exist, a bad path).
 	Error *Error `json:"error,omitempty"`
@@ -121,6 +141,22 @@ type File struct {
 type Reward struct {
 	Value    float64           `json:"value"`
 	Metadata map[string]string `json:"metadata,omitempty"`
+}
+
+// Snapshot is a snapshot's request (the image name) and result.
+type Snapshot struct {
+	Ref string `json:"ref"`
+	// Image is the new image's manifest digest, Layer the layer packed
+	// from the sandbox's writable layer.
+	Image string `json:"image,omitempty"`
+	Layer string `json:"layer,omitempty"`
+}
+
+// Checkpoint names a checkpoint: the result of a checkpoint (with the
+// layer it packed) or the target of a rollback.
+type Checkpoint struct {
+	ID    string `json:"id"`
+	Layer string `json:"layer,omitempty"`
 }
 
 // Error is an operation's failure as a Connect code name and message.
@@ -235,6 +271,11 @@ func (r *Record) check() error {
 	if h != r.Hash {
 		return fmt.Errorf("hash %s does not match its content (%s)", r.Hash, h)
 	}
+	return r.checkData()
+}
+
+// checkData verifies the record's inline data against their digests.
+func (r *Record) checkData() error {
 	for _, d := range r.datas() {
 		if d != nil && d.Inline != nil && (digest(d.Inline) != d.Digest || int64(len(d.Inline)) != d.Size) {
 			return fmt.Errorf("inline data does not match its digest %s", d.Digest)

@@ -2,6 +2,7 @@ package trajectory
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"io"
 )
@@ -43,7 +44,16 @@ func Verify(r io.Reader) (int, error) {
 		line := sc.Bytes()
 		rec, err := Parse(line)
 		if err != nil {
-			return n - 1, &VerifyError{Line: n, Reason: "not a trajectory record: " + err.Error()}
+			ve := &VerifyError{Line: n, Reason: "not a trajectory record: " + err.Error()}
+			// Name the record when the line is JSON that says which.
+			var id struct {
+				Sandbox string `json:"sandbox"`
+				Seq     uint64 `json:"seq"`
+			}
+			if json.Unmarshal(line, &id) == nil {
+				ve.Sandbox, ve.Seq = id.Sandbox, id.Seq
+			}
+			return n - 1, ve
 		}
 		fail := func(format string, args ...any) (int, error) {
 			return n - 1, &VerifyError{Line: n, Sandbox: rec.Sandbox, Seq: rec.Seq, Reason: fmt.Sprintf(format, args...)}
@@ -62,10 +72,12 @@ func Verify(r io.Reader) (int, error) {
 		if rec.Prev != c.last {
 			return fail("hash chain broken: prev %q, the record before has hash %q", rec.Prev, c.last)
 		}
-		if c.seqs[rec.Seq] {
-			return fail("seq %d appears twice", rec.Seq)
+		if !IsEvent(rec.Kind) {
+			if c.seqs[rec.Seq] {
+				return fail("seq %d appears twice", rec.Seq)
+			}
+			c.seqs[rec.Seq] = true
 		}
-		c.seqs[rec.Seq] = true
 		c.last = rec.Hash
 	}
 	if err := sc.Err(); err != nil {

@@ -1974,6 +1974,783 @@ func (x *BatchDestroySandboxesResponse) GetResults() []*BatchDestroyResult {
 	return nil
 }
 
+type SnapshotRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// NAME:TAG of the image to create (private to the caller's tenant).
+	Ref string `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`
+	// As ExecRequest.seq and request_id.
+	Seq           uint64 `protobuf:"varint,3,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId     string `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotRequest) Reset() {
+	*x = SnapshotRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotRequest) ProtoMessage() {}
+
+func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
+func (*SnapshotRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *SnapshotRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *SnapshotRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *SnapshotRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *SnapshotRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type SnapshotResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Image         *Image                 `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	Seq           uint64                 `protobuf:"varint,2,opt,name=seq,proto3" json:"seq,omitempty"`
+	Replayed      bool                   `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotResponse) Reset() {
+	*x = SnapshotResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotResponse) ProtoMessage() {}
+
+func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotResponse.ProtoReflect.Descriptor instead.
+func (*SnapshotResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *SnapshotResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
+func (x *SnapshotResponse) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *SnapshotResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
+type CheckpointRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Seq           uint64                 `protobuf:"varint,2,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId     string                 `protobuf:"bytes,3,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckpointRequest) Reset() {
+	*x = CheckpointRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckpointRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckpointRequest) ProtoMessage() {}
+
+func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckpointRequest.ProtoReflect.Descriptor instead.
+func (*CheckpointRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *CheckpointRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *CheckpointRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *CheckpointRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type CheckpointResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Names the checkpoint for Rollback and DeleteCheckpoint.
+	CheckpointId  string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	Seq           uint64 `protobuf:"varint,2,opt,name=seq,proto3" json:"seq,omitempty"`
+	Replayed      bool   `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckpointResponse) Reset() {
+	*x = CheckpointResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckpointResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckpointResponse) ProtoMessage() {}
+
+func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckpointResponse.ProtoReflect.Descriptor instead.
+func (*CheckpointResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *CheckpointResponse) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *CheckpointResponse) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *CheckpointResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
+type RollbackRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	CheckpointId  string                 `protobuf:"bytes,2,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	Seq           uint64                 `protobuf:"varint,3,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId     string                 `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RollbackRequest) Reset() {
+	*x = RollbackRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RollbackRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RollbackRequest) ProtoMessage() {}
+
+func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RollbackRequest.ProtoReflect.Descriptor instead.
+func (*RollbackRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *RollbackRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *RollbackRequest) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *RollbackRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *RollbackRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type RollbackResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Replayed      bool                   `protobuf:"varint,2,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RollbackResponse) Reset() {
+	*x = RollbackResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RollbackResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RollbackResponse) ProtoMessage() {}
+
+func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RollbackResponse.ProtoReflect.Descriptor instead.
+func (*RollbackResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *RollbackResponse) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *RollbackResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
+type DeleteCheckpointRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	CheckpointId  string                 `protobuf:"bytes,2,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteCheckpointRequest) Reset() {
+	*x = DeleteCheckpointRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteCheckpointRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteCheckpointRequest) ProtoMessage() {}
+
+func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteCheckpointRequest.ProtoReflect.Descriptor instead.
+func (*DeleteCheckpointRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *DeleteCheckpointRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *DeleteCheckpointRequest) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+type DeleteCheckpointResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteCheckpointResponse) Reset() {
+	*x = DeleteCheckpointResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteCheckpointResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteCheckpointResponse) ProtoMessage() {}
+
+func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteCheckpointResponse.ProtoReflect.Descriptor instead.
+func (*DeleteCheckpointResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
+}
+
+type FreezeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FreezeRequest) Reset() {
+	*x = FreezeRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FreezeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FreezeRequest) ProtoMessage() {}
+
+func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FreezeRequest.ProtoReflect.Descriptor instead.
+func (*FreezeRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *FreezeRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+type FreezeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sandbox       *Sandbox               `protobuf:"bytes,1,opt,name=sandbox,proto3" json:"sandbox,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FreezeResponse) Reset() {
+	*x = FreezeResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FreezeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FreezeResponse) ProtoMessage() {}
+
+func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FreezeResponse.ProtoReflect.Descriptor instead.
+func (*FreezeResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *FreezeResponse) GetSandbox() *Sandbox {
+	if x != nil {
+		return x.Sandbox
+	}
+	return nil
+}
+
+type ThawRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ThawRequest) Reset() {
+	*x = ThawRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ThawRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ThawRequest) ProtoMessage() {}
+
+func (x *ThawRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ThawRequest.ProtoReflect.Descriptor instead.
+func (*ThawRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *ThawRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+type ThawResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sandbox       *Sandbox               `protobuf:"bytes,1,opt,name=sandbox,proto3" json:"sandbox,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ThawResponse) Reset() {
+	*x = ThawResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ThawResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ThawResponse) ProtoMessage() {}
+
+func (x *ThawResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ThawResponse.ProtoReflect.Descriptor instead.
+func (*ThawResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *ThawResponse) GetSandbox() *Sandbox {
+	if x != nil {
+		return x.Sandbox
+	}
+	return nil
+}
+
+// A job is every sandbox of the caller matching the labels (all must match;
+// at least one label is required).
+type JobRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Labels        map[string]string      `protobuf:"bytes,1,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JobRequest) Reset() {
+	*x = JobRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JobRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JobRequest) ProtoMessage() {}
+
+func (x *JobRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JobRequest.ProtoReflect.Descriptor instead.
+func (*JobRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *JobRequest) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+type JobResult struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Error         *ItemError             `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JobResult) Reset() {
+	*x = JobResult{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JobResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JobResult) ProtoMessage() {}
+
+func (x *JobResult) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
+func (*JobResult) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *JobResult) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *JobResult) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+type JobResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*JobResult           `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JobResponse) Reset() {
+	*x = JobResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JobResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JobResponse) ProtoMessage() {}
+
+func (x *JobResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JobResponse.ProtoReflect.Descriptor instead.
+func (*JobResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *JobResponse) GetResults() []*JobResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
 type Image struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// NAME:TAG
@@ -1990,7 +2767,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2002,7 +2779,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2015,7 +2792,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *Image) GetRef() string {
@@ -2073,7 +2850,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2085,7 +2862,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2098,7 +2875,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -2157,7 +2934,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2169,7 +2946,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2182,7 +2959,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -2215,7 +2992,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2227,7 +3004,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2240,7 +3017,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -2258,7 +3035,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2270,7 +3047,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2283,7 +3060,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
 }
 
 type ListImagesResponse struct {
@@ -2295,7 +3072,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2307,7 +3084,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2320,7 +3097,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -2339,7 +3116,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2351,7 +3128,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2364,7 +3141,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -2383,7 +3160,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2395,7 +3172,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2408,7 +3185,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -2428,7 +3205,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2440,7 +3217,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2453,7 +3230,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -2479,7 +3256,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2491,7 +3268,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2504,7 +3281,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -2523,7 +3300,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2535,7 +3312,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2548,7 +3325,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -2566,7 +3343,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2578,7 +3355,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2591,7 +3368,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 type Quota struct {
@@ -2606,7 +3383,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2618,7 +3395,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2631,7 +3408,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -2665,7 +3442,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2677,7 +3454,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2690,7 +3467,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -2718,7 +3495,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2730,7 +3507,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2743,7 +3520,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -2919,7 +3696,64 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
 	"\x05error\x18\x02 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"V\n" +
 	"\x1dBatchDestroySandboxesResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.dsec.v1.BatchDestroyResultR\aresults\"\xb0\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.dsec.v1.BatchDestroyResultR\aresults\"s\n" +
+	"\x0fSnapshotRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x10\n" +
+	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x10\n" +
+	"\x03seq\x18\x03 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x04 \x01(\tR\trequestId\"f\n" +
+	"\x10SnapshotResponse\x12$\n" +
+	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\x12\x10\n" +
+	"\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\"c\n" +
+	"\x11CheckpointRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x10\n" +
+	"\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x03 \x01(\tR\trequestId\"g\n" +
+	"\x12CheckpointResponse\x12#\n" +
+	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x10\n" +
+	"\x03seq\x18\x02 \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\"\x86\x01\n" +
+	"\x0fRollbackRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12#\n" +
+	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\x12\x10\n" +
+	"\x03seq\x18\x03 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x04 \x01(\tR\trequestId\"@\n" +
+	"\x10RollbackResponse\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\x02 \x01(\bR\breplayed\"]\n" +
+	"\x17DeleteCheckpointRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12#\n" +
+	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\"\x1a\n" +
+	"\x18DeleteCheckpointResponse\".\n" +
+	"\rFreezeRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"<\n" +
+	"\x0eFreezeResponse\x12*\n" +
+	"\asandbox\x18\x01 \x01(\v2\x10.dsec.v1.SandboxR\asandbox\",\n" +
+	"\vThawRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\":\n" +
+	"\fThawResponse\x12*\n" +
+	"\asandbox\x18\x01 \x01(\v2\x10.dsec.v1.SandboxR\asandbox\"\x80\x01\n" +
+	"\n" +
+	"JobRequest\x127\n" +
+	"\x06labels\x18\x01 \x03(\v2\x1f.dsec.v1.JobRequest.LabelsEntryR\x06labels\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"E\n" +
+	"\tJobResult\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
+	"\x05error\x18\x02 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\";\n" +
+	"\vJobResponse\x12,\n" +
+	"\aresults\x18\x01 \x03(\v2\x12.dsec.v1.JobResultR\aresults\"\xb0\x01\n" +
 	"\x05Image\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x16\n" +
@@ -2963,7 +3797,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\"@\n" +
 	"\x14CreateTenantResponse\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
-	"\x05token\x18\x02 \x01(\tR\x05token2\x81\a\n" +
+	"\x05token\x18\x02 \x01(\tR\x05token2\x81\v\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -2977,7 +3811,16 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\aDestroy\x12\x1e.dsec.v1.DestroySandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse\x12]\n" +
 	"\fBatchDestroy\x12%.dsec.v1.BatchDestroySandboxesRequest\x1a&.dsec.v1.BatchDestroySandboxesResponse\x12K\n" +
 	"\fSubmitReward\x12\x1c.dsec.v1.SubmitRewardRequest\x1a\x1d.dsec.v1.SubmitRewardResponse\x12N\n" +
-	"\rGetTrajectory\x12\x1d.dsec.v1.GetTrajectoryRequest\x1a\x1e.dsec.v1.GetTrajectoryResponse2\xd3\x02\n" +
+	"\rGetTrajectory\x12\x1d.dsec.v1.GetTrajectoryRequest\x1a\x1e.dsec.v1.GetTrajectoryResponse\x12?\n" +
+	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x19.dsec.v1.SnapshotResponse\x12E\n" +
+	"\n" +
+	"Checkpoint\x12\x1a.dsec.v1.CheckpointRequest\x1a\x1b.dsec.v1.CheckpointResponse\x12?\n" +
+	"\bRollback\x12\x18.dsec.v1.RollbackRequest\x1a\x19.dsec.v1.RollbackResponse\x12W\n" +
+	"\x10DeleteCheckpoint\x12 .dsec.v1.DeleteCheckpointRequest\x1a!.dsec.v1.DeleteCheckpointResponse\x129\n" +
+	"\x06Freeze\x12\x16.dsec.v1.FreezeRequest\x1a\x17.dsec.v1.FreezeResponse\x123\n" +
+	"\x04Thaw\x12\x14.dsec.v1.ThawRequest\x1a\x15.dsec.v1.ThawResponse\x126\n" +
+	"\tFreezeJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x124\n" +
+	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse2\xd3\x02\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
@@ -2999,7 +3842,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 48)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 64)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -3031,35 +3874,51 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*BatchDestroySandboxesRequest)(nil),  // 27: dsec.v1.BatchDestroySandboxesRequest
 	(*BatchDestroyResult)(nil),            // 28: dsec.v1.BatchDestroyResult
 	(*BatchDestroySandboxesResponse)(nil), // 29: dsec.v1.BatchDestroySandboxesResponse
-	(*Image)(nil),                         // 30: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 31: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 32: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 33: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 34: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 35: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 36: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 37: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 38: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 39: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 40: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 41: dsec.v1.DeleteImageResponse
-	(*Quota)(nil),                         // 42: dsec.v1.Quota
-	(*CreateTenantRequest)(nil),           // 43: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 44: dsec.v1.CreateTenantResponse
-	nil,                                   // 45: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 46: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 47: dsec.v1.SubmitRewardRequest.MetadataEntry
-	(*durationpb.Duration)(nil),           // 48: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 49: google.protobuf.Timestamp
+	(*SnapshotRequest)(nil),               // 30: dsec.v1.SnapshotRequest
+	(*SnapshotResponse)(nil),              // 31: dsec.v1.SnapshotResponse
+	(*CheckpointRequest)(nil),             // 32: dsec.v1.CheckpointRequest
+	(*CheckpointResponse)(nil),            // 33: dsec.v1.CheckpointResponse
+	(*RollbackRequest)(nil),               // 34: dsec.v1.RollbackRequest
+	(*RollbackResponse)(nil),              // 35: dsec.v1.RollbackResponse
+	(*DeleteCheckpointRequest)(nil),       // 36: dsec.v1.DeleteCheckpointRequest
+	(*DeleteCheckpointResponse)(nil),      // 37: dsec.v1.DeleteCheckpointResponse
+	(*FreezeRequest)(nil),                 // 38: dsec.v1.FreezeRequest
+	(*FreezeResponse)(nil),                // 39: dsec.v1.FreezeResponse
+	(*ThawRequest)(nil),                   // 40: dsec.v1.ThawRequest
+	(*ThawResponse)(nil),                  // 41: dsec.v1.ThawResponse
+	(*JobRequest)(nil),                    // 42: dsec.v1.JobRequest
+	(*JobResult)(nil),                     // 43: dsec.v1.JobResult
+	(*JobResponse)(nil),                   // 44: dsec.v1.JobResponse
+	(*Image)(nil),                         // 45: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 46: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 47: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 48: dsec.v1.ImportImageResponse
+	(*ListImagesRequest)(nil),             // 49: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 50: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 51: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 52: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 53: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 54: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 55: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 56: dsec.v1.DeleteImageResponse
+	(*Quota)(nil),                         // 57: dsec.v1.Quota
+	(*CreateTenantRequest)(nil),           // 58: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 59: dsec.v1.CreateTenantResponse
+	nil,                                   // 60: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 61: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 62: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 63: dsec.v1.JobRequest.LabelsEntry
+	(*durationpb.Duration)(nil),           // 64: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 65: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	45, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	48, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	48, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	60, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	64, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	64, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	49, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	49, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	65, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	65, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,  // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,  // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -3067,63 +3926,85 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	6,  // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	7,  // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,  // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	46, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	61, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,  // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	48, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	48, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	64, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	64, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	14, // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	14, // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	47, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	62, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	6,  // 21: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	28, // 22: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	49, // 23: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	32, // 24: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	30, // 25: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	30, // 26: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	30, // 27: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	30, // 28: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	42, // 29: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	3,  // 30: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,  // 31: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,  // 32: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11, // 33: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13, // 34: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13, // 35: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17, // 36: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	19, // 37: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	25, // 38: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	27, // 39: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	21, // 40: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	23, // 41: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	31, // 42: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	34, // 43: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	36, // 44: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	38, // 45: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	40, // 46: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	43, // 47: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	4,  // 48: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,  // 49: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10, // 50: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12, // 51: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15, // 52: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16, // 53: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18, // 54: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	20, // 55: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 56: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	29, // 57: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	22, // 58: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	24, // 59: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	33, // 60: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	35, // 61: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	37, // 62: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	39, // 63: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	41, // 64: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	44, // 65: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	48, // [48:66] is the sub-list for method output_type
-	30, // [30:48] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	45, // 23: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	2,  // 24: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
+	2,  // 25: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
+	63, // 26: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	6,  // 27: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	43, // 28: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	65, // 29: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	47, // 30: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	45, // 31: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	45, // 32: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	45, // 33: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	45, // 34: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	57, // 35: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	3,  // 36: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	5,  // 37: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	9,  // 38: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	11, // 39: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	13, // 40: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	13, // 41: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	17, // 42: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	19, // 43: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	25, // 44: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	27, // 45: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	21, // 46: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	23, // 47: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	30, // 48: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	32, // 49: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	34, // 50: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	36, // 51: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	38, // 52: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	40, // 53: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	42, // 54: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	42, // 55: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	46, // 56: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	49, // 57: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	51, // 58: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	53, // 59: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	55, // 60: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	58, // 61: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	4,  // 62: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	8,  // 63: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	10, // 64: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	12, // 65: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	15, // 66: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	16, // 67: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	18, // 68: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	20, // 69: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 70: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	29, // 71: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	22, // 72: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	24, // 73: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	31, // 74: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	33, // 75: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	35, // 76: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	37, // 77: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	39, // 78: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	41, // 79: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	44, // 80: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	44, // 81: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	48, // 82: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	50, // 83: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	52, // 84: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	54, // 85: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	56, // 86: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	59, // 87: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	62, // [62:88] is the sub-list for method output_type
+	36, // [36:62] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -3136,7 +4017,7 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ExecStreamResponse_Stderr)(nil),
 		(*ExecStreamResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[31].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[46].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
@@ -3146,7 +4027,7 @@ func file_dsec_v1_dsec_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   48,
+			NumMessages:   64,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -453,6 +453,224 @@ func (x *EdgeSubmitRewardRequest) GetRequest() *SubmitRewardRequest {
 	return nil
 }
 
+type EdgeSnapshotRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Caller  *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request *SnapshotRequest       `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// The image name to write (the server's internal, tenant-scoped name)
+	// and the name to show the caller.
+	InternalRef   string `protobuf:"bytes,3,opt,name=internal_ref,json=internalRef,proto3" json:"internal_ref,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeSnapshotRequest) Reset() {
+	*x = EdgeSnapshotRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeSnapshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeSnapshotRequest) ProtoMessage() {}
+
+func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeSnapshotRequest.ProtoReflect.Descriptor instead.
+func (*EdgeSnapshotRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *EdgeSnapshotRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeSnapshotRequest) GetRequest() *SnapshotRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *EdgeSnapshotRequest) GetInternalRef() string {
+	if x != nil {
+		return x.InternalRef
+	}
+	return ""
+}
+
+type EdgeCheckpointRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *CheckpointRequest     `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeCheckpointRequest) Reset() {
+	*x = EdgeCheckpointRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeCheckpointRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeCheckpointRequest) ProtoMessage() {}
+
+func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeCheckpointRequest.ProtoReflect.Descriptor instead.
+func (*EdgeCheckpointRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *EdgeCheckpointRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeCheckpointRequest) GetRequest() *CheckpointRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type EdgeRollbackRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *RollbackRequest       `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeRollbackRequest) Reset() {
+	*x = EdgeRollbackRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeRollbackRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeRollbackRequest) ProtoMessage() {}
+
+func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeRollbackRequest.ProtoReflect.Descriptor instead.
+func (*EdgeRollbackRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *EdgeRollbackRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeRollbackRequest) GetRequest() *RollbackRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type EdgeDeleteCheckpointRequest struct {
+	state         protoimpl.MessageState   `protogen:"open.v1"`
+	Caller        *Caller                  `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *DeleteCheckpointRequest `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeDeleteCheckpointRequest) Reset() {
+	*x = EdgeDeleteCheckpointRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeDeleteCheckpointRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeDeleteCheckpointRequest) ProtoMessage() {}
+
+func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeDeleteCheckpointRequest.ProtoReflect.Descriptor instead.
+func (*EdgeDeleteCheckpointRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *EdgeDeleteCheckpointRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeDeleteCheckpointRequest) GetRequest() *DeleteCheckpointRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
 type EdgeGetTrajectoryRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -463,7 +681,7 @@ type EdgeGetTrajectoryRequest struct {
 
 func (x *EdgeGetTrajectoryRequest) Reset() {
 	*x = EdgeGetTrajectoryRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -475,7 +693,7 @@ func (x *EdgeGetTrajectoryRequest) String() string {
 func (*EdgeGetTrajectoryRequest) ProtoMessage() {}
 
 func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -488,7 +706,7 @@ func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeGetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*EdgeGetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EdgeGetTrajectoryRequest) GetCaller() *Caller {
@@ -523,7 +741,7 @@ type BackendCapacity struct {
 
 func (x *BackendCapacity) Reset() {
 	*x = BackendCapacity{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -535,7 +753,7 @@ func (x *BackendCapacity) String() string {
 func (*BackendCapacity) ProtoMessage() {}
 
 func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -548,7 +766,7 @@ func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackendCapacity.ProtoReflect.Descriptor instead.
 func (*BackendCapacity) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *BackendCapacity) GetBackend() string {
@@ -615,7 +833,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -627,7 +845,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -640,7 +858,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -711,7 +929,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -723,7 +941,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -736,7 +954,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -798,7 +1016,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -810,7 +1028,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -823,7 +1041,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -867,7 +1085,20 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\arequest\x18\x02 \x01(\v2\x18.dsec.v1.ReadFileRequestR\arequest\"z\n" +
 	"\x17EdgeSubmitRewardRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x126\n" +
-	"\arequest\x18\x02 \x01(\v2\x1c.dsec.v1.SubmitRewardRequestR\arequest\"|\n" +
+	"\arequest\x18\x02 \x01(\v2\x1c.dsec.v1.SubmitRewardRequestR\arequest\"\x95\x01\n" +
+	"\x13EdgeSnapshotRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.dsec.v1.SnapshotRequestR\arequest\x12!\n" +
+	"\finternal_ref\x18\x03 \x01(\tR\vinternalRef\"v\n" +
+	"\x15EdgeCheckpointRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x124\n" +
+	"\arequest\x18\x02 \x01(\v2\x1a.dsec.v1.CheckpointRequestR\arequest\"r\n" +
+	"\x13EdgeRollbackRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x122\n" +
+	"\arequest\x18\x02 \x01(\v2\x18.dsec.v1.RollbackRequestR\arequest\"\x82\x01\n" +
+	"\x1bEdgeDeleteCheckpointRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12:\n" +
+	"\arequest\x18\x02 \x01(\v2 .dsec.v1.DeleteCheckpointRequestR\arequest\"|\n" +
 	"\x18EdgeGetTrajectoryRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x127\n" +
 	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.GetTrajectoryRequestR\arequest\"\x82\x02\n" +
@@ -899,7 +1130,8 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\tsandboxes\x18\x06 \x03(\v2\x17.dsec.v1.SandboxSummaryR\tsandboxes\x12\x17\n" +
 	"\aboot_id\x18\a \x01(\tR\x06bootId\">\n" +
 	"\x11HeartbeatResponse\x12)\n" +
-	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\x8d\x06\n" +
+	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xe3\n" +
+	"\n" +
 	"\vEdgeService\x12J\n" +
 	"\fCreateOnEdge\x12\x1a.dsec.v1.EdgeCreateRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12E\n" +
 	"\tGetOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1b.dsec.v1.GetSandboxResponse\x12F\n" +
@@ -912,7 +1144,16 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x0eReadFileOnEdge\x12\x1c.dsec.v1.EdgeReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse\x12M\n" +
 	"\rDestroyOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse\x12U\n" +
 	"\x12SubmitRewardOnEdge\x12 .dsec.v1.EdgeSubmitRewardRequest\x1a\x1d.dsec.v1.SubmitRewardResponse\x12X\n" +
-	"\x13GetTrajectoryOnEdge\x12!.dsec.v1.EdgeGetTrajectoryRequest\x1a\x1e.dsec.v1.GetTrajectoryResponse2Q\n" +
+	"\x13GetTrajectoryOnEdge\x12!.dsec.v1.EdgeGetTrajectoryRequest\x1a\x1e.dsec.v1.GetTrajectoryResponse\x12I\n" +
+	"\x0eSnapshotOnEdge\x12\x1c.dsec.v1.EdgeSnapshotRequest\x1a\x19.dsec.v1.SnapshotResponse\x12O\n" +
+	"\x10CheckpointOnEdge\x12\x1e.dsec.v1.EdgeCheckpointRequest\x1a\x1b.dsec.v1.CheckpointResponse\x12I\n" +
+	"\x0eRollbackOnEdge\x12\x1c.dsec.v1.EdgeRollbackRequest\x1a\x19.dsec.v1.RollbackResponse\x12a\n" +
+	"\x16DeleteCheckpointOnEdge\x12$.dsec.v1.EdgeDeleteCheckpointRequest\x1a!.dsec.v1.DeleteCheckpointResponse\x12D\n" +
+	"\fFreezeOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x17.dsec.v1.FreezeResponse\x12@\n" +
+	"\n" +
+	"ThawOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x15.dsec.v1.ThawResponse\x12A\n" +
+	"\x0fFreezeJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse\x12?\n" +
+	"\rThawJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse2Q\n" +
 	"\vNodeService\x12B\n" +
 	"\tHeartbeat\x12\x19.dsec.v1.HeartbeatRequest\x1a\x1a.dsec.v1.HeartbeatResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
@@ -928,86 +1169,125 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_dsec_v1_edge_proto_goTypes = []any{
-	(*Caller)(nil),                   // 0: dsec.v1.Caller
-	(*EdgeCreateRequest)(nil),        // 1: dsec.v1.EdgeCreateRequest
-	(*EdgeSandboxRequest)(nil),       // 2: dsec.v1.EdgeSandboxRequest
-	(*EdgeListRequest)(nil),          // 3: dsec.v1.EdgeListRequest
-	(*EdgeExecRequest)(nil),          // 4: dsec.v1.EdgeExecRequest
-	(*EdgeWriteFileRequest)(nil),     // 5: dsec.v1.EdgeWriteFileRequest
-	(*EdgeReadFileRequest)(nil),      // 6: dsec.v1.EdgeReadFileRequest
-	(*EdgeSubmitRewardRequest)(nil),  // 7: dsec.v1.EdgeSubmitRewardRequest
-	(*EdgeGetTrajectoryRequest)(nil), // 8: dsec.v1.EdgeGetTrajectoryRequest
-	(*BackendCapacity)(nil),          // 9: dsec.v1.BackendCapacity
-	(*SandboxSummary)(nil),           // 10: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),         // 11: dsec.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),        // 12: dsec.v1.HeartbeatResponse
-	nil,                              // 13: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                              // 14: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),              // 15: dsec.v1.SandboxSpec
-	(*ExecRequest)(nil),              // 16: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),         // 17: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),          // 18: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),      // 19: dsec.v1.SubmitRewardRequest
-	(*GetTrajectoryRequest)(nil),     // 20: dsec.v1.GetTrajectoryRequest
-	(*CreateSandboxResponse)(nil),    // 21: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),       // 22: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),    // 23: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),             // 24: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),       // 25: dsec.v1.ExecStreamResponse
-	(*WriteFileResponse)(nil),        // 26: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),         // 27: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),   // 28: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),     // 29: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),    // 30: dsec.v1.GetTrajectoryResponse
+	(*Caller)(nil),                      // 0: dsec.v1.Caller
+	(*EdgeCreateRequest)(nil),           // 1: dsec.v1.EdgeCreateRequest
+	(*EdgeSandboxRequest)(nil),          // 2: dsec.v1.EdgeSandboxRequest
+	(*EdgeListRequest)(nil),             // 3: dsec.v1.EdgeListRequest
+	(*EdgeExecRequest)(nil),             // 4: dsec.v1.EdgeExecRequest
+	(*EdgeWriteFileRequest)(nil),        // 5: dsec.v1.EdgeWriteFileRequest
+	(*EdgeReadFileRequest)(nil),         // 6: dsec.v1.EdgeReadFileRequest
+	(*EdgeSubmitRewardRequest)(nil),     // 7: dsec.v1.EdgeSubmitRewardRequest
+	(*EdgeSnapshotRequest)(nil),         // 8: dsec.v1.EdgeSnapshotRequest
+	(*EdgeCheckpointRequest)(nil),       // 9: dsec.v1.EdgeCheckpointRequest
+	(*EdgeRollbackRequest)(nil),         // 10: dsec.v1.EdgeRollbackRequest
+	(*EdgeDeleteCheckpointRequest)(nil), // 11: dsec.v1.EdgeDeleteCheckpointRequest
+	(*EdgeGetTrajectoryRequest)(nil),    // 12: dsec.v1.EdgeGetTrajectoryRequest
+	(*BackendCapacity)(nil),             // 13: dsec.v1.BackendCapacity
+	(*SandboxSummary)(nil),              // 14: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),            // 15: dsec.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),           // 16: dsec.v1.HeartbeatResponse
+	nil,                                 // 17: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                                 // 18: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),                 // 19: dsec.v1.SandboxSpec
+	(*ExecRequest)(nil),                 // 20: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 21: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 22: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 23: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 24: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 25: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 26: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 27: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 28: dsec.v1.GetTrajectoryRequest
+	(*CreateSandboxResponse)(nil),       // 29: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 30: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 31: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 32: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 33: dsec.v1.ExecStreamResponse
+	(*WriteFileResponse)(nil),           // 34: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 35: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 36: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 37: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 38: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 39: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 40: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 41: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 42: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 43: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 44: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 45: dsec.v1.JobResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	15, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	19, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
 	0,  // 2: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 3: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	13, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	17, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
 	0,  // 5: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	16, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	20, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
 	0,  // 7: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	17, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	21, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
 	0,  // 9: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	18, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	22, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
 	0,  // 11: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	19, // 12: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
-	0,  // 13: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	20, // 14: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
-	14, // 15: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	9,  // 16: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	10, // 17: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	1,  // 18: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 19: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 20: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 21: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 22: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 23: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	6,  // 24: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 25: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	7,  // 26: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	8,  // 27: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	11, // 28: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	21, // 29: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	22, // 30: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	23, // 31: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	24, // 32: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	25, // 33: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	26, // 34: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	27, // 35: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	28, // 36: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	29, // 37: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	30, // 38: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	12, // 39: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	29, // [29:40] is the sub-list for method output_type
-	18, // [18:29] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	23, // 12: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	0,  // 13: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
+	24, // 14: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	0,  // 15: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	25, // 16: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	0,  // 17: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
+	26, // 18: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	0,  // 19: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	27, // 20: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	0,  // 21: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
+	28, // 22: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	18, // 23: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	13, // 24: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	14, // 25: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	1,  // 26: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 27: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 28: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 29: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 30: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 31: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	6,  // 32: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 33: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	7,  // 34: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	12, // 35: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	8,  // 36: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	9,  // 37: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	10, // 38: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	11, // 39: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 40: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 41: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 42: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 43: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	15, // 44: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	29, // 45: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	30, // 46: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	31, // 47: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	32, // 48: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	33, // 49: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	34, // 50: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	35, // 51: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	36, // 52: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	37, // 53: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	38, // 54: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	39, // 55: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	40, // 56: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	41, // 57: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	42, // 58: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	43, // 59: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	44, // 60: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	45, // 61: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	45, // 62: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	16, // 63: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	45, // [45:64] is the sub-list for method output_type
+	26, // [26:45] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -1022,7 +1302,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -47,6 +47,10 @@ type cgroup interface {
 	// user fills in where the sandbox's user processes are born (see
 	// sandboxinit.Config.UserTasks).
 	user(cfg *sandboxinit.Config)
+	// freeze stops every process of the cgroup (and below) and returns
+	// once they are all stopped; thaw resumes them.
+	freeze() error
+	thaw() error
 	// paths lists the cgroup's directories (for leak checks).
 	paths() []string
 	delete() error
@@ -111,6 +115,9 @@ func newCgroup1(group string, r rt.Resources) (*cgroupV1, error) {
 	}
 	return c, nil
 }
+
+func (c *cgroupV1) freeze() error { return c.cg.Freeze() }
+func (c *cgroupV1) thaw() error   { return c.cg.Thaw() }
 
 func (c *cgroupV1) update(r rt.Resources) error {
 	if err := c.cg.Update(toSpec(r)); err != nil {
@@ -258,6 +265,9 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 	}
 	return c, nil
 }
+
+func (c *cgroupV2) freeze() error { return c.m.Freeze() }
+func (c *cgroupV2) thaw() error   { return c.m.Thaw() }
 
 func (c *cgroupV2) update(r rt.Resources) error {
 	if err := c.m.Update(v2Resources(r)); err != nil {

@@ -604,6 +604,33 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	return res, nil
 }
 
+// Freeze stops the sandbox with the cgroup freezer, its agent included:
+// the kernel keeps every process and its memory as they are.
+func (s *sandbox) Freeze(ctx context.Context) error {
+	select {
+	case <-s.done:
+		return fmt.Errorf("%w: freeze: init has exited", rt.ErrSandboxGone)
+	default:
+	}
+	if err := s.cg.freeze(); err != nil {
+		return s.gone(fmt.Errorf("freeze: %w", err))
+	}
+	return nil
+}
+
+// Thaw resumes a frozen sandbox.
+func (s *sandbox) Thaw(ctx context.Context) error {
+	if err := s.cg.thaw(); err != nil {
+		return s.gone(fmt.Errorf("thaw: %w", err))
+	}
+	return nil
+}
+
+// UpperDir implements runtime.Differ. The overlay is mounted without
+// redirect_dir, metacopy or index, so the upper directory is self-contained:
+// whiteouts, opaque directories and full copies of changed files.
+func (s *sandbox) UpperDir() string { return filepath.Join(s.dir, "upper") }
+
 func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
 	return s.gone(s.client.WriteFile(ctx, path, data, mode))
 }
@@ -627,8 +654,10 @@ func (s *sandbox) GetArchive(ctx context.Context, dir string, w io.Writer) error
 func (s *sandbox) Destroy(ctx context.Context) error {
 	s.destroyOnce.Do(func() {
 		// SIGKILL cannot be ignored: the wait is short and not cancellable,
-		// so a cancelled caller never leaves a half-destroyed sandbox.
+		// so a cancelled caller never leaves a half-destroyed sandbox. A
+		// frozen sandbox is thawed first: its processes could not die.
 		s.cmd.Process.Signal(syscall.SIGKILL)
+		s.cg.thaw()
 		<-s.done
 		s.client.Close()
 		s.conn.Close()

@@ -3,6 +3,7 @@ package testsuite
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -17,6 +18,77 @@ import (
 func (s *suite) testLifecycle(t *testing.T) {
 	t.Run("id", s.testID)
 	t.Run("destroy", s.testDestroy)
+	t.Run("freeze-thaw", s.testFreezeThaw)
+	t.Run("destroy-frozen", s.testDestroyFrozen)
+}
+
+// cpuTicks reads a process's user+system CPU time (clock ticks) in the
+// sandbox from /proc/PID/stat.
+func (s *suite) cpuTicks(t *testing.T, sb runtime.Sandbox, pid string) int64 {
+	t.Helper()
+	out := s.sh(t, sb, "cat /proc/"+pid+"/stat")
+	// Fields after the parenthesised command: state is field 3, utime 14, stime 15.
+	f := strings.Fields(out[strings.LastIndexByte(out, ')')+1:])
+	if len(f) < 13 {
+		t.Fatalf("unexpected /proc/%s/stat: %q", pid, out)
+	}
+	var u, st int64
+	if _, err := fmt.Sscan(f[11], &u); err != nil {
+		t.Fatalf("utime of %q: %v", out, err)
+	}
+	if _, err := fmt.Sscan(f[12], &st); err != nil {
+		t.Fatalf("stime of %q: %v", out, err)
+	}
+	return u + st
+}
+
+// testFreezeThaw runs a busy loop, freezes the sandbox for a while and
+// checks that the loop got no CPU while frozen and gets it again after.
+func (s *suite) testFreezeThaw(t *testing.T) {
+	sb := s.create(t, nil)
+	ctx := s.ctx(t)
+	pid := strings.TrimSpace(s.sh(t, sb, "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!"))
+	const interval = 700 * time.Millisecond
+	time.Sleep(100 * time.Millisecond)
+	before := s.cpuTicks(t, sb, pid)
+	if err := sb.Freeze(ctx); err != nil {
+		t.Fatalf("freeze: %v", err)
+	}
+	if err := sb.Freeze(ctx); err != nil {
+		t.Fatalf("freeze of a frozen sandbox: %v", err)
+	}
+	time.Sleep(interval)
+	if err := sb.Thaw(ctx); err != nil {
+		t.Fatalf("thaw: %v", err)
+	}
+	frozen := s.cpuTicks(t, sb, pid) - before
+	time.Sleep(interval)
+	running := s.cpuTicks(t, sb, pid) - before - frozen
+	// Frozen, the loop can only run in the moments around the freeze and
+	// the thaw; running, it takes a good part of a core for the interval.
+	if running <= 0 || frozen*3 > running {
+		t.Fatalf("busy loop got %d ticks across a %v freeze and %d ticks in %v running", frozen, interval, running, interval)
+	}
+	if err := sb.Thaw(ctx); err != nil {
+		t.Fatalf("thaw of a thawed sandbox: %v", err)
+	}
+}
+
+// testDestroyFrozen checks that a frozen sandbox can be destroyed.
+func (s *suite) testDestroyFrozen(t *testing.T) {
+	sb := s.create(t, nil)
+	s.sh(t, sb, "sleep 1000 >/dev/null 2>&1 &")
+	if err := sb.Freeze(s.ctx(t)); err != nil {
+		t.Fatalf("freeze: %v", err)
+	}
+	if err := sb.Destroy(s.ctx(t)); err != nil {
+		t.Fatalf("destroy a frozen sandbox: %v", err)
+	}
+	select {
+	case <-sb.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("a destroyed frozen sandbox's init did not exit")
+	}
 }
 
 func (s *suite) testID(t *testing.T) {

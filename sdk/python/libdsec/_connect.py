@@ -30,7 +30,15 @@ TimeoutArg = Union[float, None, Any]
 class Transport:
     """One pooled HTTP/1.1 connection set to a DSec endpoint."""
 
-    def __init__(self, endpoint: str, token: Optional[str], *, max_connections: int, timeout: Optional[float]):
+    def __init__(
+        self,
+        endpoint: str,
+        token: Optional[str],
+        *,
+        max_connections: int,
+        timeout: Optional[float],
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ):
         self.endpoint = endpoint.rstrip("/")
         headers = {"Connect-Protocol-Version": "1", "User-Agent": "libdsec-python"}
         if token:
@@ -39,8 +47,11 @@ class Transport:
         # get their own connection, and keep-alive reuses them across calls.
         # Plain http:// goes through the lean transport (see _http1); TLS,
         # proxies and Pythons without asyncio.timeout through httpcore.
+        # A caller-supplied transport (tests, instrumentation) replaces both.
         kwargs: Dict[str, Any] = {}
-        if (
+        if transport is not None:
+            kwargs["transport"] = transport
+        elif (
             self.endpoint.startswith("http://")
             and hasattr(asyncio, "timeout")
             and os.environ.get("DSEC_HTTP_TRANSPORT", "") != "httpcore"
@@ -71,9 +82,9 @@ class Transport:
                 **kwargs,
             )
         except httpx.TimeoutException as e:
-            raise DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})") from e
+            raise _in_transit(DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})")) from e
         except httpx.TransportError as e:
-            raise UnavailableError(f"{method}: cannot reach {self.endpoint}: {e or type(e).__name__}") from e
+            raise _in_transit(UnavailableError(f"{method}: cannot reach {self.endpoint}: {e or type(e).__name__}")) from e
         if resp.status_code != 200:
             raise _error_from_body(method, resp.status_code, resp.content)
         try:
@@ -121,11 +132,19 @@ class Transport:
                             return
                         yield msg
                 if not ended:
-                    raise UnavailableError(f"{method}: stream from {self.endpoint} ended without an end-of-stream message")
+                    raise _in_transit(
+                        UnavailableError(f"{method}: stream from {self.endpoint} ended without an end-of-stream message")
+                    )
         except httpx.TimeoutException as e:
-            raise DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})") from e
+            raise _in_transit(DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})")) from e
         except httpx.TransportError as e:
-            raise UnavailableError(f"{method}: connection to {self.endpoint} failed: {e or type(e).__name__}") from e
+            raise _in_transit(UnavailableError(f"{method}: connection to {self.endpoint} failed: {e or type(e).__name__}")) from e
+
+
+def _in_transit(e: DSecError) -> DSecError:
+    """Marks an error as a failure in transit (see DSecError.transport_failure)."""
+    e.transport_failure = True
+    return e
 
 
 def _error_from_body(method: str, status: int, content: bytes) -> DSecError:

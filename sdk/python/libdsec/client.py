@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
+import random
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import httpx
 
 from ._connect import Transport
 from .errors import INFRA_CODES, DSecError, NotFoundError, error_for
 from .models import (
     ExecResult,
     ImageInfo,
+    OpResult,
+    ReadFileResult,
     SandboxInfo,
     SandboxSpec,
     b64decode,
@@ -32,6 +39,25 @@ _TENANT = "dsec.v1.TenantService"
 # How long past the command's own timeout the HTTP request may take: the
 # server needs time to kill the command and send the result back.
 _EXEC_GRACE_S = 30.0
+
+# Re-sending numbered operations (those that carry a trajectory seq, see
+# DSecClient._send). A re-send is safe because the server records each
+# numbered operation once and answers a repeat with the recorded result.
+#
+# After a failure in transit, re-send for up to this long after the first
+# failure (a restarting server, a dropped connection).
+_RESEND_BUDGET_S = 30.0
+# "beyond the next expected": an earlier number of the same handle has not
+# reached the server yet (it was sent concurrently, or is itself being
+# re-sent for up to _RESEND_BUDGET_S), so wait for it a bit longer than that.
+_AHEAD_BUDGET_S = 60.0
+_AHEAD_MARK = "beyond the next expected"
+_NO_TRAJECTORY_MARK = "keeps no trajectory"
+# A replayed failure: the operation failed this way when it ran, and will
+# every time its number is sent again.
+_RECORDED_MARK = "recorded at seq"
+_BACKOFF_FIRST_S = 0.05
+_BACKOFF_MAX_S = 2.0
 
 OutputCallback = Callable[[str, bytes], Any]
 
@@ -80,16 +106,19 @@ class DSecClient:
         *,
         max_connections: int = 1024,
         timeout: Optional[float] = 300.0,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
     ) -> "DSecClient":
         """Connects to ``endpoint`` (default ``$DSEC_ENDPOINT`` or
         http://127.0.0.1:7110) with ``token`` (default ``$DSEC_TOKEN`` or
         the admin token of the default data dir when readable).
         ``timeout`` bounds each request except execs, which get their
-        command's timeout plus a grace period."""
+        command's timeout plus a grace period. ``transport``, if given, is
+        the httpx transport every request goes through (for tests and
+        instrumentation); by default the client picks its own."""
         endpoint = endpoint or os.environ.get("DSEC_ENDPOINT") or DEFAULT_ENDPOINT
         if token is None:
             token = _default_token()
-        return cls(Transport(endpoint, token, max_connections=max_connections, timeout=timeout))
+        return cls(Transport(endpoint, token, max_connections=max_connections, timeout=timeout, transport=transport))
 
     @property
     def endpoint(self) -> str:
@@ -109,7 +138,7 @@ class DSecClient:
     async def _create_sandbox(self, spec: SandboxSpec) -> "Sandbox":
         """Creates one sandbox and returns a handle to it."""
         resp = await self._t.unary(f"{_SANDBOX}/Create", {"spec": spec.to_json()})
-        return Sandbox(self, SandboxInfo.from_json(resp.get("sandbox") or {}))
+        return _handle(self, SandboxInfo.from_json(resp.get("sandbox") or {}))
 
     create = _HybridCreate(classmethod(_new), _create_sandbox)
 
@@ -132,7 +161,7 @@ class DSecClient:
             if err:
                 items.append(error_for(err.get("code"), err.get("message", "")))
             else:
-                items.append(Sandbox(self, SandboxInfo.from_json(r.get("sandbox") or {})))
+                items.append(_handle(self, SandboxInfo.from_json(r.get("sandbox") or {})))
         if len(items) != n:
             missing = error_for("internal", f"BatchCreate returned {len(items)} results for {n} requested")
             items += [missing] * (n - len(items))
@@ -146,9 +175,15 @@ class DSecClient:
             raise failed[0]
         return items
 
-    def sandbox(self, sandbox_id: str) -> "Sandbox":
-        """A handle to an existing sandbox (no call is made)."""
-        return Sandbox(self, SandboxInfo(id=sandbox_id))
+    def sandbox(self, sandbox_id: str, next_seq: int = 1) -> "Sandbox":
+        """A handle to an existing sandbox (no call is made).
+
+        The handle numbers its operations from ``next_seq``, 1 by default:
+        a trainer that restarts and re-issues the same operations in the
+        same order gets the recorded results back (``replayed=True``)
+        until it reaches the first operation the sandbox has not seen.
+        """
+        return Sandbox(self, SandboxInfo(id=_id(sandbox_id)), next_seq=next_seq)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         resp = await self._t.unary(f"{_SANDBOX}/Get", {"id": _id(sandbox_id)})
@@ -196,7 +231,18 @@ class DSecClient:
                 raise e
         return None
 
-    async def exec(
+    # ------------------------------------------------------------ operations
+    #
+    # exec, write_file, read_file and submit_reward are steps of the
+    # sandbox's trajectory. They are plain methods that return a coroutine:
+    # the request is checked and its step number (seq) taken when the
+    # method is called, before anything is awaited, so concurrent calls on
+    # one Sandbox handle are numbered in the order they were made. The seq
+    # is the caller's ``seq=`` if given, else the next number of the
+    # handle when ``sandbox`` is a Sandbox, else none (a bare id string:
+    # the server numbers the operation and nothing is re-sent).
+
+    def exec(
         self,
         sandbox: Union[str, "Sandbox"],
         cmd: Union[str, Sequence[str]],
@@ -208,10 +254,14 @@ class DSecClient:
         stdin: Union[bytes, str, None] = None,
         max_output_bytes: Optional[int] = None,
         on_output: Optional[OutputCallback] = None,
-    ) -> ExecResult:
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[ExecResult]:
         """Runs ``cmd`` in a sandbox; see :meth:`Sandbox.run`."""
         body: Dict[str, Any] = {"sandboxId": _id(sandbox)}
         if isinstance(cmd, str):
+            if not cmd:
+                raise ValueError("cmd must not be empty")
             body["shell"] = cmd
         else:
             argv = [str(a) for a in cmd]
@@ -230,51 +280,208 @@ class DSecClient:
         if stdin:
             body["stdin"] = b64encode(stdin)
         if max_output_bytes:
-            body["maxOutputBytes"] = str(int(max_output_bytes))
+            body["maxOutputBytes"] = str(_non_negative("max_output_bytes", max_output_bytes))
+        _number(body, sandbox, seq, request_id)
         http_timeout = None if timeout is None else timeout + _EXEC_GRACE_S
+        return self._exec(body, sandbox, http_timeout, on_output)
+
+    async def _exec(
+        self, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], http_timeout, on_output: Optional[OutputCallback]
+    ) -> ExecResult:
         start = time.monotonic()
         try:
             if on_output is None:
-                resp = await self._t.unary(f"{_SANDBOX}/Exec", body, timeout=http_timeout)
+                resp = await self._send(
+                    body, sandbox, lambda: self._t.unary(f"{_SANDBOX}/Exec", body, timeout=http_timeout)
+                )
                 return ExecResult.from_json(resp.get("result") or {})
-            return await self._exec_stream(body, http_timeout, on_output)
+            return await self._exec_stream(body, sandbox, http_timeout, on_output)
         except DSecError as e:
             if e.code in INFRA_CODES:
-                return ExecResult.infra_failure(str(e), time.monotonic() - start)
+                return ExecResult.infra_failure(str(e), time.monotonic() - start, seq=int(body.get("seq", 0)))
             raise
 
-    async def _exec_stream(self, body: Dict[str, Any], http_timeout, on_output: OutputCallback) -> ExecResult:
-        result: Optional[ExecResult] = None
-        async for msg in self._t.server_stream(f"{_SANDBOX}/ExecStream", body, timeout=http_timeout):
-            if "stdout" in msg:
-                r = on_output("stdout", b64decode(msg["stdout"]))
-            elif "stderr" in msg:
-                r = on_output("stderr", b64decode(msg["stderr"]))
-            elif "result" in msg:
-                result = ExecResult.from_json(msg["result"] or {})
-                continue
-            else:
-                continue
+    async def _exec_stream(
+        self, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], http_timeout, on_output: OutputCallback
+    ) -> ExecResult:
+        # Bytes handed to on_output so far, across re-sends: a re-sent
+        # stream starts from the beginning again, and the caller should see
+        # each byte once.
+        delivered = {"stdout": 0, "stderr": 0}
+
+        async def emit(stream: str, data: bytes) -> None:
+            delivered[stream] += len(data)
+            r = on_output(stream, data)
             if asyncio.iscoroutine(r):
                 await r
-        if result is None:
-            raise error_for("internal", "ExecStream ended without a result")
-        return result
 
-    async def write_file(
-        self, sandbox: Union[str, "Sandbox"], path: str, data: Union[bytes, str], mode: Optional[int] = None
-    ) -> None:
-        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "path": path, "data": b64encode(data)}
+        async def attempt() -> ExecResult:
+            seen = {"stdout": 0, "stderr": 0}  # bytes of this attempt's stream
+            result: Optional[ExecResult] = None
+            async for msg in self._t.server_stream(f"{_SANDBOX}/ExecStream", body, timeout=http_timeout):
+                if "result" in msg:
+                    result = ExecResult.from_json(msg["result"] or {})
+                    continue
+                for stream in ("stdout", "stderr"):
+                    if stream in msg:
+                        data = b64decode(msg[stream])
+                        skip = max(0, delivered[stream] - seen[stream])
+                        seen[stream] += len(data)
+                        if data[skip:]:
+                            await emit(stream, data[skip:])
+            if result is None:
+                raise error_for("internal", "ExecStream ended without a result")
+            if result.replayed:
+                # A replay may come as the recorded result alone: pass on
+                # the output the caller has not seen yet.
+                for stream, full in (("stdout", result.stdout_bytes), ("stderr", result.stderr_bytes)):
+                    if len(full) > delivered[stream]:
+                        await emit(stream, full[delivered[stream] :])
+            return result
+
+        return await self._send(body, sandbox, attempt)
+
+    def write_file(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        path: str,
+        data: Union[bytes, str],
+        mode: Optional[int] = None,
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[OpResult]:
+        """Writes ``data`` to ``path`` in a sandbox; see :meth:`Sandbox.write_file`."""
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "path": _path(path), "data": b64encode(data)}
         if mode:
+            if not 0 <= int(mode) <= 0o7777:
+                raise ValueError(f"mode {mode:#o} has bits beyond 0o7777")
             body["mode"] = int(mode)
-        await self._t.unary(f"{_SANDBOX}/WriteFile", body)
+        _number(body, sandbox, seq, request_id)
+        return self._op(f"{_SANDBOX}/WriteFile", body, sandbox, OpResult.from_json)
 
-    async def read_file(self, sandbox: Union[str, "Sandbox"], path: str, max_bytes: Optional[int] = None) -> bytes:
-        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "path": path}
+    def read_file_result(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        path: str,
+        max_bytes: Optional[int] = None,
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[ReadFileResult]:
+        """Reads ``path``; the result has the bytes with the read's seq and replayed flag."""
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "path": _path(path)}
         if max_bytes:
-            body["maxBytes"] = str(int(max_bytes))
-        resp = await self._t.unary(f"{_SANDBOX}/ReadFile", body)
-        return b64decode(resp.get("data"))
+            body["maxBytes"] = str(_non_negative("max_bytes", max_bytes))
+        _number(body, sandbox, seq, request_id)
+        return self._op(f"{_SANDBOX}/ReadFile", body, sandbox, ReadFileResult.from_json)
+
+    def read_file(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        path: str,
+        max_bytes: Optional[int] = None,
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[bytes]:
+        """Reads ``path`` and returns its bytes (see read_file_result for the seq)."""
+        return _data_of(self.read_file_result(sandbox, path, max_bytes, seq=seq, request_id=request_id))
+
+    def submit_reward(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        value: float,
+        metadata: Optional[Mapping[str, str]] = None,
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[OpResult]:
+        """Records a reward in the sandbox's trajectory; see :meth:`Sandbox.submit_reward`."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"reward value must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"reward value must be finite, got {value!r}")
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "value": float(value)}
+        if metadata:
+            body["metadata"] = {str(k): str(v) for k, v in metadata.items()}
+        _number(body, sandbox, seq, request_id)
+        return self._op(f"{_SANDBOX}/SubmitReward", body, sandbox, OpResult.from_json)
+
+    async def _op(self, method: str, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], decode: Callable[[Dict[str, Any]], Any]):
+        return decode(await self._send(body, sandbox, lambda: self._t.unary(method, body)))
+
+    async def _send(self, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], attempt: Callable[[], Awaitable[Any]]) -> Any:
+        """Runs ``attempt`` (one request of ``body``) and, for a numbered
+        operation (``body`` has a seq), runs it again with the same seq
+        while it fails in a way a re-send can fix:
+
+        - in transit, or ``unavailable``: the server may or may not have
+          got it; if it did, the re-send returns the recorded result (or
+          waits for the first one to finish) instead of running it twice;
+        - ``failed_precondition`` "beyond the next expected": an earlier
+          number of this handle has not reached the server yet.
+
+        Each with backoff and a time budget; every other error is raised
+        at once. An unnumbered operation is sent once: repeating it could
+        run it twice.
+
+        A node started without a trajectory log refuses numbered operations
+        without running them: an operation numbered through a handle is
+        then sent again without its number, and the handle stops numbering
+        (a bare id with an explicit seq gets the error).
+        """
+        if "seq" not in body:
+            return await attempt()
+        delay = _BACKOFF_FIRST_S
+        give_up: Dict[float, float] = {}  # budget -> when to stop, from the first failure of its kind
+        while True:
+            try:
+                return await attempt()
+            except DSecError as e:
+                if e.transport_failure or (e.code == "unavailable" and _RECORDED_MARK not in e.message):
+                    budget = _RESEND_BUDGET_S
+                elif e.code == "failed_precondition" and _AHEAD_MARK in e.message:
+                    budget = _AHEAD_BUDGET_S
+                elif e.code == "failed_precondition" and _NO_TRAJECTORY_MARK in e.message and isinstance(sandbox, Sandbox):
+                    del body["seq"]
+                    sandbox._numbered = False
+                    return await attempt()
+                else:
+                    raise
+                now = time.monotonic()
+                stop = give_up.setdefault(budget, now + budget)
+                if now >= stop:
+                    raise
+            # Jitter keeps many clients from coming back in lockstep after
+            # a server restart.
+            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, stop - now)))
+            delay = min(delay * 2, _BACKOFF_MAX_S)
+
+    async def trajectory(
+        self, sandbox: Union[str, "Sandbox"], include_data: bool = False, *, page_size: int = 0
+    ) -> List[Dict[str, Any]]:
+        """A sandbox's whole trajectory, in log order: one dict per record
+        (the JSON the server keeps: ``seq``, ``kind``, ``exec``, ``file``,
+        ``reward``, ``prev``, ``hash``...; byte strings are base64).
+        ``include_data`` inlines data the server keeps out of the records
+        (large outputs, file contents). Also works after the sandbox was
+        destroyed, for as long as the server keeps its trajectory."""
+        records: List[Dict[str, Any]] = []
+        token = ""
+        while True:
+            body: Dict[str, Any] = {"sandboxId": _id(sandbox)}
+            if include_data:
+                body["includeData"] = True
+            if page_size:
+                body["pageSize"] = int(page_size)
+            if token:
+                body["pageToken"] = token
+            resp = await self._t.unary(f"{_SANDBOX}/GetTrajectory", body)
+            records.extend(json.loads(r) for r in resp.get("records") or [])
+            token = resp.get("nextPageToken") or ""
+            if not token:
+                return records
 
     # ------------------------------------------------------------ images, tenants
 
@@ -310,11 +517,28 @@ class DSecClient:
 
 
 class Sandbox:
-    """A handle to one sandbox. ``async with`` destroys it on exit."""
+    """A handle to one sandbox. ``async with`` destroys it on exit.
 
-    def __init__(self, client: DSecClient, info: SandboxInfo):
+    The handle numbers the sandbox's operations (run, write_file,
+    read_file, submit_reward) 1, 2, 3, ... in the order they are called
+    (``next_seq`` is the number the next one gets). The server records each
+    numbered operation once: a number it has already recorded returns the
+    recorded result (``replayed=True``) instead of running again. So a
+    trainer that restarts, takes a new handle with ``client.sandbox(id)``
+    and re-issues the same operations in the same order fast-forwards to
+    where it was; and a request whose response was lost is re-sent
+    transparently. Operations on one sandbox should all go through one
+    handle: operations sent with a bare id are numbered by the server and
+    take numbers the handle does not know about.
+    """
+
+    def __init__(self, client: DSecClient, info: SandboxInfo, next_seq: int = 1):
         self._client = client
         self.info = info
+        self.next_seq = next_seq
+        # False once the sandbox is known to have no trajectory (its node
+        # runs without one): its operations are then sent without a number.
+        self._numbered = True
 
     @property
     def id(self) -> str:
@@ -324,10 +548,28 @@ class Sandbox:
     def node(self) -> str:
         return self.info.node
 
+    @property
+    def next_seq(self) -> int:
+        """The trajectory step the next operation on this handle gets."""
+        return self._next_seq
+
+    @next_seq.setter
+    def next_seq(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"next_seq must be an integer >= 1, got {value!r}")
+        self._next_seq = value
+
+    def _take_seq(self) -> int:
+        # Synchronous on purpose: the number is fixed when the operation is
+        # called, so call order is trajectory order even for concurrent calls.
+        n = self._next_seq
+        self._next_seq += 1
+        return n
+
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r})"
 
-    async def run(
+    def run(
         self,
         cmd: Union[str, Sequence[str]],
         timeout: Optional[float] = None,
@@ -338,7 +580,8 @@ class Sandbox:
         stdin: Union[bytes, str, None] = None,
         max_output_bytes: Optional[int] = None,
         on_output: Optional[OutputCallback] = None,
-    ) -> ExecResult:
+        request_id: Optional[str] = None,
+    ) -> Awaitable[ExecResult]:
         """Runs ``cmd`` (a string for ``/bin/sh -c``, or an argv list).
 
         ``timeout`` (seconds) kills the command's whole process tree; the
@@ -351,8 +594,12 @@ class Sandbox:
         ``outcome == "infra_error"`` so a trainer can mask the sample.
         Errors in the request itself (no such sandbox, bad argument, no
         permission) raise the matching DSecError.
+
+        The command is the handle's next trajectory step (``result.seq``);
+        ``result.replayed`` says it was recorded earlier and not run again.
+        ``request_id`` is kept in the trajectory record.
         """
-        return await self._client.exec(
+        return self._client.exec(
             self,
             cmd,
             timeout,
@@ -362,17 +609,41 @@ class Sandbox:
             stdin=stdin,
             max_output_bytes=max_output_bytes,
             on_output=on_output,
+            request_id=request_id,
         )
 
-    async def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
-        """Writes ``data`` (str is encoded as UTF-8) to ``path``, creating or replacing it."""
-        await self._client.write_file(self, path, data, mode)
+    def write_file(
+        self, path: str, data: Union[bytes, str], mode: Optional[int] = None, *, request_id: Optional[str] = None
+    ) -> Awaitable[OpResult]:
+        """Writes ``data`` (str is encoded as UTF-8) to ``path``, creating or
+        replacing it. Returns the write's ``seq`` and ``replayed``."""
+        return self._client.write_file(self, path, data, mode, request_id=request_id)
 
-    async def read_file(self, path: str, max_bytes: Optional[int] = None) -> bytes:
-        return await self._client.read_file(self, path, max_bytes)
+    def read_file(
+        self, path: str, max_bytes: Optional[int] = None, *, request_id: Optional[str] = None
+    ) -> Awaitable[bytes]:
+        """Reads ``path`` and returns its bytes."""
+        return self._client.read_file(self, path, max_bytes, request_id=request_id)
+
+    def read_file_result(
+        self, path: str, max_bytes: Optional[int] = None, *, request_id: Optional[str] = None
+    ) -> Awaitable[ReadFileResult]:
+        """As read_file, but returns the bytes with the read's ``seq`` and ``replayed``."""
+        return self._client.read_file_result(self, path, max_bytes, request_id=request_id)
+
+    def submit_reward(
+        self, value: float, metadata: Optional[Mapping[str, str]] = None, *, request_id: Optional[str] = None
+    ) -> Awaitable[OpResult]:
+        """Records a reward (and string metadata) as the sandbox's next trajectory step."""
+        return self._client.submit_reward(self, value, metadata, request_id=request_id)
+
+    async def trajectory(self, include_data: bool = False) -> List[Dict[str, Any]]:
+        """The sandbox's trajectory records; see :meth:`DSecClient.trajectory`."""
+        return await self._client.trajectory(self, include_data)
 
     async def refresh(self) -> SandboxInfo:
-        """Fetches the sandbox's current description (state, node, ...)."""
+        """Fetches the sandbox's current description (state, node, ...).
+        It does not change the handle's ``next_seq``."""
         self.info = await self._client.get(self.id)
         return self.info
 
@@ -397,9 +668,58 @@ class Sandbox:
             pass  # already gone (destroyed inside the block, or reclaimed)
 
 
+def _handle(client: DSecClient, info: SandboxInfo) -> Sandbox:
+    """A handle to a sandbox just created, numbering from 1 (its first step)."""
+    sb = Sandbox(client, info)
+    # next_seq 0 means the sandbox's node keeps no trajectory.
+    sb._numbered = info.next_seq != 0
+    return sb
+
+
 def _id(sandbox: Union[str, Sandbox]) -> str:
     if isinstance(sandbox, Sandbox):
         return sandbox.id
     if not isinstance(sandbox, str) or not sandbox:
         raise ValueError(f"sandbox id must be a non-empty string, got {sandbox!r}")
     return sandbox
+
+
+def _number(body: Dict[str, Any], sandbox: Union[str, Sandbox], seq: Optional[int], request_id: Optional[str]) -> Optional[int]:
+    """Puts the operation's seq (see DSecClient "operations") and request id
+    into ``body`` and returns the seq, or None when the server numbers it.
+    Called last when building a request, so a request refused for a bad
+    argument never uses up a number of the handle."""
+    if request_id:
+        body["requestId"] = str(request_id)
+    if seq is not None:
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"seq must be an integer >= 1, got {seq!r}")
+        n: Optional[int] = seq
+    elif isinstance(sandbox, Sandbox) and sandbox._numbered:
+        n = sandbox._take_seq()
+    else:
+        return None
+    body["seq"] = str(n)  # uint64: a string in proto3 JSON
+    return n
+
+
+async def _data_of(result: Awaitable[ReadFileResult]) -> bytes:
+    return (await result).data
+
+
+# Arguments the server would refuse are refused here instead, before the
+# operation takes a number: the server refuses them without recording
+# anything, so the number would stay unused and every later operation of
+# the handle would wait on it ("beyond the next expected").
+
+
+def _non_negative(name: str, value: int) -> int:
+    if int(value) < 0:
+        raise ValueError(f"{name} must not be negative, got {value!r}")
+    return int(value)
+
+
+def _path(path: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"path must be a non-empty string, got {path!r}")
+    return path

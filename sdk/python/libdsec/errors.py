@@ -38,6 +38,11 @@ class DSecError(Exception):
     """A call failed. ``code`` is the Connect code name (e.g. ``"not_found"``)."""
 
     code = "unknown"
+    # True when the request failed in transit (connection refused or reset,
+    # no response in time, a stream cut short) rather than being answered:
+    # the server may or may not have acted on it. Numbered operations are
+    # re-sent on such failures (see DSecClient.exec).
+    transport_failure = False
 
     def __init__(self, message: str, *, code: Optional[str] = None, http_status: Optional[int] = None):
         super().__init__(message)

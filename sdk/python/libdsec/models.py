@@ -21,6 +21,8 @@ __all__ = [
     "SandboxSpec",
     "SandboxInfo",
     "ExecResult",
+    "OpResult",
+    "ReadFileResult",
     "ImageInfo",
 ]
 
@@ -142,6 +144,10 @@ class SandboxInfo:
     last_active_at: Optional[datetime] = None
     layers: List[str] = field(default_factory=list)
     reason: str = ""
+    # The number the sandbox's trajectory expects next (0 when its node
+    # keeps no trajectory). This is the server's view; a Sandbox handle
+    # keeps its own counter (Sandbox.next_seq).
+    next_seq: int = 0
 
     @property
     def labels(self) -> Dict[str, str]:
@@ -159,6 +165,7 @@ class SandboxInfo:
             last_active_at=parse_timestamp(d.get("lastActiveAt")),
             layers=list(d.get("layers") or []),
             reason=d.get("reason", ""),
+            next_seq=int(d.get("nextSeq", 0)),
         )
 
 
@@ -176,6 +183,10 @@ class ExecResult:
     ``stdout``/``stderr`` are decoded UTF-8 (invalid bytes replaced);
     ``stdout_bytes``/``stderr_bytes`` are exactly what was captured.
     ``duration`` is in seconds.
+
+    ``seq`` is the command's step in the sandbox's trajectory (0 if the
+    server did not say); ``replayed`` is True when the result was recorded
+    earlier and returned without running the command again (fast-forward).
     """
 
     exit_code: int
@@ -191,6 +202,8 @@ class ExecResult:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     oom_killed: bool = False
+    seq: int = 0
+    replayed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -231,10 +244,12 @@ class ExecResult:
             stdout_truncated=bool(d.get("stdoutTruncated", False)),
             stderr_truncated=bool(d.get("stderrTruncated", False)),
             oom_killed=bool(d.get("oomKilled", False)),
+            seq=int(d.get("seq", 0)),
+            replayed=bool(d.get("replayed", False)),
         )
 
     @classmethod
-    def infra_failure(cls, what: str, duration: float = 0.0) -> "ExecResult":
+    def infra_failure(cls, what: str, duration: float = 0.0, seq: int = 0) -> "ExecResult":
         """The result of a command the infrastructure could not run."""
         return cls(
             exit_code=-1,
@@ -244,7 +259,36 @@ class ExecResult:
             timed_out=False,
             infra_error=what or "infrastructure error",
             outcome="infra_error",
+            seq=seq,
         )
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What write_file and submit_reward return: the operation's step in
+    the sandbox's trajectory and whether it was replayed (recorded earlier,
+    not done again)."""
+
+    seq: int = 0
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "OpResult":
+        return cls(seq=int(d.get("seq", 0)), replayed=bool(d.get("replayed", False)))
+
+
+@dataclass(frozen=True)
+class ReadFileResult:
+    """What read_file_result returns: the bytes read, with the read's step
+    in the trajectory and whether it was replayed."""
+
+    data: bytes = b""
+    seq: int = 0
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ReadFileResult":
+        return cls(data=b64decode(d.get("data")), seq=int(d.get("seq", 0)), replayed=bool(d.get("replayed", False)))
 
 
 @dataclass
@@ -330,7 +374,7 @@ def env_list(env: Union[Mapping[str, str], Sequence[str], None]) -> List[str]:
         raise TypeError("env must be a mapping or a list of K=V strings, not a single string")
     out = []
     for item in env:
-        if "=" not in item:
+        if "=" not in item or item.startswith("="):
             raise ValueError(f"env entry {item!r} is not K=V")
         out.append(item)
     return out

@@ -155,13 +155,15 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_unreachable_server_raises_unavailable_but_exec_reports_infra_error():
+async def test_unreachable_server_raises_unavailable_but_exec_reports_infra_error(monkeypatch):
+    # A handle's operations are re-sent for a while first; keep that short.
+    monkeypatch.setattr("libdsec.client._RESEND_BUDGET_S", 0.3)
     async with await DSecClient.create(endpoint=f"http://127.0.0.1:{_closed_port()}", token="t") as client:
         with pytest.raises(UnavailableError):
             await client.get("n1-0123456789abcdef")
         sb = client.sandbox("n1-0123456789abcdef")
         out = await sb.run("echo hi", timeout=5)
-        assert out.outcome == "infra_error"
+        assert out.outcome == "infra_error" and out.seq == 1
         assert out.infra_error and "unavailable" in out.infra_error
         assert out.exit_code == -1
         assert await sb.is_alive() is False

@@ -71,6 +71,25 @@ const (
 	// SandboxServiceGetTrajectoryProcedure is the fully-qualified name of the SandboxService's
 	// GetTrajectory RPC.
 	SandboxServiceGetTrajectoryProcedure = "/dsec.v1.SandboxService/GetTrajectory"
+	// SandboxServiceSnapshotProcedure is the fully-qualified name of the SandboxService's Snapshot RPC.
+	SandboxServiceSnapshotProcedure = "/dsec.v1.SandboxService/Snapshot"
+	// SandboxServiceCheckpointProcedure is the fully-qualified name of the SandboxService's Checkpoint
+	// RPC.
+	SandboxServiceCheckpointProcedure = "/dsec.v1.SandboxService/Checkpoint"
+	// SandboxServiceRollbackProcedure is the fully-qualified name of the SandboxService's Rollback RPC.
+	SandboxServiceRollbackProcedure = "/dsec.v1.SandboxService/Rollback"
+	// SandboxServiceDeleteCheckpointProcedure is the fully-qualified name of the SandboxService's
+	// DeleteCheckpoint RPC.
+	SandboxServiceDeleteCheckpointProcedure = "/dsec.v1.SandboxService/DeleteCheckpoint"
+	// SandboxServiceFreezeProcedure is the fully-qualified name of the SandboxService's Freeze RPC.
+	SandboxServiceFreezeProcedure = "/dsec.v1.SandboxService/Freeze"
+	// SandboxServiceThawProcedure is the fully-qualified name of the SandboxService's Thaw RPC.
+	SandboxServiceThawProcedure = "/dsec.v1.SandboxService/Thaw"
+	// SandboxServiceFreezeJobProcedure is the fully-qualified name of the SandboxService's FreezeJob
+	// RPC.
+	SandboxServiceFreezeJobProcedure = "/dsec.v1.SandboxService/FreezeJob"
+	// SandboxServiceThawJobProcedure is the fully-qualified name of the SandboxService's ThawJob RPC.
+	SandboxServiceThawJobProcedure = "/dsec.v1.SandboxService/ThawJob"
 	// ImageServiceImportProcedure is the fully-qualified name of the ImageService's Import RPC.
 	ImageServiceImportProcedure = "/dsec.v1.ImageService/Import"
 	// ImageServiceListProcedure is the fully-qualified name of the ImageService's List RPC.
@@ -102,6 +121,22 @@ type SandboxServiceClient interface {
 	// GetTrajectory pages through a sandbox's trajectory, also after the
 	// sandbox is destroyed or its node is gone (from the blob store).
 	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
+	// Snapshot freezes the sandbox, packs its writable layer into a new
+	// layer and creates an image: the sandbox's layers plus that one.
+	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error)
+	// Checkpoint records the sandbox's file system in place; Rollback kills
+	// every process and resets the file system to a checkpoint, keeping the
+	// sandbox's ID.
+	Checkpoint(context.Context, *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error)
+	Rollback(context.Context, *connect.Request[v1.RollbackRequest]) (*connect.Response[v1.RollbackResponse], error)
+	DeleteCheckpoint(context.Context, *connect.Request[v1.DeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error)
+	// Freeze stops every process (cgroup freezer), keeping memory and state;
+	// exec on a frozen sandbox is FailedPrecondition. Thaw resumes it.
+	Freeze(context.Context, *connect.Request[v1.FreezeRequest]) (*connect.Response[v1.FreezeResponse], error)
+	Thaw(context.Context, *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error)
+	// FreezeJob and ThawJob act on every matching sandbox on every node.
+	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
+	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 }
 
 // NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
@@ -187,23 +222,79 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("GetTrajectory")),
 			connect.WithClientOptions(opts...),
 		),
+		snapshot: connect.NewClient[v1.SnapshotRequest, v1.SnapshotResponse](
+			httpClient,
+			baseURL+SandboxServiceSnapshotProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Snapshot")),
+			connect.WithClientOptions(opts...),
+		),
+		checkpoint: connect.NewClient[v1.CheckpointRequest, v1.CheckpointResponse](
+			httpClient,
+			baseURL+SandboxServiceCheckpointProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Checkpoint")),
+			connect.WithClientOptions(opts...),
+		),
+		rollback: connect.NewClient[v1.RollbackRequest, v1.RollbackResponse](
+			httpClient,
+			baseURL+SandboxServiceRollbackProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Rollback")),
+			connect.WithClientOptions(opts...),
+		),
+		deleteCheckpoint: connect.NewClient[v1.DeleteCheckpointRequest, v1.DeleteCheckpointResponse](
+			httpClient,
+			baseURL+SandboxServiceDeleteCheckpointProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("DeleteCheckpoint")),
+			connect.WithClientOptions(opts...),
+		),
+		freeze: connect.NewClient[v1.FreezeRequest, v1.FreezeResponse](
+			httpClient,
+			baseURL+SandboxServiceFreezeProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Freeze")),
+			connect.WithClientOptions(opts...),
+		),
+		thaw: connect.NewClient[v1.ThawRequest, v1.ThawResponse](
+			httpClient,
+			baseURL+SandboxServiceThawProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Thaw")),
+			connect.WithClientOptions(opts...),
+		),
+		freezeJob: connect.NewClient[v1.JobRequest, v1.JobResponse](
+			httpClient,
+			baseURL+SandboxServiceFreezeJobProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("FreezeJob")),
+			connect.WithClientOptions(opts...),
+		),
+		thawJob: connect.NewClient[v1.JobRequest, v1.JobResponse](
+			httpClient,
+			baseURL+SandboxServiceThawJobProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("ThawJob")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // sandboxServiceClient implements SandboxServiceClient.
 type sandboxServiceClient struct {
-	create        *connect.Client[v1.CreateSandboxRequest, v1.CreateSandboxResponse]
-	batchCreate   *connect.Client[v1.BatchCreateSandboxesRequest, v1.BatchCreateSandboxesResponse]
-	get           *connect.Client[v1.GetSandboxRequest, v1.GetSandboxResponse]
-	list          *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
-	exec          *connect.Client[v1.ExecRequest, v1.ExecResponse]
-	execStream    *connect.Client[v1.ExecRequest, v1.ExecStreamResponse]
-	writeFile     *connect.Client[v1.WriteFileRequest, v1.WriteFileResponse]
-	readFile      *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
-	destroy       *connect.Client[v1.DestroySandboxRequest, v1.DestroySandboxResponse]
-	batchDestroy  *connect.Client[v1.BatchDestroySandboxesRequest, v1.BatchDestroySandboxesResponse]
-	submitReward  *connect.Client[v1.SubmitRewardRequest, v1.SubmitRewardResponse]
-	getTrajectory *connect.Client[v1.GetTrajectoryRequest, v1.GetTrajectoryResponse]
+	create           *connect.Client[v1.CreateSandboxRequest, v1.CreateSandboxResponse]
+	batchCreate      *connect.Client[v1.BatchCreateSandboxesRequest, v1.BatchCreateSandboxesResponse]
+	get              *connect.Client[v1.GetSandboxRequest, v1.GetSandboxResponse]
+	list             *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
+	exec             *connect.Client[v1.ExecRequest, v1.ExecResponse]
+	execStream       *connect.Client[v1.ExecRequest, v1.ExecStreamResponse]
+	writeFile        *connect.Client[v1.WriteFileRequest, v1.WriteFileResponse]
+	readFile         *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
+	destroy          *connect.Client[v1.DestroySandboxRequest, v1.DestroySandboxResponse]
+	batchDestroy     *connect.Client[v1.BatchDestroySandboxesRequest, v1.BatchDestroySandboxesResponse]
+	submitReward     *connect.Client[v1.SubmitRewardRequest, v1.SubmitRewardResponse]
+	getTrajectory    *connect.Client[v1.GetTrajectoryRequest, v1.GetTrajectoryResponse]
+	snapshot         *connect.Client[v1.SnapshotRequest, v1.SnapshotResponse]
+	checkpoint       *connect.Client[v1.CheckpointRequest, v1.CheckpointResponse]
+	rollback         *connect.Client[v1.RollbackRequest, v1.RollbackResponse]
+	deleteCheckpoint *connect.Client[v1.DeleteCheckpointRequest, v1.DeleteCheckpointResponse]
+	freeze           *connect.Client[v1.FreezeRequest, v1.FreezeResponse]
+	thaw             *connect.Client[v1.ThawRequest, v1.ThawResponse]
+	freezeJob        *connect.Client[v1.JobRequest, v1.JobResponse]
+	thawJob          *connect.Client[v1.JobRequest, v1.JobResponse]
 }
 
 // Create calls dsec.v1.SandboxService.Create.
@@ -266,6 +357,46 @@ func (c *sandboxServiceClient) GetTrajectory(ctx context.Context, req *connect.R
 	return c.getTrajectory.CallUnary(ctx, req)
 }
 
+// Snapshot calls dsec.v1.SandboxService.Snapshot.
+func (c *sandboxServiceClient) Snapshot(ctx context.Context, req *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error) {
+	return c.snapshot.CallUnary(ctx, req)
+}
+
+// Checkpoint calls dsec.v1.SandboxService.Checkpoint.
+func (c *sandboxServiceClient) Checkpoint(ctx context.Context, req *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error) {
+	return c.checkpoint.CallUnary(ctx, req)
+}
+
+// Rollback calls dsec.v1.SandboxService.Rollback.
+func (c *sandboxServiceClient) Rollback(ctx context.Context, req *connect.Request[v1.RollbackRequest]) (*connect.Response[v1.RollbackResponse], error) {
+	return c.rollback.CallUnary(ctx, req)
+}
+
+// DeleteCheckpoint calls dsec.v1.SandboxService.DeleteCheckpoint.
+func (c *sandboxServiceClient) DeleteCheckpoint(ctx context.Context, req *connect.Request[v1.DeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error) {
+	return c.deleteCheckpoint.CallUnary(ctx, req)
+}
+
+// Freeze calls dsec.v1.SandboxService.Freeze.
+func (c *sandboxServiceClient) Freeze(ctx context.Context, req *connect.Request[v1.FreezeRequest]) (*connect.Response[v1.FreezeResponse], error) {
+	return c.freeze.CallUnary(ctx, req)
+}
+
+// Thaw calls dsec.v1.SandboxService.Thaw.
+func (c *sandboxServiceClient) Thaw(ctx context.Context, req *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error) {
+	return c.thaw.CallUnary(ctx, req)
+}
+
+// FreezeJob calls dsec.v1.SandboxService.FreezeJob.
+func (c *sandboxServiceClient) FreezeJob(ctx context.Context, req *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
+	return c.freezeJob.CallUnary(ctx, req)
+}
+
+// ThawJob calls dsec.v1.SandboxService.ThawJob.
+func (c *sandboxServiceClient) ThawJob(ctx context.Context, req *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
+	return c.thawJob.CallUnary(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	Create(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.CreateSandboxResponse], error)
@@ -283,6 +414,22 @@ type SandboxServiceHandler interface {
 	// GetTrajectory pages through a sandbox's trajectory, also after the
 	// sandbox is destroyed or its node is gone (from the blob store).
 	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
+	// Snapshot freezes the sandbox, packs its writable layer into a new
+	// layer and creates an image: the sandbox's layers plus that one.
+	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error)
+	// Checkpoint records the sandbox's file system in place; Rollback kills
+	// every process and resets the file system to a checkpoint, keeping the
+	// sandbox's ID.
+	Checkpoint(context.Context, *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error)
+	Rollback(context.Context, *connect.Request[v1.RollbackRequest]) (*connect.Response[v1.RollbackResponse], error)
+	DeleteCheckpoint(context.Context, *connect.Request[v1.DeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error)
+	// Freeze stops every process (cgroup freezer), keeping memory and state;
+	// exec on a frozen sandbox is FailedPrecondition. Thaw resumes it.
+	Freeze(context.Context, *connect.Request[v1.FreezeRequest]) (*connect.Response[v1.FreezeResponse], error)
+	Thaw(context.Context, *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error)
+	// FreezeJob and ThawJob act on every matching sandbox on every node.
+	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
+	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -364,6 +511,54 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("GetTrajectory")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceSnapshotHandler := connect.NewUnaryHandler(
+		SandboxServiceSnapshotProcedure,
+		svc.Snapshot,
+		connect.WithSchema(sandboxServiceMethods.ByName("Snapshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceCheckpointHandler := connect.NewUnaryHandler(
+		SandboxServiceCheckpointProcedure,
+		svc.Checkpoint,
+		connect.WithSchema(sandboxServiceMethods.ByName("Checkpoint")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceRollbackHandler := connect.NewUnaryHandler(
+		SandboxServiceRollbackProcedure,
+		svc.Rollback,
+		connect.WithSchema(sandboxServiceMethods.ByName("Rollback")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceDeleteCheckpointHandler := connect.NewUnaryHandler(
+		SandboxServiceDeleteCheckpointProcedure,
+		svc.DeleteCheckpoint,
+		connect.WithSchema(sandboxServiceMethods.ByName("DeleteCheckpoint")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceFreezeHandler := connect.NewUnaryHandler(
+		SandboxServiceFreezeProcedure,
+		svc.Freeze,
+		connect.WithSchema(sandboxServiceMethods.ByName("Freeze")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceThawHandler := connect.NewUnaryHandler(
+		SandboxServiceThawProcedure,
+		svc.Thaw,
+		connect.WithSchema(sandboxServiceMethods.ByName("Thaw")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceFreezeJobHandler := connect.NewUnaryHandler(
+		SandboxServiceFreezeJobProcedure,
+		svc.FreezeJob,
+		connect.WithSchema(sandboxServiceMethods.ByName("FreezeJob")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceThawJobHandler := connect.NewUnaryHandler(
+		SandboxServiceThawJobProcedure,
+		svc.ThawJob,
+		connect.WithSchema(sandboxServiceMethods.ByName("ThawJob")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateProcedure:
@@ -390,6 +585,22 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceSubmitRewardHandler.ServeHTTP(w, r)
 		case SandboxServiceGetTrajectoryProcedure:
 			sandboxServiceGetTrajectoryHandler.ServeHTTP(w, r)
+		case SandboxServiceSnapshotProcedure:
+			sandboxServiceSnapshotHandler.ServeHTTP(w, r)
+		case SandboxServiceCheckpointProcedure:
+			sandboxServiceCheckpointHandler.ServeHTTP(w, r)
+		case SandboxServiceRollbackProcedure:
+			sandboxServiceRollbackHandler.ServeHTTP(w, r)
+		case SandboxServiceDeleteCheckpointProcedure:
+			sandboxServiceDeleteCheckpointHandler.ServeHTTP(w, r)
+		case SandboxServiceFreezeProcedure:
+			sandboxServiceFreezeHandler.ServeHTTP(w, r)
+		case SandboxServiceThawProcedure:
+			sandboxServiceThawHandler.ServeHTTP(w, r)
+		case SandboxServiceFreezeJobProcedure:
+			sandboxServiceFreezeJobHandler.ServeHTTP(w, r)
+		case SandboxServiceThawJobProcedure:
+			sandboxServiceThawJobHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -445,6 +656,38 @@ func (UnimplementedSandboxServiceHandler) SubmitReward(context.Context, *connect
 
 func (UnimplementedSandboxServiceHandler) GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetTrajectory is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Snapshot is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Checkpoint(context.Context, *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Checkpoint is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Rollback(context.Context, *connect.Request[v1.RollbackRequest]) (*connect.Response[v1.RollbackResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Rollback is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) DeleteCheckpoint(context.Context, *connect.Request[v1.DeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.DeleteCheckpoint is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Freeze(context.Context, *connect.Request[v1.FreezeRequest]) (*connect.Response[v1.FreezeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Freeze is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Thaw(context.Context, *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Thaw is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.FreezeJob is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ThawJob is not implemented"))
 }
 
 // ImageServiceClient is a client for the dsec.v1.ImageService service.

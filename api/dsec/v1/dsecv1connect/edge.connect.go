@@ -67,6 +67,29 @@ const (
 	// EdgeServiceGetTrajectoryOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// GetTrajectoryOnEdge RPC.
 	EdgeServiceGetTrajectoryOnEdgeProcedure = "/dsec.v1.EdgeService/GetTrajectoryOnEdge"
+	// EdgeServiceSnapshotOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// SnapshotOnEdge RPC.
+	EdgeServiceSnapshotOnEdgeProcedure = "/dsec.v1.EdgeService/SnapshotOnEdge"
+	// EdgeServiceCheckpointOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// CheckpointOnEdge RPC.
+	EdgeServiceCheckpointOnEdgeProcedure = "/dsec.v1.EdgeService/CheckpointOnEdge"
+	// EdgeServiceRollbackOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// RollbackOnEdge RPC.
+	EdgeServiceRollbackOnEdgeProcedure = "/dsec.v1.EdgeService/RollbackOnEdge"
+	// EdgeServiceDeleteCheckpointOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// DeleteCheckpointOnEdge RPC.
+	EdgeServiceDeleteCheckpointOnEdgeProcedure = "/dsec.v1.EdgeService/DeleteCheckpointOnEdge"
+	// EdgeServiceFreezeOnEdgeProcedure is the fully-qualified name of the EdgeService's FreezeOnEdge
+	// RPC.
+	EdgeServiceFreezeOnEdgeProcedure = "/dsec.v1.EdgeService/FreezeOnEdge"
+	// EdgeServiceThawOnEdgeProcedure is the fully-qualified name of the EdgeService's ThawOnEdge RPC.
+	EdgeServiceThawOnEdgeProcedure = "/dsec.v1.EdgeService/ThawOnEdge"
+	// EdgeServiceFreezeJobOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// FreezeJobOnEdge RPC.
+	EdgeServiceFreezeJobOnEdgeProcedure = "/dsec.v1.EdgeService/FreezeJobOnEdge"
+	// EdgeServiceThawJobOnEdgeProcedure is the fully-qualified name of the EdgeService's ThawJobOnEdge
+	// RPC.
+	EdgeServiceThawJobOnEdgeProcedure = "/dsec.v1.EdgeService/ThawJobOnEdge"
 	// NodeServiceHeartbeatProcedure is the fully-qualified name of the NodeService's Heartbeat RPC.
 	NodeServiceHeartbeatProcedure = "/dsec.v1.NodeService/Heartbeat"
 )
@@ -84,6 +107,16 @@ type EdgeServiceClient interface {
 	DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
 	SubmitRewardOnEdge(context.Context, *connect.Request[v1.EdgeSubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error)
 	GetTrajectoryOnEdge(context.Context, *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
+	SnapshotOnEdge(context.Context, *connect.Request[v1.EdgeSnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error)
+	CheckpointOnEdge(context.Context, *connect.Request[v1.EdgeCheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error)
+	RollbackOnEdge(context.Context, *connect.Request[v1.EdgeRollbackRequest]) (*connect.Response[v1.RollbackResponse], error)
+	DeleteCheckpointOnEdge(context.Context, *connect.Request[v1.EdgeDeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error)
+	FreezeOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.FreezeResponse], error)
+	ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error)
+	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
+	// node matching the labels.
+	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
+	ThawJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
 }
 
 // NewEdgeServiceClient constructs a client for the dsec.v1.EdgeService service. By default, it uses
@@ -157,21 +190,77 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(edgeServiceMethods.ByName("GetTrajectoryOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
+		snapshotOnEdge: connect.NewClient[v1.EdgeSnapshotRequest, v1.SnapshotResponse](
+			httpClient,
+			baseURL+EdgeServiceSnapshotOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("SnapshotOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		checkpointOnEdge: connect.NewClient[v1.EdgeCheckpointRequest, v1.CheckpointResponse](
+			httpClient,
+			baseURL+EdgeServiceCheckpointOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("CheckpointOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		rollbackOnEdge: connect.NewClient[v1.EdgeRollbackRequest, v1.RollbackResponse](
+			httpClient,
+			baseURL+EdgeServiceRollbackOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("RollbackOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		deleteCheckpointOnEdge: connect.NewClient[v1.EdgeDeleteCheckpointRequest, v1.DeleteCheckpointResponse](
+			httpClient,
+			baseURL+EdgeServiceDeleteCheckpointOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("DeleteCheckpointOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		freezeOnEdge: connect.NewClient[v1.EdgeSandboxRequest, v1.FreezeResponse](
+			httpClient,
+			baseURL+EdgeServiceFreezeOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("FreezeOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		thawOnEdge: connect.NewClient[v1.EdgeSandboxRequest, v1.ThawResponse](
+			httpClient,
+			baseURL+EdgeServiceThawOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("ThawOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		freezeJobOnEdge: connect.NewClient[v1.EdgeListRequest, v1.JobResponse](
+			httpClient,
+			baseURL+EdgeServiceFreezeJobOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("FreezeJobOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		thawJobOnEdge: connect.NewClient[v1.EdgeListRequest, v1.JobResponse](
+			httpClient,
+			baseURL+EdgeServiceThawJobOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("ThawJobOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // edgeServiceClient implements EdgeServiceClient.
 type edgeServiceClient struct {
-	createOnEdge        *connect.Client[v1.EdgeCreateRequest, v1.CreateSandboxResponse]
-	getOnEdge           *connect.Client[v1.EdgeSandboxRequest, v1.GetSandboxResponse]
-	listOnEdge          *connect.Client[v1.EdgeListRequest, v1.ListSandboxesResponse]
-	execOnEdge          *connect.Client[v1.EdgeExecRequest, v1.ExecResponse]
-	execStreamOnEdge    *connect.Client[v1.EdgeExecRequest, v1.ExecStreamResponse]
-	writeFileOnEdge     *connect.Client[v1.EdgeWriteFileRequest, v1.WriteFileResponse]
-	readFileOnEdge      *connect.Client[v1.EdgeReadFileRequest, v1.ReadFileResponse]
-	destroyOnEdge       *connect.Client[v1.EdgeSandboxRequest, v1.DestroySandboxResponse]
-	submitRewardOnEdge  *connect.Client[v1.EdgeSubmitRewardRequest, v1.SubmitRewardResponse]
-	getTrajectoryOnEdge *connect.Client[v1.EdgeGetTrajectoryRequest, v1.GetTrajectoryResponse]
+	createOnEdge           *connect.Client[v1.EdgeCreateRequest, v1.CreateSandboxResponse]
+	getOnEdge              *connect.Client[v1.EdgeSandboxRequest, v1.GetSandboxResponse]
+	listOnEdge             *connect.Client[v1.EdgeListRequest, v1.ListSandboxesResponse]
+	execOnEdge             *connect.Client[v1.EdgeExecRequest, v1.ExecResponse]
+	execStreamOnEdge       *connect.Client[v1.EdgeExecRequest, v1.ExecStreamResponse]
+	writeFileOnEdge        *connect.Client[v1.EdgeWriteFileRequest, v1.WriteFileResponse]
+	readFileOnEdge         *connect.Client[v1.EdgeReadFileRequest, v1.ReadFileResponse]
+	destroyOnEdge          *connect.Client[v1.EdgeSandboxRequest, v1.DestroySandboxResponse]
+	submitRewardOnEdge     *connect.Client[v1.EdgeSubmitRewardRequest, v1.SubmitRewardResponse]
+	getTrajectoryOnEdge    *connect.Client[v1.EdgeGetTrajectoryRequest, v1.GetTrajectoryResponse]
+	snapshotOnEdge         *connect.Client[v1.EdgeSnapshotRequest, v1.SnapshotResponse]
+	checkpointOnEdge       *connect.Client[v1.EdgeCheckpointRequest, v1.CheckpointResponse]
+	rollbackOnEdge         *connect.Client[v1.EdgeRollbackRequest, v1.RollbackResponse]
+	deleteCheckpointOnEdge *connect.Client[v1.EdgeDeleteCheckpointRequest, v1.DeleteCheckpointResponse]
+	freezeOnEdge           *connect.Client[v1.EdgeSandboxRequest, v1.FreezeResponse]
+	thawOnEdge             *connect.Client[v1.EdgeSandboxRequest, v1.ThawResponse]
+	freezeJobOnEdge        *connect.Client[v1.EdgeListRequest, v1.JobResponse]
+	thawJobOnEdge          *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 }
 
 // CreateOnEdge calls dsec.v1.EdgeService.CreateOnEdge.
@@ -224,6 +313,46 @@ func (c *edgeServiceClient) GetTrajectoryOnEdge(ctx context.Context, req *connec
 	return c.getTrajectoryOnEdge.CallUnary(ctx, req)
 }
 
+// SnapshotOnEdge calls dsec.v1.EdgeService.SnapshotOnEdge.
+func (c *edgeServiceClient) SnapshotOnEdge(ctx context.Context, req *connect.Request[v1.EdgeSnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error) {
+	return c.snapshotOnEdge.CallUnary(ctx, req)
+}
+
+// CheckpointOnEdge calls dsec.v1.EdgeService.CheckpointOnEdge.
+func (c *edgeServiceClient) CheckpointOnEdge(ctx context.Context, req *connect.Request[v1.EdgeCheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error) {
+	return c.checkpointOnEdge.CallUnary(ctx, req)
+}
+
+// RollbackOnEdge calls dsec.v1.EdgeService.RollbackOnEdge.
+func (c *edgeServiceClient) RollbackOnEdge(ctx context.Context, req *connect.Request[v1.EdgeRollbackRequest]) (*connect.Response[v1.RollbackResponse], error) {
+	return c.rollbackOnEdge.CallUnary(ctx, req)
+}
+
+// DeleteCheckpointOnEdge calls dsec.v1.EdgeService.DeleteCheckpointOnEdge.
+func (c *edgeServiceClient) DeleteCheckpointOnEdge(ctx context.Context, req *connect.Request[v1.EdgeDeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error) {
+	return c.deleteCheckpointOnEdge.CallUnary(ctx, req)
+}
+
+// FreezeOnEdge calls dsec.v1.EdgeService.FreezeOnEdge.
+func (c *edgeServiceClient) FreezeOnEdge(ctx context.Context, req *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.FreezeResponse], error) {
+	return c.freezeOnEdge.CallUnary(ctx, req)
+}
+
+// ThawOnEdge calls dsec.v1.EdgeService.ThawOnEdge.
+func (c *edgeServiceClient) ThawOnEdge(ctx context.Context, req *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error) {
+	return c.thawOnEdge.CallUnary(ctx, req)
+}
+
+// FreezeJobOnEdge calls dsec.v1.EdgeService.FreezeJobOnEdge.
+func (c *edgeServiceClient) FreezeJobOnEdge(ctx context.Context, req *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
+	return c.freezeJobOnEdge.CallUnary(ctx, req)
+}
+
+// ThawJobOnEdge calls dsec.v1.EdgeService.ThawJobOnEdge.
+func (c *edgeServiceClient) ThawJobOnEdge(ctx context.Context, req *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
+	return c.thawJobOnEdge.CallUnary(ctx, req)
+}
+
 // EdgeServiceHandler is an implementation of the dsec.v1.EdgeService service.
 type EdgeServiceHandler interface {
 	// Create admits (or refuses with ResourceExhausted) and builds a sandbox.
@@ -237,6 +366,16 @@ type EdgeServiceHandler interface {
 	DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
 	SubmitRewardOnEdge(context.Context, *connect.Request[v1.EdgeSubmitRewardRequest]) (*connect.Response[v1.SubmitRewardResponse], error)
 	GetTrajectoryOnEdge(context.Context, *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
+	SnapshotOnEdge(context.Context, *connect.Request[v1.EdgeSnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error)
+	CheckpointOnEdge(context.Context, *connect.Request[v1.EdgeCheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error)
+	RollbackOnEdge(context.Context, *connect.Request[v1.EdgeRollbackRequest]) (*connect.Response[v1.RollbackResponse], error)
+	DeleteCheckpointOnEdge(context.Context, *connect.Request[v1.EdgeDeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error)
+	FreezeOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.FreezeResponse], error)
+	ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error)
+	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
+	// node matching the labels.
+	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
+	ThawJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
 }
 
 // NewEdgeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -306,6 +445,54 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(edgeServiceMethods.ByName("GetTrajectoryOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
+	edgeServiceSnapshotOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceSnapshotOnEdgeProcedure,
+		svc.SnapshotOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("SnapshotOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceCheckpointOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceCheckpointOnEdgeProcedure,
+		svc.CheckpointOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("CheckpointOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceRollbackOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceRollbackOnEdgeProcedure,
+		svc.RollbackOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("RollbackOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceDeleteCheckpointOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceDeleteCheckpointOnEdgeProcedure,
+		svc.DeleteCheckpointOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("DeleteCheckpointOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceFreezeOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceFreezeOnEdgeProcedure,
+		svc.FreezeOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("FreezeOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceThawOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceThawOnEdgeProcedure,
+		svc.ThawOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("ThawOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceFreezeJobOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceFreezeJobOnEdgeProcedure,
+		svc.FreezeJobOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("FreezeJobOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceThawJobOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceThawJobOnEdgeProcedure,
+		svc.ThawJobOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("ThawJobOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.EdgeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case EdgeServiceCreateOnEdgeProcedure:
@@ -328,6 +515,22 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceSubmitRewardOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceGetTrajectoryOnEdgeProcedure:
 			edgeServiceGetTrajectoryOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceSnapshotOnEdgeProcedure:
+			edgeServiceSnapshotOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceCheckpointOnEdgeProcedure:
+			edgeServiceCheckpointOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceRollbackOnEdgeProcedure:
+			edgeServiceRollbackOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceDeleteCheckpointOnEdgeProcedure:
+			edgeServiceDeleteCheckpointOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceFreezeOnEdgeProcedure:
+			edgeServiceFreezeOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceThawOnEdgeProcedure:
+			edgeServiceThawOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceFreezeJobOnEdgeProcedure:
+			edgeServiceFreezeJobOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceThawJobOnEdgeProcedure:
+			edgeServiceThawJobOnEdgeHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -375,6 +578,38 @@ func (UnimplementedEdgeServiceHandler) SubmitRewardOnEdge(context.Context, *conn
 
 func (UnimplementedEdgeServiceHandler) GetTrajectoryOnEdge(context.Context, *connect.Request[v1.EdgeGetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.GetTrajectoryOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) SnapshotOnEdge(context.Context, *connect.Request[v1.EdgeSnapshotRequest]) (*connect.Response[v1.SnapshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.SnapshotOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) CheckpointOnEdge(context.Context, *connect.Request[v1.EdgeCheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.CheckpointOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) RollbackOnEdge(context.Context, *connect.Request[v1.EdgeRollbackRequest]) (*connect.Response[v1.RollbackResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.RollbackOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) DeleteCheckpointOnEdge(context.Context, *connect.Request[v1.EdgeDeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.DeleteCheckpointOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) FreezeOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.FreezeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.FreezeOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ThawOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.FreezeJobOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) ThawJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ThawJobOnEdge is not implemented"))
 }
 
 // NodeServiceClient is a client for the dsec.v1.NodeService service.

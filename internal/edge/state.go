@@ -1,0 +1,560 @@
+package edge
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/layer"
+	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/trajectory"
+)
+
+// checkpoint is a sandbox's file system at one moment: the layer stack it
+// ran on plus a layer packed from its writable layer. Its layers live in the
+// node's checkpoint store while a checkpoint or a sandbox uses them.
+type checkpoint struct {
+	id      string
+	sandbox string
+	stack   []runtime.Layer
+	// refs counts rollbacks reading the checkpoint right now; a checkpoint
+	// deleted meanwhile is dropped when the last one is done.
+	refs    int
+	deleted bool
+}
+
+// localLayers are the checkpoint layers in stack (those from the node's
+// checkpoint store, not the shared blob store).
+func (e *Edge) localLayers(stack []runtime.Layer) []string {
+	var out []string
+	for _, l := range stack {
+		if _, ok := e.ckLayers[l.Digest]; ok {
+			out = append(out, l.Digest)
+		}
+	}
+	return out
+}
+
+// holdLayers and dropLayers count users of checkpoint-store layers; a
+// layer no checkpoint and no sandbox uses is deleted. The caller holds mu;
+// deletion happens outside it (dropLayers returns what to delete).
+func (e *Edge) holdLayers(digests []string) {
+	for _, d := range digests {
+		e.ckLayers[d]++
+	}
+}
+
+func (e *Edge) dropLayers(digests []string) (unused []string) {
+	for _, d := range digests {
+		if e.ckLayers[d]--; e.ckLayers[d] <= 0 {
+			delete(e.ckLayers, d)
+			unused = append(unused, d)
+		}
+	}
+	return unused
+}
+
+func (e *Edge) deleteLocalLayers(digests []string) {
+	for _, d := range digests {
+		if err := e.ckStore.Delete(context.Background(), d); err != nil && !errors.Is(err, blobstore.ErrNotFound) {
+			e.log.Warn("delete checkpoint layer", "layer", d, "err", err)
+		}
+	}
+}
+
+// stateTarget checks that sb can take a state operation and returns its
+// runtime sandbox; the caller holds sb.stateMu.
+func (e *Edge) stateTarget(sb *sandbox) (runtime.Sandbox, bool, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case sb.destroying != nil:
+		return nil, false, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+	case sb.state != StateRunning:
+		return nil, false, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
+	}
+	return sb.rt, sb.frozen, nil
+}
+
+// freeze stops every process of sb; it is idempotent.
+func (e *Edge) freeze(ctx context.Context, sb *sandbox) error {
+	sb.stateMu.Lock()
+	defer sb.stateMu.Unlock()
+	rs, frozen, err := e.stateTarget(sb)
+	if err != nil || frozen {
+		return err
+	}
+	if err := rs.Freeze(ctx); err != nil {
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
+	}
+	e.mu.Lock()
+	sb.frozen = true
+	e.mu.Unlock()
+	e.event(sb, trajectory.KindFreeze, "")
+	return nil
+}
+
+// thaw resumes a frozen sb; it is idempotent.
+func (e *Edge) thaw(ctx context.Context, sb *sandbox) error {
+	sb.stateMu.Lock()
+	defer sb.stateMu.Unlock()
+	rs, frozen, err := e.stateTarget(sb)
+	if err != nil || !frozen {
+		return err
+	}
+	if err := rs.Thaw(ctx); err != nil {
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("thaw sandbox %q: %w", sb.id, err))
+	}
+	e.mu.Lock()
+	sb.frozen = false
+	sb.lastActive = time.Now()
+	e.mu.Unlock()
+	e.event(sb, trajectory.KindThaw, "")
+	return nil
+}
+
+// event records a freeze or thaw in sb's trajectory.
+func (e *Edge) event(sb *sandbox, kind, reason string) {
+	if e.traj == nil {
+		return
+	}
+	if err := e.traj.Event(context.Background(), sb.id, kind, reason); err != nil {
+		e.log.Warn("trajectory event", "sandbox", sb.id, "kind", kind, "err", err)
+	}
+}
+
+// packUpper freezes sb (unless it is frozen already), packs its writable
+// layer into store and thaws it.
+func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, frozen bool, store blobstore.Store) (blobstore.Descriptor, error) {
+	d, ok := rs.(runtime.Differ)
+	if !ok {
+		return blobstore.Descriptor{}, connect.NewError(connect.CodeUnimplemented,
+			fmt.Errorf("the %s backend cannot snapshot sandbox %q", sb.kind, sb.id))
+	}
+	if !frozen {
+		if err := rs.Freeze(ctx); err != nil {
+			return blobstore.Descriptor{}, connect.NewError(connect.CodeInternal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
+		}
+		defer func() {
+			if err := rs.Thaw(context.WithoutCancel(ctx)); err != nil {
+				e.log.Warn("thaw after pack", "sandbox", sb.id, "err", err)
+			}
+		}()
+	}
+	desc, err := layer.Build(ctx, store, d.UpperDir())
+	if err != nil {
+		return blobstore.Descriptor{}, connect.NewError(connect.CodeInternal, fmt.Errorf("pack sandbox %q: %w", sb.id, err))
+	}
+	return desc, nil
+}
+
+// doCheckpoint packs sb's writable layer and records a checkpoint.
+func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest string, err error) {
+	sb.stateMu.Lock()
+	defer sb.stateMu.Unlock()
+	rs, frozen, err := e.stateTarget(sb)
+	if err != nil {
+		return "", "", err
+	}
+	desc, err := e.packUpper(ctx, sb, rs, frozen, e.ckStore)
+	if err != nil {
+		return "", "", err
+	}
+	path, err := e.ckStore.Path(desc.Digest)
+	if err != nil {
+		return "", "", connect.NewError(connect.CodeInternal, err)
+	}
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", "", connect.NewError(connect.CodeInternal, err)
+	}
+	ck := &checkpoint{
+		id:      "ck-" + hex.EncodeToString(b[:]),
+		sandbox: sb.id,
+		stack:   append(slices.Clone(sb.rspec.Layers), runtime.Layer{Digest: desc.Digest, Path: path}),
+	}
+	e.mu.Lock()
+	e.ckLayers[desc.Digest] += 0 // known as a checkpoint layer from now on
+	e.holdLayers(e.localLayers(ck.stack))
+	e.checkpoints[ck.id] = ck
+	e.mu.Unlock()
+	return ck.id, desc.Digest, nil
+}
+
+// findCheckpoint returns sb's checkpoint id, holding it for a rollback.
+func (e *Edge) holdCheckpoint(sb *sandbox, id string) (*checkpoint, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ck := e.checkpoints[id]
+	if ck == nil || ck.deleted || ck.sandbox != sb.id {
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
+	}
+	ck.refs++
+	return ck, nil
+}
+
+// releaseCheckpoint ends a rollback's hold; a checkpoint deleted meanwhile
+// goes now.
+func (e *Edge) releaseCheckpoint(ck *checkpoint) {
+	e.mu.Lock()
+	ck.refs--
+	var unused []string
+	if ck.deleted && ck.refs == 0 {
+		unused = e.dropLayers(e.localLayers(ck.stack))
+	}
+	e.mu.Unlock()
+	e.deleteLocalLayers(unused)
+}
+
+// deleteCheckpoint forgets a checkpoint; its layers go once no rollback
+// reads them and no sandbox runs on them.
+func (e *Edge) deleteCheckpoint(sb *sandbox, id string) error {
+	e.mu.Lock()
+	ck := e.checkpoints[id]
+	if ck == nil || ck.deleted || ck.sandbox != sb.id {
+		e.mu.Unlock()
+		return connect.NewError(connect.CodeNotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
+	}
+	ck.deleted = true
+	delete(e.checkpoints, id)
+	var unused []string
+	if ck.refs == 0 {
+		unused = e.dropLayers(e.localLayers(ck.stack))
+	}
+	e.mu.Unlock()
+	e.deleteLocalLayers(unused)
+	return nil
+}
+
+// dropCheckpoints deletes every checkpoint of a sandbox that ended.
+func (e *Edge) dropCheckpoints(sb *sandbox) {
+	e.mu.Lock()
+	var ids []string
+	for id, ck := range e.checkpoints {
+		if ck.sandbox == sb.id {
+			ids = append(ids, id)
+		}
+	}
+	e.mu.Unlock()
+	for _, id := range ids {
+		e.deleteCheckpoint(sb, id)
+	}
+}
+
+// doRollback kills every process of sb and restarts it on the checkpoint's
+// file system with a fresh writable layer: a new runtime sandbox with the
+// same ID, resources and environment.
+func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
+	sb.stateMu.Lock()
+	defer sb.stateMu.Unlock()
+	ck, err := e.holdCheckpoint(sb, id)
+	if err != nil {
+		return err
+	}
+	defer e.releaseCheckpoint(ck)
+	e.mu.Lock()
+	switch {
+	case sb.destroying != nil || sb.state != StateRunning:
+		e.mu.Unlock()
+		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
+	}
+	sb.rolling = true
+	old := sb.rt
+	oldStack := sb.rspec.Layers
+	spec := sb.rspec
+	spec.Layers = slices.Clone(ck.stack)
+	// The new stack's checkpoint layers are held before the old stack's are
+	// dropped: a layer both use must not go in between.
+	e.holdLayers(e.localLayers(spec.Layers))
+	e.mu.Unlock()
+
+	ctx = context.WithoutCancel(ctx)
+	if err := old.Destroy(ctx); err != nil {
+		e.log.Warn("rollback: destroy the old sandbox", "sandbox", sb.id, "err", err)
+	}
+	rs, err := e.cfg.Backends[sb.kind].Create(ctx, spec)
+
+	e.mu.Lock()
+	sb.rolling = false
+	var (
+		unused []string
+		orphan runtime.Sandbox
+	)
+	switch {
+	case err != nil:
+		unused = e.dropLayers(e.localLayers(spec.Layers))
+		lost := e.loseLocked(sb, fmt.Sprintf("rollback to %s failed: %v", id, err))
+		_ = lost // already destroyed above
+	case sb.destroying != nil || sb.state != StateRunning:
+		// Destroyed while rolling back: the new sandbox is not wanted.
+		unused = e.dropLayers(e.localLayers(spec.Layers))
+		orphan = rs
+	default:
+		unused = e.dropLayers(e.localLayers(oldStack))
+		for _, l := range oldStack {
+			if e.layers[l.Digest]--; e.layers[l.Digest] <= 0 {
+				delete(e.layers, l.Digest)
+			}
+		}
+		sb.layers = sb.layers[:0:0]
+		for _, l := range spec.Layers {
+			e.layers[l.Digest]++
+			sb.layers = append(sb.layers, l.Digest)
+		}
+		sb.rt = rs
+		sb.rspec = spec
+		sb.frozen = false
+		sb.lastActive = time.Now()
+	}
+	e.mu.Unlock()
+	if orphan != nil {
+		orphan.Destroy(ctx)
+	}
+	e.deleteLocalLayers(unused)
+	if err != nil {
+		e.endTrajectory(sb, trajectory.KindLost, "rollback failed")
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("rollback sandbox %q to %s: %w", sb.id, id, err))
+	}
+	return nil
+}
+
+// DefaultMaxLayers bounds a snapshot image's layers: past it, the image's
+// layers are merged into one.
+const DefaultMaxLayers = 16
+
+// doSnapshot packs sb's writable layer into the shared blob store and tags
+// an image of sb's layers plus that one as ref.
+func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint64) (*dsecv1.Image, string, error) {
+	sb.stateMu.Lock()
+	defer sb.stateMu.Unlock()
+	rs, frozen, err := e.stateTarget(sb)
+	if err != nil {
+		return nil, "", err
+	}
+	e.mu.Lock()
+	stack := slices.Clone(sb.rspec.Layers)
+	e.mu.Unlock()
+	desc, err := e.packUpper(ctx, sb, rs, frozen, e.cfg.Store)
+	if err != nil {
+		return nil, "", err
+	}
+	// Checkpoint layers in the stack are node-local: the image needs them
+	// in the shared store.
+	layers := make([]blobstore.Descriptor, 0, len(stack)+1)
+	for _, l := range stack {
+		st, err := e.cfg.Store.Stat(ctx, l.Digest)
+		if errors.Is(err, blobstore.ErrNotFound) {
+			st, err = blobstore.PutFile(ctx, e.cfg.Store, l.Path)
+		}
+		if err != nil {
+			return nil, "", connect.NewError(connect.CodeUnavailable, fmt.Errorf("snapshot sandbox %q: layer %s: %w", sb.id, l.Digest, err))
+		}
+		layers = append(layers, st)
+	}
+	layers = append(layers, desc)
+	if len(layers) > e.cfg.MaxLayers {
+		files := make([]string, len(layers))
+		for i, l := range layers {
+			if files[i], err = e.local.Path(l.Digest); err != nil {
+				return nil, "", connect.NewError(connect.CodeInternal, err)
+			}
+		}
+		merged, err := layer.Merge(ctx, e.cfg.Store, files)
+		if err != nil {
+			return nil, "", connect.NewError(connect.CodeInternal, fmt.Errorf("snapshot sandbox %q: merge %d layers: %w", sb.id, len(layers), err))
+		}
+		layers = []blobstore.Descriptor{merged}
+	}
+	m := image.Manifest{
+		Layers:  layers,
+		Config:  image.Config{Env: sb.rspec.Env, WorkingDir: sb.rspec.Workdir, User: sb.rspec.User},
+		Created: time.Now().UTC(),
+		Annotations: map[string]string{
+			"dsec.snapshot.sandbox": sb.id,
+			"dsec.snapshot.seq":     fmt.Sprint(seq),
+			"dsec.snapshot.node":    e.cfg.NodeID,
+		},
+	}
+	digest, err := e.images.Put(ctx, ref, m)
+	if err != nil {
+		code := connect.CodeInternal
+		if errors.Is(err, image.ErrInvalidRef) {
+			code = connect.CodeInvalidArgument
+		}
+		return nil, "", connect.NewError(code, fmt.Errorf("snapshot sandbox %q: %w", sb.id, err))
+	}
+	img := &dsecv1.Image{Ref: ref, Digest: digest, Size: m.Size()}
+	for _, l := range m.Layers {
+		img.Layers = append(img.Layers, l.Digest)
+	}
+	return img, desc.Digest, nil
+}
+
+// releaseState drops what a sandbox that ended held beyond its runtime
+// sandbox: its checkpoints and its stack's checkpoint layers. Once only.
+func (e *Edge) releaseState(sb *sandbox) {
+	e.mu.Lock()
+	if sb.stateReleased {
+		e.mu.Unlock()
+		return
+	}
+	sb.stateReleased = true
+	unused := e.dropLayers(e.localLayers(sb.rspec.Layers))
+	e.mu.Unlock()
+	e.deleteLocalLayers(unused)
+	e.dropCheckpoints(sb)
+}
+
+// numbered runs a numbered state operation (snapshot, checkpoint,
+// rollback): admit with the trajectory, run detached when the client
+// numbered it, record. run fills rec with the result. It returns the
+// operation's seq, or the recorded record of a fast-forward.
+func (e *Edge) numbered(ctx context.Context, sb *sandbox, seq uint64, rec *trajectory.Record, run func(context.Context) error) (uint64, *trajectory.Record, error) {
+	if err := e.paused(sb); err != nil {
+		return 0, nil, err
+	}
+	op, replay, err := e.admitOp(ctx, sb, seq, rec)
+	if err != nil {
+		return 0, nil, err
+	}
+	if replay != nil {
+		if replay.Error != nil {
+			return 0, nil, recordedError(replay)
+		}
+		return replay.Seq, replay, nil
+	}
+	ctx = detach(ctx, seq, op)
+	start := time.Now()
+	err = run(ctx)
+	if op == nil {
+		return 0, nil, err
+	}
+	if cerr := e.commit(ctx, op, rec, start, err); cerr != nil {
+		return 0, nil, cerr
+	}
+	return op.Seq(), nil, err
+}
+
+func (e *Edge) snapshot(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.SnapshotRequest, internal string) (*dsecv1.SnapshotResponse, error) {
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	if _, err := image.ParseRef(r.Ref); err != nil {
+		return nil, invalid("ref: %v", err)
+	}
+	if internal == "" {
+		internal = r.Ref
+	}
+	sb, err := e.lookup(caller, r.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	rec := &trajectory.Record{Kind: trajectory.KindSnapshot, RequestID: r.RequestId, Snapshot: &trajectory.Snapshot{Ref: r.Ref}}
+	var img *dsecv1.Image
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context) error {
+		var layerDigest string
+		var err error
+		img, layerDigest, err = e.doSnapshot(ctx, sb, internal, e.nextSeq(sb.id)-1)
+		if err == nil {
+			img.Ref = r.Ref
+			rec.Snapshot.Image, rec.Snapshot.Layer = img.Digest, layerDigest
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if replay != nil {
+		img = &dsecv1.Image{Ref: replay.Snapshot.Ref, Digest: replay.Snapshot.Image}
+	}
+	return &dsecv1.SnapshotResponse{Image: img, Seq: seq, Replayed: replay != nil}, nil
+}
+
+func (e *Edge) checkpoint(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.CheckpointRequest) (*dsecv1.CheckpointResponse, error) {
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	sb, err := e.lookup(caller, r.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	rec := &trajectory.Record{Kind: trajectory.KindCheckpoint, RequestID: r.RequestId, Checkpoint: &trajectory.Checkpoint{}}
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context) error {
+		id, layerDigest, err := e.doCheckpoint(ctx, sb)
+		rec.Checkpoint.ID, rec.Checkpoint.Layer = id, layerDigest
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if replay != nil {
+		rec = replay
+	}
+	return &dsecv1.CheckpointResponse{CheckpointId: rec.Checkpoint.ID, Seq: seq, Replayed: replay != nil}, nil
+}
+
+func (e *Edge) rollback(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.RollbackRequest) (*dsecv1.RollbackResponse, error) {
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	if r.CheckpointId == "" {
+		return nil, invalid("checkpoint_id is required")
+	}
+	sb, err := e.lookup(caller, r.SandboxId)
+	if err != nil {
+		return nil, err
+	}
+	rec := &trajectory.Record{Kind: trajectory.KindRollback, RequestID: r.RequestId, Checkpoint: &trajectory.Checkpoint{ID: r.CheckpointId}}
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context) error {
+		return e.doRollback(ctx, sb, r.CheckpointId)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &dsecv1.RollbackResponse{Seq: seq, Replayed: replay != nil}, nil
+}
+
+// jobOp freezes or thaws every running sandbox of caller's on this node
+// matching labels, a few at a time.
+func (e *Edge) jobOp(ctx context.Context, caller *dsecv1.Caller, labels map[string]string, op func(context.Context, *sandbox) error) (*dsecv1.JobResponse, error) {
+	if caller == nil {
+		return nil, invalid("caller is required")
+	}
+	if len(labels) == 0 {
+		return nil, invalid("labels: a job needs at least one label to select its sandboxes")
+	}
+	e.mu.Lock()
+	var targets []*sandbox
+	for _, sb := range e.sandboxes {
+		if sb.state == StateRunning && sb.destroying == nil && (caller.Admin || sb.tenant == caller.Tenant) && matches(sb.spec.Labels, labels) {
+			targets = append(targets, sb)
+		}
+	}
+	e.mu.Unlock()
+	out := &dsecv1.JobResponse{Results: make([]*dsecv1.JobResult, len(targets))}
+	sem := make(chan struct{}, 16)
+	var wg sync.WaitGroup
+	for i, sb := range targets {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			res := &dsecv1.JobResult{Id: sb.id}
+			if err := op(ctx, sb); err != nil {
+				res.Error = &dsecv1.ItemError{Code: connect.CodeOf(err).String(), Message: err.Error()}
+			}
+			out.Results[i] = res
+		})
+	}
+	wg.Wait()
+	return out, nil
+}
