@@ -71,6 +71,11 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, spec *dsecv1.Sand
 	if err := validDuration("spec.idle_timeout", user.IdleTimeout); err != nil {
 		return nil, err
 	}
+	switch user.IdleAction {
+	case "", "destroy", "freeze":
+	default:
+		return nil, errf(connect.CodeInvalidArgument, "spec.idle_action: %q is not \"destroy\" or \"freeze\"", user.IdleAction)
+	}
 	for k := range user.Labels {
 		if k == "" || strings.ContainsAny(k, "=,") {
 			return nil, errf(connect.CodeInvalidArgument, "spec.labels: key %q must be non-empty without '=' or ','", k)

@@ -40,8 +40,12 @@ func (sb *sandbox) due(now time.Time) (time.Time, string) {
 	if sb.ttl > 0 {
 		at, reason = sb.createdAt.Add(sb.ttl), reasonTTL
 	}
-	if sb.idle > 0 {
+	// A frozen sandbox is paused, not idle: only its ttl runs.
+	if sb.idle > 0 && !sb.frozen {
 		d, r := sb.lastActive.Add(sb.idle), reasonIdle
+		if sb.spec.GetIdleAction() == IdleFreeze {
+			r = reasonIdleFreeze
+		}
 		if sb.inflight > 0 {
 			d, r = now.Add(sb.idle), ""
 		}
@@ -168,6 +172,13 @@ func (e *Edge) reap(ctx context.Context, expired []expiry, lost []*sandbox) {
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
+			if x.reason == reasonIdleFreeze {
+				e.log.Info("sandbox idle: freezing it", "sandbox", x.sb.id)
+				if err := e.freeze(context.WithoutCancel(ctx), x.sb); err != nil {
+					e.log.Warn("freeze idle sandbox", "sandbox", x.sb.id, "err", err)
+				}
+				return
+			}
 			e.log.Info("sandbox expired", "sandbox", x.sb.id, "reason", x.reason)
 			e.destroy(context.WithoutCancel(ctx), x.sb, x.reason)
 		})

@@ -35,12 +35,20 @@ const (
 	StateFrozen = "frozen"
 )
 
+// Idle actions (SandboxSpec.idle_action).
+const (
+	IdleDestroy = "destroy"
+	IdleFreeze  = "freeze"
+)
+
 // Why a sandbox was destroyed (the reason label of the destroys metric).
 const (
-	reasonRequest  = "request"
-	reasonTTL      = "ttl"
-	reasonIdle     = "idle"
-	reasonShutdown = "shutdown"
+	reasonRequest = "request"
+	reasonTTL     = "ttl"
+	reasonIdle    = "idle"
+	// reasonIdleFreeze is an idle timeout whose action is to freeze.
+	reasonIdleFreeze = "idle-freeze"
+	reasonShutdown   = "shutdown"
 )
 
 // sandbox is the edge's record of one sandbox. The fields above the line
@@ -174,6 +182,11 @@ func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec) (*dsecv1.SandboxS
 	}
 	if err := checkDuration("spec.idle_timeout", spec.IdleTimeout); err != nil {
 		return nil, err
+	}
+	switch spec.IdleAction {
+	case "", IdleDestroy, IdleFreeze:
+	default:
+		return nil, invalid("spec.idle_action %q must be %q or %q", spec.IdleAction, IdleDestroy, IdleFreeze)
 	}
 	for i, kv := range spec.Env {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {

@@ -99,6 +99,7 @@ func (e *Edge) freeze(ctx context.Context, sb *sandbox) error {
 	}
 	e.mu.Lock()
 	sb.frozen = true
+	e.schedule(sb) // its ttl still runs
 	e.mu.Unlock()
 	e.event(sb, trajectory.KindFreeze, "")
 	return nil
@@ -118,6 +119,7 @@ func (e *Edge) thaw(ctx context.Context, sb *sandbox) error {
 	e.mu.Lock()
 	sb.frozen = false
 	sb.lastActive = time.Now()
+	e.schedule(sb) // idle again from now
 	e.mu.Unlock()
 	e.event(sb, trajectory.KindThaw, "")
 	return nil

@@ -6,8 +6,10 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/edge"
@@ -211,4 +213,25 @@ func TestSnapshotCheckpointRollback(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+}
+
+// TestIdleFreeze checks that an idle timeout whose action is freeze
+// freezes the sandbox instead of destroying it, and that a thaw resumes it.
+func TestIdleFreeze(t *testing.T) {
+	w := newWorld(t)
+	n := w.startNode(t, "if1", nil)
+	sb := n.mustCreate(t, admin, &dsecv1.SandboxSpec{Image: baseImage,
+		IdleTimeout: durationpb.New(300 * time.Millisecond), IdleAction: edge.IdleFreeze})
+	n.sh(t, sb.Id, "echo kept > /root/kept")
+	n.waitState(t, sb.Id, edge.StateFrozen)
+	_, err := n.exec(t, admin, sb.Id, &dsecv1.ExecRequest{Shell: "true"})
+	wantCode(t, err, connect.CodeFailedPrecondition, "frozen")
+	if _, err := n.client.ThawOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: admin, SandboxId: sb.Id})); err != nil {
+		t.Fatal(err)
+	}
+	if got := n.sh(t, sb.Id, "cat /root/kept"); got != "kept\n" {
+		t.Fatalf("after thaw: %q", got)
+	}
+	_, err = n.create(t, admin, &dsecv1.SandboxSpec{Image: baseImage, IdleAction: "sleep"})
+	wantCode(t, err, connect.CodeInvalidArgument, "idle_action")
 }

@@ -70,12 +70,13 @@ func recoveredSandbox(in trajectory.Info) *sandbox {
 		env = &trajectory.Environment{}
 	}
 	spec := &dsecv1.SandboxSpec{
-		Backend:   env.Backend,
-		Image:     env.Image,
-		Workspace: env.Workspace,
-		Toolkits:  env.Toolkits,
-		Labels:    env.Labels,
-		Env:       env.Env,
+		Backend:    env.Backend,
+		Image:      env.Image,
+		Workspace:  env.Workspace,
+		Toolkits:   env.Toolkits,
+		Labels:     env.Labels,
+		Env:        env.Env,
+		IdleAction: env.IdleAction,
 	}
 	if env.MilliCPU != 0 || env.MemoryBytes != 0 || env.Pids != 0 {
 		spec.Resources = &dsecv1.Resources{MilliCpu: env.MilliCPU, MemoryBytes: env.MemoryBytes, Pids: env.Pids}
@@ -118,6 +119,7 @@ func environment(sb *sandbox) *trajectory.Environment {
 	}
 	if sb.idle > 0 {
 		env.IdleTimeout = sb.idle.String()
+		env.IdleAction = sb.spec.IdleAction
 	}
 	return env
 }

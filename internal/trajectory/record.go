@@ -102,6 +102,7 @@ type Environment struct {
 	Labels      map[string]string `json:"labels,omitempty"`
 	TTL         string            `json:"ttl,omitempty"`
 	IdleTimeout string            `json:"idle_timeout,omitempty"`
+	IdleAction  string            `json:"idle_action,omitempty"`
 }
 
 // Exec is an exec's request and result.

@@ -105,7 +105,10 @@ type SandboxSpec struct {
 	// Destroy after this long without an operation; unset means none.
 	IdleTimeout *durationpb.Duration `protobuf:"bytes,8,opt,name=idle_timeout,json=idleTimeout,proto3" json:"idle_timeout,omitempty"`
 	// Extra environment (K=V) for every exec, over the image's.
-	Env           []string `protobuf:"bytes,9,rep,name=env,proto3" json:"env,omitempty"`
+	Env []string `protobuf:"bytes,9,rep,name=env,proto3" json:"env,omitempty"`
+	// What idle_timeout does: "destroy" (default) or "freeze" (the sandbox
+	// keeps its processes and memory; thaw resumes it).
+	IdleAction    string `protobuf:"bytes,10,opt,name=idle_action,json=idleAction,proto3" json:"idle_action,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -201,6 +204,13 @@ func (x *SandboxSpec) GetEnv() []string {
 		return x.Env
 	}
 	return nil
+}
+
+func (x *SandboxSpec) GetIdleAction() string {
+	if x != nil {
+		return x.IdleAction
+	}
+	return ""
 }
 
 type Sandbox struct {
@@ -3371,6 +3381,195 @@ func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
 	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
+// GarbageCollect (admin only) deletes the blobs nothing needs any more:
+// every blob not reachable from a ref (image tags and their manifests'
+// layers, shipped trajectories and their data blobs, tenants, ...), not
+// held by a sandbox on a live node, and older than the grace period. It is
+// safe while creates, imports and snapshots run (see internal/gc).
+type GarbageCollectRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Report what would be freed without deleting anything.
+	DryRun bool `protobuf:"varint,1,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// Blobs younger than this are kept, since an operation in flight may
+	// have stored them before the ref that will name them. Unset: 15
+	// minutes. Zero keeps nothing for its age (unsafe while operations run).
+	Grace         *durationpb.Duration `protobuf:"bytes,2,opt,name=grace,proto3" json:"grace,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GarbageCollectRequest) Reset() {
+	*x = GarbageCollectRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GarbageCollectRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GarbageCollectRequest) ProtoMessage() {}
+
+func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
+func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+}
+
+func (x *GarbageCollectRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *GarbageCollectRequest) GetGrace() *durationpb.Duration {
+	if x != nil {
+		return x.Grace
+	}
+	return nil
+}
+
+type GarbageCollectResponse struct {
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	ScannedBlobs int64                  `protobuf:"varint,1,opt,name=scanned_blobs,json=scannedBlobs,proto3" json:"scanned_blobs,omitempty"`
+	ScannedBytes int64                  `protobuf:"varint,2,opt,name=scanned_bytes,json=scannedBytes,proto3" json:"scanned_bytes,omitempty"`
+	// In a dry run, what would have been freed.
+	FreedBlobs int64 `protobuf:"varint,3,opt,name=freed_blobs,json=freedBlobs,proto3" json:"freed_blobs,omitempty"`
+	FreedBytes int64 `protobuf:"varint,4,opt,name=freed_bytes,json=freedBytes,proto3" json:"freed_bytes,omitempty"`
+	KeptBlobs  int64 `protobuf:"varint,5,opt,name=kept_blobs,json=keptBlobs,proto3" json:"kept_blobs,omitempty"`
+	// Digests of the freed blobs, sorted.
+	Freed     []string `protobuf:"bytes,6,rep,name=freed,proto3" json:"freed,omitempty"`
+	KeptBytes int64    `protobuf:"varint,7,opt,name=kept_bytes,json=keptBytes,proto3" json:"kept_bytes,omitempty"`
+	// Why blobs were kept (each kept blob counts once, first reason wins):
+	// reachable from a ref, held by a node's sandboxes, younger than grace.
+	ReferencedBlobs int64 `protobuf:"varint,8,opt,name=referenced_blobs,json=referencedBlobs,proto3" json:"referenced_blobs,omitempty"`
+	HeldBlobs       int64 `protobuf:"varint,9,opt,name=held_blobs,json=heldBlobs,proto3" json:"held_blobs,omitempty"`
+	YoungBlobs      int64 `protobuf:"varint,10,opt,name=young_blobs,json=youngBlobs,proto3" json:"young_blobs,omitempty"`
+	DryRun          bool  `protobuf:"varint,11,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *GarbageCollectResponse) Reset() {
+	*x = GarbageCollectResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GarbageCollectResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GarbageCollectResponse) ProtoMessage() {}
+
+func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
+func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+}
+
+func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
+	if x != nil {
+		return x.ScannedBlobs
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetScannedBytes() int64 {
+	if x != nil {
+		return x.ScannedBytes
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetFreedBlobs() int64 {
+	if x != nil {
+		return x.FreedBlobs
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetFreedBytes() int64 {
+	if x != nil {
+		return x.FreedBytes
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetKeptBlobs() int64 {
+	if x != nil {
+		return x.KeptBlobs
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetFreed() []string {
+	if x != nil {
+		return x.Freed
+	}
+	return nil
+}
+
+func (x *GarbageCollectResponse) GetKeptBytes() int64 {
+	if x != nil {
+		return x.KeptBytes
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetReferencedBlobs() int64 {
+	if x != nil {
+		return x.ReferencedBlobs
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetHeldBlobs() int64 {
+	if x != nil {
+		return x.HeldBlobs
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetYoungBlobs() int64 {
+	if x != nil {
+		return x.YoungBlobs
+	}
+	return 0
+}
+
+func (x *GarbageCollectResponse) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
 type Quota struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 0 means unlimited.
@@ -3383,7 +3582,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3395,7 +3594,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3408,7 +3607,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -3442,7 +3641,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3454,7 +3653,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3467,7 +3666,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -3495,7 +3694,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3507,7 +3706,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3520,7 +3719,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -3545,7 +3744,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\tResources\x12\x1b\n" +
 	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12!\n" +
 	"\fmemory_bytes\x18\x02 \x01(\x03R\vmemoryBytes\x12\x12\n" +
-	"\x04pids\x18\x03 \x01(\x03R\x04pids\"\x9b\x03\n" +
+	"\x04pids\x18\x03 \x01(\x03R\x04pids\"\xbc\x03\n" +
 	"\vSandboxSpec\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12\x1c\n" +
@@ -3555,7 +3754,10 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06labels\x18\x06 \x03(\v2 .dsec.v1.SandboxSpec.LabelsEntryR\x06labels\x12+\n" +
 	"\x03ttl\x18\a \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12<\n" +
 	"\fidle_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\vidleTimeout\x12\x10\n" +
-	"\x03env\x18\t \x03(\tR\x03env\x1a9\n" +
+	"\x03env\x18\t \x03(\tR\x03env\x12\x1f\n" +
+	"\vidle_action\x18\n" +
+	" \x01(\tR\n" +
+	"idleAction\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xcd\x02\n" +
@@ -3787,7 +3989,29 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"&\n" +
 	"\x12DeleteImageRequest\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\"\x15\n" +
-	"\x13DeleteImageResponse\"z\n" +
+	"\x13DeleteImageResponse\"a\n" +
+	"\x15GarbageCollectRequest\x12\x17\n" +
+	"\adry_run\x18\x01 \x01(\bR\x06dryRun\x12/\n" +
+	"\x05grace\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x05grace\"\xfc\x02\n" +
+	"\x16GarbageCollectResponse\x12#\n" +
+	"\rscanned_blobs\x18\x01 \x01(\x03R\fscannedBlobs\x12#\n" +
+	"\rscanned_bytes\x18\x02 \x01(\x03R\fscannedBytes\x12\x1f\n" +
+	"\vfreed_blobs\x18\x03 \x01(\x03R\n" +
+	"freedBlobs\x12\x1f\n" +
+	"\vfreed_bytes\x18\x04 \x01(\x03R\n" +
+	"freedBytes\x12\x1d\n" +
+	"\n" +
+	"kept_blobs\x18\x05 \x01(\x03R\tkeptBlobs\x12\x14\n" +
+	"\x05freed\x18\x06 \x03(\tR\x05freed\x12\x1d\n" +
+	"\n" +
+	"kept_bytes\x18\a \x01(\x03R\tkeptBytes\x12)\n" +
+	"\x10referenced_blobs\x18\b \x01(\x03R\x0freferencedBlobs\x12\x1d\n" +
+	"\n" +
+	"held_blobs\x18\t \x01(\x03R\theldBlobs\x12\x1f\n" +
+	"\vyoung_blobs\x18\n" +
+	" \x01(\x03R\n" +
+	"youngBlobs\x12\x17\n" +
+	"\adry_run\x18\v \x01(\bR\x06dryRun\"z\n" +
 	"\x05Quota\x12#\n" +
 	"\rmax_sandboxes\x18\x01 \x01(\x03R\fmaxSandboxes\x12\"\n" +
 	"\rmax_milli_cpu\x18\x02 \x01(\x03R\vmaxMilliCpu\x12(\n" +
@@ -3820,13 +4044,14 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06Freeze\x12\x16.dsec.v1.FreezeRequest\x1a\x17.dsec.v1.FreezeResponse\x123\n" +
 	"\x04Thaw\x12\x14.dsec.v1.ThawRequest\x1a\x15.dsec.v1.ThawResponse\x126\n" +
 	"\tFreezeJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x124\n" +
-	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse2\xd3\x02\n" +
+	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse2\xa6\x03\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
 	"\x03Get\x12\x18.dsec.v1.GetImageRequest\x1a\x19.dsec.v1.GetImageResponse\x12:\n" +
 	"\x03Tag\x12\x18.dsec.v1.TagImageRequest\x1a\x19.dsec.v1.TagImageResponse\x12C\n" +
-	"\x06Delete\x12\x1b.dsec.v1.DeleteImageRequest\x1a\x1c.dsec.v1.DeleteImageResponse2V\n" +
+	"\x06Delete\x12\x1b.dsec.v1.DeleteImageRequest\x1a\x1c.dsec.v1.DeleteImageResponse\x12Q\n" +
+	"\x0eGarbageCollect\x12\x1e.dsec.v1.GarbageCollectRequest\x1a\x1f.dsec.v1.GarbageCollectResponse2V\n" +
 	"\rTenantService\x12E\n" +
 	"\x06Create\x12\x1c.dsec.v1.CreateTenantRequest\x1a\x1d.dsec.v1.CreateTenantResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
@@ -3842,7 +4067,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 64)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 66)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -3901,24 +4126,26 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*TagImageResponse)(nil),              // 54: dsec.v1.TagImageResponse
 	(*DeleteImageRequest)(nil),            // 55: dsec.v1.DeleteImageRequest
 	(*DeleteImageResponse)(nil),           // 56: dsec.v1.DeleteImageResponse
-	(*Quota)(nil),                         // 57: dsec.v1.Quota
-	(*CreateTenantRequest)(nil),           // 58: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 59: dsec.v1.CreateTenantResponse
-	nil,                                   // 60: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 61: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 62: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 63: dsec.v1.JobRequest.LabelsEntry
-	(*durationpb.Duration)(nil),           // 64: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 65: google.protobuf.Timestamp
+	(*GarbageCollectRequest)(nil),         // 57: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 58: dsec.v1.GarbageCollectResponse
+	(*Quota)(nil),                         // 59: dsec.v1.Quota
+	(*CreateTenantRequest)(nil),           // 60: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 61: dsec.v1.CreateTenantResponse
+	nil,                                   // 62: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 63: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 64: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 65: dsec.v1.JobRequest.LabelsEntry
+	(*durationpb.Duration)(nil),           // 66: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 67: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	60, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	64, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	64, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	62, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	66, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	66, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	65, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	65, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	67, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	67, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,  // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,  // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -3926,85 +4153,88 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	6,  // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	7,  // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,  // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	61, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	63, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,  // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	64, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	64, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	66, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	66, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	14, // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	14, // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	62, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	64, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	6,  // 21: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	28, // 22: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
 	45, // 23: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
 	2,  // 24: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
 	2,  // 25: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 26: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	65, // 26: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
 	6,  // 27: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
 	43, // 28: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	65, // 29: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	67, // 29: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	47, // 30: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
 	45, // 31: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
 	45, // 32: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
 	45, // 33: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
 	45, // 34: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	57, // 35: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	3,  // 36: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,  // 37: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,  // 38: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11, // 39: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13, // 40: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13, // 41: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17, // 42: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	19, // 43: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	25, // 44: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	27, // 45: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	21, // 46: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	23, // 47: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	30, // 48: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	32, // 49: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	34, // 50: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	36, // 51: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	38, // 52: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	40, // 53: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	42, // 54: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	42, // 55: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	46, // 56: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	49, // 57: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	51, // 58: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	53, // 59: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	55, // 60: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	58, // 61: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	4,  // 62: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,  // 63: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10, // 64: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12, // 65: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15, // 66: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16, // 67: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18, // 68: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	20, // 69: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 70: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	29, // 71: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	22, // 72: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	24, // 73: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	31, // 74: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	33, // 75: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	35, // 76: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	37, // 77: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	39, // 78: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	41, // 79: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	44, // 80: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	44, // 81: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	48, // 82: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	50, // 83: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	52, // 84: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	54, // 85: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	56, // 86: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	59, // 87: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	62, // [62:88] is the sub-list for method output_type
-	36, // [36:62] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	66, // 35: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	59, // 36: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	3,  // 37: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	5,  // 38: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	9,  // 39: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	11, // 40: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	13, // 41: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	13, // 42: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	17, // 43: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	19, // 44: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	25, // 45: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	27, // 46: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	21, // 47: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	23, // 48: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	30, // 49: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	32, // 50: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	34, // 51: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	36, // 52: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	38, // 53: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	40, // 54: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	42, // 55: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	42, // 56: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	46, // 57: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	49, // 58: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	51, // 59: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	53, // 60: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	55, // 61: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	57, // 62: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	60, // 63: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	4,  // 64: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	8,  // 65: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	10, // 66: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	12, // 67: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	15, // 68: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	16, // 69: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	18, // 70: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	20, // 71: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 72: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	29, // 73: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	22, // 74: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	24, // 75: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	31, // 76: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	33, // 77: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	35, // 78: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	37, // 79: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	39, // 80: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	41, // 81: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	44, // 82: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	44, // 83: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	48, // 84: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	50, // 85: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	52, // 86: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	54, // 87: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	56, // 88: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	58, // 89: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	61, // 90: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	64, // [64:91] is the sub-list for method output_type
+	37, // [37:64] is the sub-list for method input_type
+	37, // [37:37] is the sub-list for extension type_name
+	37, // [37:37] is the sub-list for extension extendee
+	0,  // [0:37] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -4027,7 +4257,7 @@ func file_dsec_v1_dsec_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   64,
+			NumMessages:   66,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -100,6 +100,9 @@ const (
 	ImageServiceTagProcedure = "/dsec.v1.ImageService/Tag"
 	// ImageServiceDeleteProcedure is the fully-qualified name of the ImageService's Delete RPC.
 	ImageServiceDeleteProcedure = "/dsec.v1.ImageService/Delete"
+	// ImageServiceGarbageCollectProcedure is the fully-qualified name of the ImageService's
+	// GarbageCollect RPC.
+	ImageServiceGarbageCollectProcedure = "/dsec.v1.ImageService/GarbageCollect"
 	// TenantServiceCreateProcedure is the fully-qualified name of the TenantService's Create RPC.
 	TenantServiceCreateProcedure = "/dsec.v1.TenantService/Create"
 )
@@ -697,6 +700,7 @@ type ImageServiceClient interface {
 	Get(context.Context, *connect.Request[v1.GetImageRequest]) (*connect.Response[v1.GetImageResponse], error)
 	Tag(context.Context, *connect.Request[v1.TagImageRequest]) (*connect.Response[v1.TagImageResponse], error)
 	Delete(context.Context, *connect.Request[v1.DeleteImageRequest]) (*connect.Response[v1.DeleteImageResponse], error)
+	GarbageCollect(context.Context, *connect.Request[v1.GarbageCollectRequest]) (*connect.Response[v1.GarbageCollectResponse], error)
 }
 
 // NewImageServiceClient constructs a client for the dsec.v1.ImageService service. By default, it
@@ -740,16 +744,23 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("Delete")),
 			connect.WithClientOptions(opts...),
 		),
+		garbageCollect: connect.NewClient[v1.GarbageCollectRequest, v1.GarbageCollectResponse](
+			httpClient,
+			baseURL+ImageServiceGarbageCollectProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("GarbageCollect")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // imageServiceClient implements ImageServiceClient.
 type imageServiceClient struct {
-	_import *connect.Client[v1.ImportImageRequest, v1.ImportImageResponse]
-	list    *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
-	get     *connect.Client[v1.GetImageRequest, v1.GetImageResponse]
-	tag     *connect.Client[v1.TagImageRequest, v1.TagImageResponse]
-	delete  *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
+	_import        *connect.Client[v1.ImportImageRequest, v1.ImportImageResponse]
+	list           *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
+	get            *connect.Client[v1.GetImageRequest, v1.GetImageResponse]
+	tag            *connect.Client[v1.TagImageRequest, v1.TagImageResponse]
+	delete         *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
+	garbageCollect *connect.Client[v1.GarbageCollectRequest, v1.GarbageCollectResponse]
 }
 
 // Import calls dsec.v1.ImageService.Import.
@@ -777,6 +788,11 @@ func (c *imageServiceClient) Delete(ctx context.Context, req *connect.Request[v1
 	return c.delete.CallUnary(ctx, req)
 }
 
+// GarbageCollect calls dsec.v1.ImageService.GarbageCollect.
+func (c *imageServiceClient) GarbageCollect(ctx context.Context, req *connect.Request[v1.GarbageCollectRequest]) (*connect.Response[v1.GarbageCollectResponse], error) {
+	return c.garbageCollect.CallUnary(ctx, req)
+}
+
 // ImageServiceHandler is an implementation of the dsec.v1.ImageService service.
 type ImageServiceHandler interface {
 	Import(context.Context, *connect.ClientStream[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
@@ -784,6 +800,7 @@ type ImageServiceHandler interface {
 	Get(context.Context, *connect.Request[v1.GetImageRequest]) (*connect.Response[v1.GetImageResponse], error)
 	Tag(context.Context, *connect.Request[v1.TagImageRequest]) (*connect.Response[v1.TagImageResponse], error)
 	Delete(context.Context, *connect.Request[v1.DeleteImageRequest]) (*connect.Response[v1.DeleteImageResponse], error)
+	GarbageCollect(context.Context, *connect.Request[v1.GarbageCollectRequest]) (*connect.Response[v1.GarbageCollectResponse], error)
 }
 
 // NewImageServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -823,6 +840,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("Delete")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServiceGarbageCollectHandler := connect.NewUnaryHandler(
+		ImageServiceGarbageCollectProcedure,
+		svc.GarbageCollect,
+		connect.WithSchema(imageServiceMethods.ByName("GarbageCollect")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.ImageService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ImageServiceImportProcedure:
@@ -835,6 +858,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 			imageServiceTagHandler.ServeHTTP(w, r)
 		case ImageServiceDeleteProcedure:
 			imageServiceDeleteHandler.ServeHTTP(w, r)
+		case ImageServiceGarbageCollectProcedure:
+			imageServiceGarbageCollectHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -862,6 +887,10 @@ func (UnimplementedImageServiceHandler) Tag(context.Context, *connect.Request[v1
 
 func (UnimplementedImageServiceHandler) Delete(context.Context, *connect.Request[v1.DeleteImageRequest]) (*connect.Response[v1.DeleteImageResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.Delete is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) GarbageCollect(context.Context, *connect.Request[v1.GarbageCollectRequest]) (*connect.Response[v1.GarbageCollectResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.GarbageCollect is not implemented"))
 }
 
 // TenantServiceClient is a client for the dsec.v1.TenantService service.
