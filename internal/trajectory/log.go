@@ -192,8 +192,9 @@ func (l *Log) recover() error {
 		return fmt.Errorf("trajectory log: %w", err)
 	}
 	sort.Strings(names)
-	// gap: a segment before this one was deleted (segments are numbered
-	// from 1), and forgotten the sandboxes found to have records in it.
+	// gap: a segment numbered before this one is gone (Forget deleted it;
+	// segments are numbered from 1). forgotten: the sandboxes found to
+	// have had records in such a segment.
 	gap, prev, forgotten := false, 0, map[string]bool{}
 	for i, name := range names {
 		var id int
@@ -462,8 +463,8 @@ func (l *Log) writer() {
 }
 
 func (l *Log) failedErr() error {
-	l.state.RLock()
-	defer l.state.RUnlock()
+	l.failMu.Lock()
+	defer l.failMu.Unlock()
 	return l.failed
 }
 
@@ -743,7 +744,10 @@ func (l *Log) event(ctx context.Context, id, kind, reason string, final bool) er
 	// The event follows the last step admitted.
 	rec := &Record{Seq: sb.next - 1, Kind: kind, Start: now, End: now, Reason: reason}
 	if final {
-		sb.ended = rec
+		// A copy: enqueue fills in rec's chain fields without sb.mu, and
+		// Info hands sb.ended out.
+		ended := *rec
+		sb.ended = &ended
 	}
 	sb.mu.Unlock()
 	done, err := l.enqueue(sb, rec, nil)

@@ -1,0 +1,5 @@
+//go:build !race
+
+package trajectory_test
+
+const raceEnabled = false
