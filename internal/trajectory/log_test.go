@@ -186,18 +186,36 @@ func info(t *testing.T, l *trajectory.Log, id string) trajectory.Info {
 	return in
 }
 
-func appendFile(t *testing.T, name string, b []byte) {
+// recordsOf is the part of a segment file's bytes that holds records:
+// segments are preallocated with zeros, so the records end at the first
+// zero byte.
+func recordsOf(b []byte) []byte {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		return b[:i]
+	}
+	return b
+}
+
+// writeAtRecordsEnd writes b where the segment's records end, as a write
+// cut by a crash would have.
+func writeAtRecordsEnd(t *testing.T, name string, b []byte) int64 {
 	t.Helper()
-	f, err := os.OpenFile(name, os.O_WRONLY|os.O_APPEND, 0)
+	data, err := os.ReadFile(name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := f.Write(b); err != nil {
+	end := int64(len(recordsOf(data)))
+	f, err := os.OpenFile(name, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(b, end); err != nil {
 		t.Fatal(err)
 	}
 	if err := f.Close(); err != nil {
 		t.Fatal(err)
 	}
+	return end
 }
 
 func fileSize(t *testing.T, name string) int64 {
@@ -749,7 +767,7 @@ func TestConcurrentAppends(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		n, err := trajectory.Verify(bytes.NewReader(b))
+		n, err := trajectory.Verify(bytes.NewReader(recordsOf(b)))
 		if err != nil {
 			t.Fatalf("Verify %s: %v", name, err)
 		}
@@ -856,11 +874,19 @@ func TestTornTail(t *testing.T) {
 			size := fileSize(t, last)
 			// A torn record of sandbox a, as if its write was cut.
 			good := append(slices.Clone(wantA[len(wantA)-1]), '\n')
-			appendFile(t, last, tail(t, good))
+			torn := tail(t, good)
+			end := writeAtRecordsEnd(t, last, torn)
 
 			l2 := openLog(t, opts)
 			if got := fileSize(t, last); got != size {
-				t.Fatalf("segment is %d bytes after recovery, want %d (truncated to the last good record)", got, size)
+				t.Fatalf("segment is %d bytes after recovery, want %d (its preallocated size)", got, size)
+			}
+			after, err := os.ReadFile(last)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(after[end:end+int64(len(torn))], make([]byte, len(torn))) {
+				t.Fatal("the torn record was not cleared")
 			}
 			if got := pageAll(t, l2, "a", false); !slices.EqualFunc(got, wantA, bytes.Equal) {
 				t.Fatal("a's records differ after recovery")
@@ -887,7 +913,7 @@ func TestTornTail(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if n, err := trajectory.Verify(bytes.NewReader(b)); err != nil || n != 7 {
+			if n, err := trajectory.Verify(bytes.NewReader(recordsOf(b))); err != nil || n != 7 {
 				t.Fatalf("segment after more appends: %d records, %v", n, err)
 			}
 			l3 := openLog(t, opts)

@@ -33,7 +33,7 @@ func sampleJSONL(t *testing.T) [][]byte {
 	if len(segs) != 1 {
 		t.Fatalf("%d segments", len(segs))
 	}
-	b := readFile(t, segs[0])
+	b := recordsOf(readFile(t, segs[0]))
 	lines := bytes.Split(bytes.TrimSuffix(b, []byte("\n")), []byte("\n"))
 	if len(lines) != 7 {
 		t.Fatalf("%d lines", len(lines))
