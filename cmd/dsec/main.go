@@ -99,9 +99,11 @@ hash chain, "replay" when a step diverged.`,
 		newTenantCmd(g),
 		newImageCmd(g),
 		newSandboxCmd(g),
+		newJobCmd(g),
 		newRunCmd(g),
 		newTrajectoryCmd(g),
 		newReplayCmd(g),
+		newGCCmd(g),
 	)
 	return root
 }

@@ -30,6 +30,11 @@ func newSandboxCmd(g *globals) *cobra.Command {
 		newSandboxGetCmd(g),
 		newSandboxRmCmd(g),
 		newSandboxLogCmd(g),
+		newSandboxSnapshotCmd(g),
+		newSandboxCheckpointCmd(g),
+		newSandboxRollbackCmd(g),
+		newSandboxFreezeCmd(g),
+		newSandboxThawCmd(g),
 	)
 	return cmd
 }

@@ -154,7 +154,14 @@ func (d *Dir) commit(tmp string, desc Descriptor) error {
 		return err
 	}
 	if _, err := os.Lstat(final); err == nil {
-		return nil // already stored; the caller removes tmp
+		// Already stored; the caller removes tmp. Its times move to now:
+		// garbage collection spares blobs stored within its grace period,
+		// and a blob stored again is about to be referenced again.
+		now := time.Now()
+		if err := os.Chtimes(final, now, now); err != nil {
+			return fmt.Errorf("put blob %s: refresh its time: %w", desc.Digest, err)
+		}
+		return nil
 	}
 	if err := os.Chmod(tmp, 0o444); err != nil {
 		return fmt.Errorf("put blob %s: %w", desc.Digest, err)

@@ -734,3 +734,127 @@ func TestCluster(t *testing.T) {
 		}
 	})
 }
+
+// TestJobFreezeAcrossEdges freezes and thaws a job whose sandboxes live on
+// two edges in one call each, and checks that sandboxes outside the job
+// (another label, or another tenant's with the same label) are untouched.
+func TestJobFreezeAcrossEdges(t *testing.T) {
+	c := newCluster(t)
+	ctx := context.Background()
+	// Four slots per edge: five sandboxes of the job cannot all fit on one.
+	const slots = 4
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Overcommit{})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Overcommit{})
+	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
+		t.Fatal(err)
+	}
+	alice := c.createTenant("alice", nil)
+	bob := c.createTenant("bob", nil)
+	job := map[string]string{"job": "x"}
+
+	mustCreate := func(token string, labels map[string]string) *dsecv1.Sandbox {
+		t.Helper()
+		sb, err := c.create(token, &dsecv1.SandboxSpec{Image: "busybox:1", Labels: labels})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sb
+	}
+	members := map[string]bool{}
+	nodes := map[string]int{}
+	for range slots + 1 {
+		sb := mustCreate(alice, job)
+		members[sb.GetId()] = true
+		nodes[sb.GetNode()]++
+	}
+	if nodes["n1"] == 0 || nodes["n2"] == 0 {
+		t.Fatalf("the job's sandboxes are on %v, want both edges", nodes)
+	}
+	other := mustCreate(alice, map[string]string{"job": "y"})
+	bobs := mustCreate(bob, job)
+
+	state := func(token, id string) string {
+		t.Helper()
+		resp, err := c.clients.sb.Get(ctx, req(token, &dsecv1.GetSandboxRequest{Id: id}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Msg.GetSandbox().GetState()
+	}
+	execOK := func(token, id string) {
+		t.Helper()
+		res, err := c.exec(token, id, "true")
+		if err != nil || res.GetOutcome() != "ok" {
+			t.Fatalf("exec in %s: %v, %v", id, res, err)
+		}
+	}
+	results := func(resp *connect.Response[dsecv1.JobResponse], err error) map[string]bool {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]bool{}
+		for _, r := range resp.Msg.GetResults() {
+			if r.GetError() != nil {
+				t.Fatalf("job result %s: %v", r.GetId(), r.GetError())
+			}
+			got[r.GetId()] = true
+		}
+		return got
+	}
+	sameSet := func(a, b map[string]bool) bool {
+		if len(a) != len(b) {
+			return false
+		}
+		for k := range a {
+			if !b[k] {
+				return false
+			}
+		}
+		return true
+	}
+
+	frozen := results(c.clients.sb.FreezeJob(ctx, req(alice, &dsecv1.JobRequest{Labels: job})))
+	if !sameSet(frozen, members) {
+		t.Fatalf("FreezeJob acted on %v, want the job's sandboxes %v", frozen, members)
+	}
+	for id := range members {
+		if got := state(alice, id); got != "frozen" {
+			t.Errorf("%s after FreezeJob: state %q, want frozen", id, got)
+		}
+		_, err := c.exec(alice, id, "true")
+		wantCode(t, err, connect.CodeFailedPrecondition, "frozen")
+	}
+	if got := state(alice, other.GetId()); got != "running" {
+		t.Errorf("sandbox with another label: state %q, want running", got)
+	}
+	execOK(alice, other.GetId())
+	if got := state(bob, bobs.GetId()); got != "running" {
+		t.Errorf("another tenant's sandbox with the job's label: state %q, want running", got)
+	}
+	execOK(bob, bobs.GetId())
+	// The registry's view (List) shows the frozen state once the edges
+	// have reported it.
+	c.waitFor("List to show the job frozen", func() bool {
+		for _, sb := range c.list(alice, job) {
+			if sb.GetState() != "frozen" {
+				return false
+			}
+		}
+		return true
+	})
+
+	thawed := results(c.clients.sb.ThawJob(ctx, req(alice, &dsecv1.JobRequest{Labels: job})))
+	if !sameSet(thawed, members) {
+		t.Fatalf("ThawJob acted on %v, want %v", thawed, members)
+	}
+	for id := range members {
+		if got := state(alice, id); got != "running" {
+			t.Errorf("%s after ThawJob: state %q, want running", id, got)
+		}
+		execOK(alice, id)
+	}
+
+	_, err := c.clients.sb.FreezeJob(ctx, req(alice, &dsecv1.JobRequest{}))
+	wantCode(t, err, connect.CodeInvalidArgument, "label")
+}

@@ -79,6 +79,9 @@ type Server struct {
 	reg     *registry
 	edges   *edgeClients
 	metrics *metrics
+	// started is when New ran: the registry knows every live edge's held
+	// layers only a node timeout later (GarbageCollect waits for that).
+	started time.Time
 }
 
 // New builds a server from cfg. It creates DataDir/admin.token if it does
@@ -120,12 +123,13 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("controlplane: %w", err)
 	}
 	s := &Server{
-		cfg:    cfg,
-		log:    cfg.Logger.With("component", "server"),
-		iam:    auth,
-		images: image.NewStore(cfg.Store, cfg.Store.Refs()),
-		reg:    newRegistry(cfg.NodeTimeout, cfg.LostRetention),
-		edges:  newEdgeClients(cfg.HTTPClient, cfg.ClusterToken),
+		started: time.Now(),
+		cfg:     cfg,
+		log:     cfg.Logger.With("component", "server"),
+		iam:     auth,
+		images:  image.NewStore(cfg.Store, cfg.Store.Refs()),
+		reg:     newRegistry(cfg.NodeTimeout, cfg.LostRetention),
+		edges:   newEdgeClients(cfg.HTTPClient, cfg.ClusterToken),
 	}
 	m, err := newMetrics(cfg.Registry, s.reg)
 	if err != nil {

@@ -20,6 +20,9 @@ func (ss *sandboxService) Snapshot(ctx context.Context, req *connect.Request[dse
 	if err != nil {
 		return nil, err
 	}
+	// A ref the caller may not use is refused here, numbered or not: the
+	// edge writes whatever name it is given (the SDKs check refs before
+	// they take a number).
 	r, err := checkUserRef(p, "ref", req.Msg.GetRef())
 	if err != nil {
 		return nil, err
@@ -74,7 +77,7 @@ func (ss *sandboxService) Rollback(ctx context.Context, req *connect.Request[dse
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetCheckpointId() == "" {
+	if req.Msg.GetCheckpointId() == "" && req.Msg.GetSeq() == 0 {
 		return nil, errf(connect.CodeInvalidArgument, "checkpoint_id: required")
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())

@@ -487,13 +487,18 @@ func (e errLost) Error() string { return e.reason }
 // being rolled back, being destroyed), or nil. Numbered operations check it
 // before they take a number: a client that retries after the thaw must not
 // find its number used up by the refusal.
-func (e *Edge) paused(sb *sandbox) error {
+func (e *Edge) paused(sb *sandbox) error { return e.pausedUnless(sb, false) }
+
+// pausedExceptFrozen is paused for operations a frozen sandbox takes.
+func (e *Edge) pausedExceptFrozen(sb *sandbox) error { return e.pausedUnless(sb, true) }
+
+func (e *Edge) pausedUnless(sb *sandbox, frozenOK bool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch {
 	case sb.destroying != nil && sb.state == StateRunning:
 		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
-	case sb.state == StateRunning && sb.frozen:
+	case sb.state == StateRunning && sb.frozen && !frozenOK:
 		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
 	case sb.state == StateRunning && sb.rolling:
 		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))

@@ -420,9 +420,11 @@ func (e *Edge) releaseState(sb *sandbox) {
 // numbered runs a numbered state operation (snapshot, checkpoint,
 // rollback): admit with the trajectory, run detached when the client
 // numbered it, record. run fills rec with the result. It returns the
-// operation's seq, or the recorded record of a fast-forward.
-func (e *Edge) numbered(ctx context.Context, sb *sandbox, seq uint64, rec *trajectory.Record, run func(context.Context) error) (uint64, *trajectory.Record, error) {
-	if err := e.paused(sb); err != nil {
+// operation's seq, or the recorded record of a fast-forward. run gets the
+// operation's seq (0 when the node keeps no trajectory). A frozen sandbox
+// takes them: snapshotting a preempted job is what freezing it is for.
+func (e *Edge) numbered(ctx context.Context, sb *sandbox, seq uint64, rec *trajectory.Record, run func(context.Context, uint64) error) (uint64, *trajectory.Record, error) {
+	if err := e.pausedExceptFrozen(sb); err != nil {
 		return 0, nil, err
 	}
 	op, replay, err := e.admitOp(ctx, sb, seq, rec)
@@ -437,7 +439,11 @@ func (e *Edge) numbered(ctx context.Context, sb *sandbox, seq uint64, rec *traje
 	}
 	ctx = detach(ctx, seq, op)
 	start := time.Now()
-	err = run(ctx)
+	var opSeq uint64
+	if op != nil {
+		opSeq = op.Seq()
+	}
+	err = run(ctx, opSeq)
 	if op == nil {
 		return 0, nil, err
 	}
@@ -451,8 +457,9 @@ func (e *Edge) snapshot(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Sn
 	if r == nil {
 		return nil, invalid("request is required")
 	}
+	rec := &trajectory.Record{Kind: trajectory.KindSnapshot, RequestID: r.RequestId, Snapshot: &trajectory.Snapshot{Ref: r.Ref}}
 	if _, err := image.ParseRef(r.Ref); err != nil {
-		return nil, invalid("ref: %v", err)
+		return nil, e.refuse(ctx, caller, r.SandboxId, r.Seq, rec, invalid("ref: %v", err))
 	}
 	if internal == "" {
 		internal = r.Ref
@@ -461,12 +468,11 @@ func (e *Edge) snapshot(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Sn
 	if err != nil {
 		return nil, err
 	}
-	rec := &trajectory.Record{Kind: trajectory.KindSnapshot, RequestID: r.RequestId, Snapshot: &trajectory.Snapshot{Ref: r.Ref}}
 	var img *dsecv1.Image
-	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context) error {
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context, seq uint64) error {
 		var layerDigest string
 		var err error
-		img, layerDigest, err = e.doSnapshot(ctx, sb, internal, e.nextSeq(sb.id)-1)
+		img, layerDigest, err = e.doSnapshot(ctx, sb, internal, seq)
 		if err == nil {
 			img.Ref = r.Ref
 			rec.Snapshot.Image, rec.Snapshot.Layer = img.Digest, layerDigest
@@ -491,7 +497,7 @@ func (e *Edge) checkpoint(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.
 		return nil, err
 	}
 	rec := &trajectory.Record{Kind: trajectory.KindCheckpoint, RequestID: r.RequestId, Checkpoint: &trajectory.Checkpoint{}}
-	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context) error {
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context, _ uint64) error {
 		id, layerDigest, err := e.doCheckpoint(ctx, sb)
 		rec.Checkpoint.ID, rec.Checkpoint.Layer = id, layerDigest
 		return err
@@ -509,15 +515,15 @@ func (e *Edge) rollback(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Ro
 	if r == nil {
 		return nil, invalid("request is required")
 	}
+	rec := &trajectory.Record{Kind: trajectory.KindRollback, RequestID: r.RequestId, Checkpoint: &trajectory.Checkpoint{ID: r.CheckpointId}}
 	if r.CheckpointId == "" {
-		return nil, invalid("checkpoint_id is required")
+		return nil, e.refuse(ctx, caller, r.SandboxId, r.Seq, rec, invalid("checkpoint_id is required"))
 	}
 	sb, err := e.lookup(caller, r.SandboxId)
 	if err != nil {
 		return nil, err
 	}
-	rec := &trajectory.Record{Kind: trajectory.KindRollback, RequestID: r.RequestId, Checkpoint: &trajectory.Checkpoint{ID: r.CheckpointId}}
-	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context) error {
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context, _ uint64) error {
 		return e.doRollback(ctx, sb, r.CheckpointId)
 	})
 	if err != nil {

@@ -3459,8 +3459,12 @@ type GarbageCollectResponse struct {
 	HeldBlobs       int64 `protobuf:"varint,9,opt,name=held_blobs,json=heldBlobs,proto3" json:"held_blobs,omitempty"`
 	YoungBlobs      int64 `protobuf:"varint,10,opt,name=young_blobs,json=youngBlobs,proto3" json:"young_blobs,omitempty"`
 	DryRun          bool  `protobuf:"varint,11,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Refs that, read again after the sweep, name a blob it freed: they were
+	// set during the run to content the store already held. Normally empty;
+	// the images or trajectories they name need to be stored again.
+	BrokenRefs    []string `protobuf:"bytes,12,rep,name=broken_refs,json=brokenRefs,proto3" json:"broken_refs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GarbageCollectResponse) Reset() {
@@ -3568,6 +3572,13 @@ func (x *GarbageCollectResponse) GetDryRun() bool {
 		return x.DryRun
 	}
 	return false
+}
+
+func (x *GarbageCollectResponse) GetBrokenRefs() []string {
+	if x != nil {
+		return x.BrokenRefs
+	}
+	return nil
 }
 
 type Quota struct {
@@ -3992,7 +4003,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x13DeleteImageResponse\"a\n" +
 	"\x15GarbageCollectRequest\x12\x17\n" +
 	"\adry_run\x18\x01 \x01(\bR\x06dryRun\x12/\n" +
-	"\x05grace\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x05grace\"\xfc\x02\n" +
+	"\x05grace\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x05grace\"\x9d\x03\n" +
 	"\x16GarbageCollectResponse\x12#\n" +
 	"\rscanned_blobs\x18\x01 \x01(\x03R\fscannedBlobs\x12#\n" +
 	"\rscanned_bytes\x18\x02 \x01(\x03R\fscannedBytes\x12\x1f\n" +
@@ -4011,7 +4022,9 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\vyoung_blobs\x18\n" +
 	" \x01(\x03R\n" +
 	"youngBlobs\x12\x17\n" +
-	"\adry_run\x18\v \x01(\bR\x06dryRun\"z\n" +
+	"\adry_run\x18\v \x01(\bR\x06dryRun\x12\x1f\n" +
+	"\vbroken_refs\x18\f \x03(\tR\n" +
+	"brokenRefs\"z\n" +
 	"\x05Quota\x12#\n" +
 	"\rmax_sandboxes\x18\x01 \x01(\x03R\fmaxSandboxes\x12\"\n" +
 	"\rmax_milli_cpu\x18\x02 \x01(\x03R\vmaxMilliCpu\x12(\n" +

@@ -127,7 +127,7 @@ func (s *Sandbox) ExecWith(ctx context.Context, opts ExecOptions) (*ExecResult, 
 	opts.Seq = s.take(opts.Seq)
 	req := opts.proto(s.ID)
 	var resp *connect.Response[dsecv1.ExecResponse]
-	err := resend(ctx, req.Seq, func() (err error) {
+	err := s.send(ctx, req.Seq, func() (err error) {
 		resp, err = s.c.sandboxes.Exec(ctx, connect.NewRequest(req))
 		return err
 	})
@@ -152,7 +152,7 @@ func (s *Sandbox) ExecStream(ctx context.Context, opts ExecOptions, stdout, stde
 	// what the writers already have is skipped.
 	out, errOut := &skipWriter{w: stdout}, &skipWriter{w: stderr}
 	var result *ExecResult
-	err := resend(ctx, req.Seq, func() error {
+	err := s.send(ctx, req.Seq, func() error {
 		out.skip, errOut.skip = out.n, errOut.n
 		out.seen, errOut.seen = 0, 0
 		stream, err := s.c.sandboxes.ExecStream(ctx, connect.NewRequest(req))

@@ -23,6 +23,13 @@ type Image struct {
 	CreatedAt time.Time
 	// Tenant owns the image; empty for public images.
 	Tenant string
+
+	// Seq and Replayed are set on the image Sandbox.Snapshot returns: the
+	// snapshot's step in the source sandbox's trajectory, and whether it
+	// was recorded earlier and not taken again (then only Ref and Digest
+	// are set; Images().Get describes it in full).
+	Seq      uint64
+	Replayed bool
 }
 
 func imageFromProto(p *dsecv1.Image) *Image {

@@ -26,6 +26,18 @@ const (
 	StateLost      = "lost"
 	StateDestroyed = "destroyed"
 	StateFailed    = "failed"
+	// StateFrozen is a running sandbox whose processes are frozen (Freeze,
+	// FreezeJob or an idle timeout with IdleFreeze); Thaw resumes it.
+	StateFrozen = "frozen"
+)
+
+// What an idle timeout does (Spec.IdleAction).
+const (
+	// IdleDestroy destroys an idle sandbox (the default).
+	IdleDestroy = "destroy"
+	// IdleFreeze freezes an idle sandbox, keeping its processes and
+	// memory; Thaw resumes it.
+	IdleFreeze = "freeze"
 )
 
 // Resources bounds a sandbox. Zero fields are left to the server's defaults.
@@ -51,20 +63,24 @@ type Spec struct {
 	// TTL is the maximum lifetime; zero means none.
 	TTL time.Duration
 	// IdleTimeout destroys the sandbox after this long without an
-	// operation; zero means none.
+	// operation (or freezes it, see IdleAction); zero means none.
 	IdleTimeout time.Duration
+	// IdleAction is what IdleTimeout does: IdleDestroy (the default when
+	// empty) or IdleFreeze.
+	IdleAction string
 	// Env (K=V) applies to every exec, over the image's environment.
 	Env []string
 }
 
 func (s Spec) proto() *dsecv1.SandboxSpec {
 	p := &dsecv1.SandboxSpec{
-		Backend:   s.Backend,
-		Image:     s.Image,
-		Workspace: s.Workspace,
-		Toolkits:  s.Toolkits,
-		Labels:    s.Labels,
-		Env:       s.Env,
+		Backend:    s.Backend,
+		Image:      s.Image,
+		Workspace:  s.Workspace,
+		Toolkits:   s.Toolkits,
+		Labels:     s.Labels,
+		Env:        s.Env,
+		IdleAction: s.IdleAction,
 	}
 	if s.Resources != (Resources{}) {
 		p.Resources = &dsecv1.Resources{
@@ -87,12 +103,13 @@ func specFromProto(p *dsecv1.SandboxSpec) Spec {
 		return Spec{}
 	}
 	s := Spec{
-		Backend:   p.GetBackend(),
-		Image:     p.GetImage(),
-		Workspace: p.GetWorkspace(),
-		Toolkits:  p.GetToolkits(),
-		Labels:    p.GetLabels(),
-		Env:       p.GetEnv(),
+		Backend:    p.GetBackend(),
+		Image:      p.GetImage(),
+		Workspace:  p.GetWorkspace(),
+		Toolkits:   p.GetToolkits(),
+		Labels:     p.GetLabels(),
+		Env:        p.GetEnv(),
+		IdleAction: p.GetIdleAction(),
 		Resources: Resources{
 			MilliCPU:    p.GetResources().GetMilliCpu(),
 			MemoryBytes: p.GetResources().GetMemoryBytes(),
@@ -275,7 +292,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error { return s.c.Destroy(ctx, s
 // mode (0 means 0644), creating parent directories as needed.
 func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
 	req := &dsecv1.WriteFileRequest{SandboxId: s.ID, Path: path, Data: data, Mode: mode, Seq: s.take(0)}
-	err := resend(ctx, req.Seq, func() error {
+	err := s.send(ctx, req.Seq, func() error {
 		_, err := s.c.sandboxes.WriteFile(ctx, connect.NewRequest(req))
 		return err
 	})
@@ -290,7 +307,7 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 func (s *Sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
 	req := &dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path, MaxBytes: maxBytes, Seq: s.take(0)}
 	var resp *connect.Response[dsecv1.ReadFileResponse]
-	err := resend(ctx, req.Seq, func() (err error) {
+	err := s.send(ctx, req.Seq, func() (err error) {
 		resp, err = s.c.sandboxes.ReadFile(ctx, connect.NewRequest(req))
 		return err
 	})

@@ -72,6 +72,56 @@ func (s *Sandbox) take(explicit uint64) uint64 {
 	return n
 }
 
+// giveBack returns number n to the handle when it is the last number the
+// handle took: the operation that carried it was refused without being
+// recorded, so the sandbox still expects n next.
+func (s *Sandbox) giveBack(n uint64) {
+	if s.seq == nil || n == 0 {
+		return
+	}
+	s.seq.mu.Lock()
+	defer s.seq.mu.Unlock()
+	if !s.seq.off && s.seq.next == n+1 {
+		s.seq.next = n
+	}
+}
+
+// send runs an operation of the handle with resend. When the server
+// refused a numbered operation without recording it (the sandbox is
+// frozen, being rolled back or still being created; a snapshot ref checked
+// before numbering), the number stays unused on the server and the
+// handle's later operations would be "beyond the next expected" for good.
+// So on a refusal the handle asks the sandbox which number it expects and,
+// if that is still seq and the handle took no later number meanwhile,
+// takes seq back for its next operation.
+func (s *Sandbox) send(ctx context.Context, seq uint64, call func() error) error {
+	err := resend(ctx, seq, call)
+	if err == nil || seq == 0 || !maybeUnrecorded(err) || s.NextSeqToSend() != seq+1 {
+		return err
+	}
+	if sb, gerr := s.c.Get(ctx, s.ID); gerr == nil && sb.NextSeq == seq {
+		s.giveBack(seq)
+	}
+	return err
+}
+
+// maybeUnrecorded reports whether err may be a refusal the server answered
+// without recording the operation under its number. Transport failures,
+// replays of recorded failures and numbering conflicts are not.
+func maybeUnrecorded(err error) bool {
+	var we *writerError
+	if errors.As(err, &we) {
+		return false
+	}
+	switch connect.CodeOf(err) {
+	case connect.CodeFailedPrecondition, connect.CodeInvalidArgument:
+		msg := err.Error()
+		return !strings.Contains(msg, "recorded at seq") && !strings.Contains(msg, "beyond the next expected") &&
+			!strings.Contains(msg, "recorded for a different request")
+	}
+	return false
+}
+
 // writerError is a failure of the caller's writer: never re-sent.
 type writerError struct{ err error }
 
@@ -121,7 +171,7 @@ func retriable(err error) bool {
 func (s *Sandbox) SubmitReward(ctx context.Context, value float64, metadata map[string]string) (uint64, error) {
 	req := &dsecv1.SubmitRewardRequest{SandboxId: s.ID, Value: value, Metadata: metadata, Seq: s.take(0)}
 	var resp *connect.Response[dsecv1.SubmitRewardResponse]
-	err := resend(ctx, req.Seq, func() (err error) {
+	err := s.send(ctx, req.Seq, func() (err error) {
 		resp, err = s.c.sandboxes.SubmitReward(ctx, connect.NewRequest(req))
 		return err
 	})

@@ -16,7 +16,17 @@ Only httpx is needed (Debian: python3-httpx).
 from .client import DEFAULT_ENDPOINT, DEFAULT_TOKEN_FILE, DSecClient, Sandbox
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
-from .models import BackendKind, ExecResult, ImageInfo, OpResult, ReadFileResult, SandboxInfo, SandboxSpec
+from .models import (
+    BackendKind,
+    CheckpointResult,
+    ExecResult,
+    ImageInfo,
+    JobResult,
+    OpResult,
+    ReadFileResult,
+    SandboxInfo,
+    SandboxSpec,
+)
 
 __all__ = [
     "DSecClient",
@@ -27,6 +37,8 @@ __all__ = [
     "ExecResult",
     "OpResult",
     "ReadFileResult",
+    "CheckpointResult",
+    "JobResult",
     "ImageInfo",
     "DEFAULT_ENDPOINT",
     "DEFAULT_TOKEN_FILE",

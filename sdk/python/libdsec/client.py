@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
@@ -15,8 +16,10 @@ import httpx
 from ._connect import Transport
 from .errors import INFRA_CODES, DSecError, NotFoundError, error_for
 from .models import (
+    CheckpointResult,
     ExecResult,
     ImageInfo,
+    JobResult,
     OpResult,
     ReadFileResult,
     SandboxInfo,
@@ -56,6 +59,8 @@ _NO_TRAJECTORY_MARK = "keeps no trajectory"
 # A replayed failure: the operation failed this way when it ran, and will
 # every time its number is sent again.
 _RECORDED_MARK = "recorded at seq"
+# Another request holds the number: it is used up.
+_MISMATCH_MARK = "recorded for a different request"
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 2.0
 
@@ -233,8 +238,8 @@ class DSecClient:
 
     # ------------------------------------------------------------ operations
     #
-    # exec, write_file, read_file and submit_reward are steps of the
-    # sandbox's trajectory. They are plain methods that return a coroutine:
+    # exec, write_file, read_file, submit_reward (and snapshot, checkpoint
+    # and rollback, below) are steps of the sandbox's trajectory. They are plain methods that return a coroutine:
     # the request is checked and its step number (seq) taken when the
     # method is called, before anything is awaited, so concurrent calls on
     # one Sandbox handle are numbered in the order they were made. The seq
@@ -408,6 +413,105 @@ class DSecClient:
         _number(body, sandbox, seq, request_id)
         return self._op(f"{_SANDBOX}/SubmitReward", body, sandbox, OpResult.from_json)
 
+    # snapshot, checkpoint and rollback are steps of the trajectory too,
+    # numbered as above; delete_checkpoint, freeze and thaw are not.
+
+    def snapshot(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        ref: str,
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[ImageInfo]:
+        """Makes an image of a sandbox's file system; see :meth:`Sandbox.snapshot`."""
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "ref": _ref(ref)}
+        _number(body, sandbox, seq, request_id)
+        return self._op(f"{_SANDBOX}/Snapshot", body, sandbox, _snapshot_image)
+
+    def checkpoint_result(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[CheckpointResult]:
+        """Checkpoints a sandbox in place; returns the id with the step's ``seq`` and ``replayed``."""
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox)}
+        _number(body, sandbox, seq, request_id)
+        return self._op(f"{_SANDBOX}/Checkpoint", body, sandbox, CheckpointResult.from_json)
+
+    def checkpoint(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[str]:
+        """Checkpoints a sandbox in place and returns the checkpoint id; see :meth:`Sandbox.checkpoint`."""
+        return _id_of(self.checkpoint_result(sandbox, seq=seq, request_id=request_id))
+
+    def rollback(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        checkpoint_id: str,
+        *,
+        seq: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> Awaitable[OpResult]:
+        """Rolls a sandbox back to a checkpoint; see :meth:`Sandbox.rollback`."""
+        if not isinstance(checkpoint_id, str) or not checkpoint_id:
+            raise ValueError(f"checkpoint_id must be a non-empty string, got {checkpoint_id!r}")
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "checkpointId": checkpoint_id}
+        _number(body, sandbox, seq, request_id)
+        return self._op(f"{_SANDBOX}/Rollback", body, sandbox, OpResult.from_json)
+
+    async def delete_checkpoint(self, sandbox: Union[str, "Sandbox"], checkpoint_id: str) -> None:
+        """Frees a checkpoint (a rollback reading it meanwhile still completes)."""
+        if not isinstance(checkpoint_id, str) or not checkpoint_id:
+            raise ValueError(f"checkpoint_id must be a non-empty string, got {checkpoint_id!r}")
+        await self._t.unary(f"{_SANDBOX}/DeleteCheckpoint", {"sandboxId": _id(sandbox), "checkpointId": checkpoint_id})
+
+    async def freeze(self, sandbox: Union[str, "Sandbox"]) -> SandboxInfo:
+        """Freezes a sandbox and returns its description; see :meth:`Sandbox.freeze`."""
+        resp = await self._t.unary(f"{_SANDBOX}/Freeze", {"sandboxId": _id(sandbox)})
+        return SandboxInfo.from_json(resp.get("sandbox") or {})
+
+    async def thaw(self, sandbox: Union[str, "Sandbox"]) -> SandboxInfo:
+        """Thaws a frozen sandbox and returns its description."""
+        resp = await self._t.unary(f"{_SANDBOX}/Thaw", {"sandboxId": _id(sandbox)})
+        return SandboxInfo.from_json(resp.get("sandbox") or {})
+
+    async def freeze_job(self, labels: Mapping[str, str], *, return_exceptions: bool = False) -> List[JobResult]:
+        """Freezes every sandbox of this tenant whose labels include every
+        ``labels`` pair (at least one), on every node, in one request: a
+        trainer that loses its GPUs pauses its whole job, and ``thaw_job``
+        resumes it. Returns one JobResult per sandbox. Every sandbox is
+        attempted; by default the first failure's error is then raised,
+        with ``return_exceptions=True`` failures are left in the results'
+        ``error``."""
+        return await self._job("FreezeJob", labels, return_exceptions)
+
+    async def thaw_job(self, labels: Mapping[str, str], *, return_exceptions: bool = False) -> List[JobResult]:
+        """Thaws every frozen sandbox matching ``labels``; as :meth:`freeze_job`."""
+        return await self._job("ThawJob", labels, return_exceptions)
+
+    async def _job(self, method: str, labels: Mapping[str, str], return_exceptions: bool) -> List[JobResult]:
+        if not labels:
+            raise ValueError("labels must select the job: at least one label is required")
+        body = {"labels": {str(k): str(v) for k, v in labels.items()}}
+        resp = await self._t.unary(f"{_SANDBOX}/{method}", body)
+        results = []
+        for r in resp.get("results") or []:
+            sid, err = r.get("id", ""), r.get("error")
+            error = error_for(err.get("code"), f"{sid}: {err.get('message', '')}") if err else None
+            results.append(JobResult(id=sid, error=error))
+        if not return_exceptions:
+            for r in results:
+                if r.error is not None:
+                    raise r.error
+        return results
+
     async def _op(self, method: str, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], decode: Callable[[Dict[str, Any]], Any]):
         return decode(await self._send(body, sandbox, lambda: self._t.unary(method, body)))
 
@@ -430,6 +534,9 @@ class DSecClient:
         without running them: an operation numbered through a handle is
         then sent again without its number, and the handle stops numbering
         (a bare id with an explicit seq gets the error).
+
+        A refusal the server did not record (a frozen sandbox) may give the
+        number back to the handle; see _give_back.
         """
         if "seq" not in body:
             return await attempt()
@@ -448,6 +555,7 @@ class DSecClient:
                     sandbox._numbered = False
                     return await attempt()
                 else:
+                    await self._give_back(int(body["seq"]), sandbox, e)
                     raise
                 now = time.monotonic()
                 stop = give_up.setdefault(budget, now + budget)
@@ -457,6 +565,28 @@ class DSecClient:
             # a server restart.
             await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, stop - now)))
             delay = min(delay * 2, _BACKOFF_MAX_S)
+
+    async def _give_back(self, seq: int, sandbox: Union[str, "Sandbox"], e: DSecError) -> None:
+        """Returns number ``seq`` to the handle that took it when the server
+        refused the operation without recording it (the sandbox is frozen,
+        being rolled back or still being created): the sandbox still
+        expects ``seq``, and the handle's later operations would otherwise
+        wait on it as "beyond the next expected". Only when the handle has
+        taken no later number, and only after the sandbox confirms it
+        expects ``seq`` next (a refusal recorded under its number, or a
+        number taken by someone else meanwhile, keeps it used)."""
+        if not isinstance(sandbox, Sandbox) or sandbox._next_seq != seq + 1 or e.transport_failure:
+            return
+        if e.code != "failed_precondition":
+            return
+        if any(mark in e.message for mark in (_RECORDED_MARK, _AHEAD_MARK, _MISMATCH_MARK)):
+            return
+        try:
+            info = await self.get(sandbox.id)
+        except DSecError:
+            return
+        if info.next_seq == seq and sandbox._next_seq == seq + 1:
+            sandbox._next_seq = seq
 
     async def trajectory(
         self, sandbox: Union[str, "Sandbox"], include_data: bool = False, *, page_size: int = 0
@@ -520,7 +650,8 @@ class Sandbox:
     """A handle to one sandbox. ``async with`` destroys it on exit.
 
     The handle numbers the sandbox's operations (run, write_file,
-    read_file, submit_reward) 1, 2, 3, ... in the order they are called
+    read_file, submit_reward, snapshot, checkpoint, rollback) 1, 2, 3, ...
+    in the order they are called
     (``next_seq`` is the number the next one gets). The server records each
     numbered operation once: a number it has already recorded returns the
     recorded result (``replayed=True``) instead of running again. So a
@@ -637,6 +768,50 @@ class Sandbox:
         """Records a reward (and string metadata) as the sandbox's next trajectory step."""
         return self._client.submit_reward(self, value, metadata, request_id=request_id)
 
+    def snapshot(self, ref: str, *, request_id: Optional[str] = None) -> Awaitable[ImageInfo]:
+        """Makes an image ``ref`` (NAME:TAG, private to this tenant) of the
+        sandbox's file system: its layers plus one holding what it changed.
+        Sandboxes created from ``ref``, on any node, start from the file
+        system as it is now; processes and ``/tmp`` (a tmpfs) are not part
+        of it. The sandbox is frozen while its changes are packed and keeps
+        running afterwards. A trajectory step: the image's ``seq`` and
+        ``replayed`` say which."""
+        return self._client.snapshot(self, ref, request_id=request_id)
+
+    def checkpoint(self, *, request_id: Optional[str] = None) -> Awaitable[str]:
+        """Checkpoints the sandbox's file system in place and returns the
+        checkpoint id, for :meth:`rollback`. A trajectory step. Checkpoints
+        live on the sandbox's node until deleted or the sandbox ends."""
+        return self._client.checkpoint(self, request_id=request_id)
+
+    def checkpoint_result(self, *, request_id: Optional[str] = None) -> Awaitable[CheckpointResult]:
+        """As checkpoint, but returns the id with the step's ``seq`` and ``replayed``."""
+        return self._client.checkpoint_result(self, request_id=request_id)
+
+    def rollback(self, checkpoint_id: str, *, request_id: Optional[str] = None) -> Awaitable[OpResult]:
+        """Kills every process in the sandbox and resets its file system to
+        exactly the checkpoint's. The sandbox keeps its id; the checkpoint
+        stays, so the sandbox can be rolled back to it again. A trajectory
+        step: returns its ``seq`` and ``replayed``."""
+        return self._client.rollback(self, checkpoint_id, request_id=request_id)
+
+    async def delete_checkpoint(self, checkpoint_id: str) -> None:
+        """Frees a checkpoint. Not a trajectory step."""
+        await self._client.delete_checkpoint(self, checkpoint_id)
+
+    async def freeze(self) -> SandboxInfo:
+        """Stops every process in the sandbox (cgroup freezer): they use no
+        CPU and keep their memory. Until :meth:`thaw`, operations raise
+        FailedPreconditionError and the state is ``"frozen"``. Not a
+        numbered step (recorded as an event)."""
+        self.info = await self._client.freeze(self)
+        return self.info
+
+    async def thaw(self) -> SandboxInfo:
+        """Resumes a frozen sandbox."""
+        self.info = await self._client.thaw(self)
+        return self.info
+
     async def trajectory(self, include_data: bool = False) -> List[Dict[str, Any]]:
         """The sandbox's trajectory records; see :meth:`DSecClient.trajectory`."""
         return await self._client.trajectory(self, include_data)
@@ -707,6 +882,17 @@ async def _data_of(result: Awaitable[ReadFileResult]) -> bytes:
     return (await result).data
 
 
+async def _id_of(result: Awaitable[CheckpointResult]) -> str:
+    return (await result).id
+
+
+def _snapshot_image(d: Dict[str, Any]) -> ImageInfo:
+    image = ImageInfo.from_json(d.get("image") or {})
+    image.seq = int(d.get("seq", 0))
+    image.replayed = bool(d.get("replayed", False))
+    return image
+
+
 # Arguments the server would refuse are refused here instead, before the
 # operation takes a number: the server refuses them without recording
 # anything, so the number would stay unused and every later operation of
@@ -717,6 +903,35 @@ def _non_negative(name: str, value: int) -> int:
     if int(value) < 0:
         raise ValueError(f"{name} must not be negative, got {value!r}")
     return int(value)
+
+
+# An image name: '/'-separated components of lowercase letters and digits
+# joined by one '.', one or two '_', or '-'s; a tag of up to 128 of
+# [A-Za-z0-9_.-], not starting with '.' or '-'.
+_NAME_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def _ref(ref: str) -> str:
+    """Checks an image reference NAME[:TAG] as the server does."""
+    if not isinstance(ref, str) or not ref:
+        raise ValueError(f"ref must be a non-empty NAME:TAG string, got {ref!r}")
+    name, sep, tag = ref.rpartition(":")
+    if not sep:
+        name, tag = ref, "latest"
+    ok = (
+        "@" not in ref
+        and "/" not in tag
+        and 0 < len(name) <= 255
+        and all(_NAME_COMPONENT.fullmatch(c) for c in name.split("/"))
+        and _TAG.fullmatch(tag) is not None
+    )
+    if not ok:
+        raise ValueError(
+            f"ref {ref!r} is not a valid image reference NAME:TAG (name: lowercase letters and digits "
+            "separated by '.', '_' or '-' and '/'; tag: letters, digits, '_', '.', '-')"
+        )
+    return ref
 
 
 def _path(path: str) -> str:

@@ -23,6 +23,8 @@ __all__ = [
     "ExecResult",
     "OpResult",
     "ReadFileResult",
+    "CheckpointResult",
+    "JobResult",
     "ImageInfo",
 ]
 
@@ -49,7 +51,9 @@ class SandboxSpec:
     ``resources`` takes ``cpu`` (cores, fractions allowed), ``mem_mb``
     (MiB) and ``pids``; anything else is refused so a typo does not
     silently create an unbounded sandbox. ``env`` (a mapping or a list of
-    ``K=V``) is added to every exec in the sandbox.
+    ``K=V``) is added to every exec in the sandbox. ``idle_action`` is what
+    ``idle_timeout_s`` does: ``"destroy"`` (the default) or ``"freeze"``
+    (the sandbox keeps its processes and memory until ``thaw``).
     """
 
     backend: Union[BackendKind, str] = BackendKind.CONTAINER
@@ -61,6 +65,7 @@ class SandboxSpec:
     ttl_s: Optional[float] = None
     idle_timeout_s: Optional[float] = None
     env: Union[Mapping[str, str], Sequence[str], None] = None
+    idle_action: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         """The proto3 JSON form of dsec.v1.SandboxSpec."""
@@ -84,6 +89,8 @@ class SandboxSpec:
         env = env_list(self.env)
         if env:
             out["env"] = env
+        if self.idle_action:
+            out["idleAction"] = str(self.idle_action)
         return out
 
     @classmethod
@@ -112,6 +119,7 @@ class SandboxSpec:
             ttl_s=parse_duration(d["ttl"]) if d.get("ttl") else None,
             idle_timeout_s=parse_duration(d["idleTimeout"]) if d.get("idleTimeout") else None,
             env=list(d.get("env") or []) or None,
+            idle_action=d.get("idleAction") or None,
         )
 
 
@@ -301,6 +309,11 @@ class ImageInfo:
     size: int = 0
     created_at: Optional[datetime] = None
     tenant: str = ""
+    # Set on the image Sandbox.snapshot returns: the snapshot's step in the
+    # source sandbox's trajectory, and whether it was recorded earlier and
+    # not taken again (then only ref, digest and tenant are set).
+    seq: int = 0
+    replayed: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "ImageInfo":
@@ -312,6 +325,35 @@ class ImageInfo:
             created_at=parse_timestamp(d.get("createdAt")),
             tenant=d.get("tenant", ""),
         )
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """What checkpoint_result returns: the checkpoint's id (for rollback and
+    delete_checkpoint), with the checkpoint's step in the trajectory and
+    whether it was replayed."""
+
+    id: str = ""
+    seq: int = 0
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "CheckpointResult":
+        return cls(id=d.get("checkpointId", ""), seq=int(d.get("seq", 0)), replayed=bool(d.get("replayed", False)))
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a job-wide freeze or thaw did to one sandbox: ``error`` is None
+    when it worked. ``id`` is ``"node/NODE"`` for a node that did not answer
+    (its sandboxes are in an unknown state)."""
+
+    id: str
+    error: Optional[Exception] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 # ------------------------------------------------------------ wire helpers

@@ -1,0 +1,381 @@
+// Command statebench measures issue 5's state operations on a real
+// `dsec up`, each next to a peer measured in the same run on the same
+// machine and bytes, and reports the ratios:
+//
+//   - pack_diff: Snapshot of a sandbox whose writable layer holds 10 MiB,
+//     against packing the same 10 MiB on the host with `tar -cf` (and
+//     mkfs.erofs, the packer DSec runs, as a floor; mksquashfs if
+//     installed). Target: at most 100 ms.
+//   - checkpoint and rollback of a sandbox with a ~3 MiB writable layer,
+//     the content verified after every rollback, against `cp -a` of the
+//     same files on the host (a naive copy snapshot) and against destroy +
+//     create of a sandbox through the same API (what a user does without
+//     rollback). Targets: at most 20 ms and 50 ms.
+//   - job-wide freeze and thaw (FreezeJob/ThawJob) of K sandboxes labelled
+//     job=bench, against `crun pause`/`crun resume` (or runc) of P
+//     detached busybox containers one after another, per container and
+//     extrapolated to K, and against the cgroup-freezer floor: writing
+//     FROZEN/THAWED to K v1 freezer cgroups the harness makes itself.
+//     Target: at most 2 s each for K = 1000.
+//
+// Usage (as root, from the repository root):
+//
+//	go run ./bench/statebench [-k 1000] [-peers 100] [-reps 10] [-json]
+package main
+
+import (
+	"bytes"
+	"context"
+	"debug/elf"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// config is what one run measures.
+type config struct {
+	K       int `json:"k"`
+	Peers   int `json:"peers"`
+	Reps    int `json:"reps"`
+	Batch   int `json:"create_batch"`
+	PackMiB int `json:"pack_mib"`
+	CkptMiB int `json:"checkpoint_mib"`
+	// Runtime is the OCI runtime of the pause/resume peer ("" if none).
+	Runtime string   `json:"runtime,omitempty"`
+	Phases  []string `json:"phases"`
+}
+
+// Upper sizes the issue's targets are stated for.
+const (
+	packMiB = 10 // "pack_diff of a 10 MB upper"
+	ckptMiB = 3  // "an upper of a few MB"
+)
+
+// Phases, in the order they run.
+var allPhases = []string{"pack", "checkpoint", "job"}
+
+func main() {
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
+	if len(os.Args) > 1 && os.Args[1] == ociWorkerArg {
+		if err := ociWorkerMain(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "statebench oci worker:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if err := mainErr(); err != nil {
+		fmt.Fprintln(os.Stderr, "statebench:", err)
+		os.Exit(1)
+	}
+}
+
+func mainErr() error {
+	var (
+		k        = flag.Int("k", 1000, "sandboxes in the job that FreezeJob/ThawJob act on (and freezer cgroups of the floor)")
+		peers    = flag.Int("peers", 100, "containers the crun/runc pause/resume peer pauses one after another")
+		reps     = flag.Int("reps", 10, "repetitions of every timed operation (snapshot, checkpoint, rollback, job freeze and thaw)")
+		batch    = flag.Int("batch", 100, "sandboxes per CreateMany call")
+		asJSON   = flag.Bool("json", false, "print results as JSON instead of a table")
+		keep     = flag.Bool("keep", false, "keep the work dir (data dir, dsec up log) for debugging")
+		phases   = flag.String("phases", strings.Join(allPhases, ","), "phases to run: pack, checkpoint, job")
+		runtime  = flag.String("runtime", "", "OCI runtime of the pause/resume peer: crun or runc (default: crun if installed, else runc, else the row is skipped)")
+		dsecBin  = flag.String("dsec", "", "use this dsec binary instead of building ./cmd/dsec (copied into the work dir)")
+		agentBin = flag.String("agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
+	)
+	flag.Parse()
+	for name, v := range map[string]int{"k": *k, "peers": *peers, "reps": *reps, "batch": *batch} {
+		if v < 1 {
+			return fmt.Errorf("-%s must be at least 1, got %d", name, v)
+		}
+	}
+	if flag.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", flag.Args())
+	}
+	var sel []string
+	for _, p := range strings.Split(*phases, ",") {
+		p = strings.TrimSpace(p)
+		if !slices.Contains(allPhases, p) {
+			return fmt.Errorf("-phases: unknown phase %q (want %s)", p, strings.Join(allPhases, ","))
+		}
+		if !slices.Contains(sel, p) {
+			sel = append(sel, p)
+		}
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("must run as root (dsec up and the peers make namespaces, mounts and cgroups)")
+	}
+	cfg := config{K: *k, Peers: *peers, Reps: *reps, Batch: *batch, PackMiB: packMiB, CkptMiB: ckptMiB, Phases: sel}
+	rt, rtSkip := pickRuntime(*runtime)
+	if *runtime != "" && rt == "" {
+		return errors.New(rtSkip)
+	}
+	cfg.Runtime = rt
+
+	// The first signal cancels ctx: the phase in flight stops, everything
+	// it made is removed, dsec up is stopped, and what was measured is
+	// reported. Signals stay caught until the end so that cleanup itself
+	// is not cut short.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	root, err := repoRoot()
+	if err != nil {
+		return err
+	}
+	work, err := os.MkdirTemp("", "statebench-")
+	if err != nil {
+		return fmt.Errorf("work dir: %w", err)
+	}
+	started := time.Now()
+	rep := &Report{Config: cfg, Host: hostLine(), Tools: toolVersions(rt), HarnessPID: os.Getpid()}
+	if rtSkip != "" {
+		rep.Skipped = append(rep.Skipped, rtSkip)
+	}
+	var errs []error
+	fail := func(err error) {
+		if err != nil {
+			errs = append(errs, err)
+			slog.Error("failed", "err", err)
+		}
+	}
+
+	func() {
+		// Everything the run makes lives under work; its teardown runs
+		// whatever happened, Ctrl-C included.
+		bins, err := binariesFor(ctx, root, filepath.Join(work, "bin"), *dsecBin, *agentBin)
+		if err != nil {
+			fail(err)
+			return
+		}
+		rootfs := filepath.Join(work, "rootfs")
+		if err := buildRootfs(ctx, root, rootfs); err != nil {
+			fail(err)
+			return
+		}
+		h := &harness{cfg: cfg, work: work, rootfs: rootfs, bins: bins, rep: rep}
+		dataDir := filepath.Join(work, "data")
+		up, err := startUp(ctx, bins, dataDir, rootfs)
+		if up != nil {
+			rep.UpPID = up.pid()
+			defer func() {
+				if err := up.stop(); err != nil {
+					fail(err)
+				}
+				leaks, err := reclaim(bins, up.pid(), dataDir)
+				if err != nil {
+					fail(fmt.Errorf("cleanup: %w", err))
+				}
+				rep.addLeaks(leaks)
+				if *keep {
+					if err := os.WriteFile(filepath.Join(work, "dsec-up.log"), []byte(up.log.String()), 0o644); err != nil {
+						fail(err)
+					}
+				}
+			}()
+		}
+		if err != nil {
+			fail(err)
+			return
+		}
+		h.up = up
+		h.api = newAPI(up.endpoint, up.token)
+		for _, p := range sel {
+			if ctx.Err() != nil {
+				break
+			}
+			slog.Info("phase", "phase", p)
+			t0 := time.Now()
+			var err error
+			switch p {
+			case "pack":
+				err = h.packPhase(ctx)
+			case "checkpoint":
+				err = h.checkpointPhase(ctx)
+			case "job":
+				err = h.jobPhase(ctx)
+			}
+			if err != nil {
+				fail(fmt.Errorf("%s: %w", p, err))
+			} else {
+				slog.Info("phase done", "phase", p, "took", time.Since(t0).Round(time.Millisecond))
+			}
+		}
+	}()
+
+	// What the harness itself made (peer cgroups and processes, mounts
+	// under the work dir) is checked after everything was torn down.
+	leaks, err := reclaimHarness(work)
+	if err != nil {
+		fail(fmt.Errorf("cleanup: %w", err))
+	}
+	rep.addLeaks(leaks)
+	if rep.Leaks != nil {
+		fail(fmt.Errorf("leaked %s (removed)", rep.Leaks))
+	}
+	if *keep {
+		slog.Info("kept the work dir (-keep)", "dir", work)
+	} else if err := removeDir(work); err != nil {
+		fail(fmt.Errorf("remove work dir: %w", err))
+	}
+	if ctx.Err() != nil {
+		errs = append(errs, ctx.Err())
+	}
+	rep.WallSeconds = time.Since(started).Seconds()
+	rep.summarize()
+	for _, e := range errs {
+		rep.Errors = append(rep.Errors, e.Error())
+	}
+	if *asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			return err
+		}
+	} else {
+		fmt.Printf("statebench %s\n", strings.Join(os.Args[1:], " "))
+		rep.print(os.Stdout)
+	}
+	return errors.Join(errs...)
+}
+
+// harness is what the phases share.
+type harness struct {
+	cfg    config
+	work   string
+	rootfs string
+	bins   binaries
+	up     *upProc
+	api    *api
+	rep    *Report
+}
+
+// pickRuntime chooses the OCI runtime of the pause/resume peer; when none
+// can be used it returns "" and why.
+func pickRuntime(want string) (string, string) {
+	cands := []string{"crun", "runc"}
+	if want != "" {
+		if !slices.Contains(cands, want) {
+			return "", fmt.Sprintf("-runtime %q: want crun or runc", want)
+		}
+		cands = []string{want}
+	}
+	for _, c := range cands {
+		if _, err := exec.LookPath(c); err == nil {
+			return c, ""
+		}
+	}
+	return "", fmt.Sprintf("pause/resume peer skipped: %s not installed (apt-get install -y crun)", strings.Join(cands, " nor "))
+}
+
+// repoRoot finds the DSec module root from the working directory up.
+func repoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+		if err == nil && bytes.HasPrefix(b, []byte("module github.com/dsec-dev/dsec\n")) {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("run from inside the DSec repository (no go.mod of github.com/dsec-dev/dsec above the working directory)")
+		}
+		dir = parent
+	}
+}
+
+// binaries are the dsec and dsec-agent executables this run measures.
+type binaries struct{ dsec, agent, dir string }
+
+// binariesFor puts dsec and dsec-agent into dir: built from the working
+// tree, statically, as the e2e tests do, or copied from the given paths.
+// Every process started from dir is this run's, which the leak check
+// relies on.
+func binariesFor(ctx context.Context, root, dir, dsecBin, agentBin string) (binaries, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return binaries{}, err
+	}
+	b := binaries{dsec: filepath.Join(dir, "dsec"), agent: filepath.Join(dir, "dsec-agent"), dir: dir}
+	var pkgs []string
+	for _, x := range []struct{ from, to, pkg string }{{dsecBin, b.dsec, "./cmd/dsec"}, {agentBin, b.agent, "./cmd/dsec-agent"}} {
+		if x.from == "" {
+			pkgs = append(pkgs, x.pkg)
+			continue
+		}
+		if err := copyFile(x.from, x.to, 0o755); err != nil {
+			return binaries{}, err
+		}
+	}
+	if len(pkgs) > 0 {
+		args := append([]string{"build", "-trimpath", "-o", dir + "/"}, pkgs...)
+		cmd := exec.CommandContext(ctx, "go", args...)
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		t0 := time.Now()
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return binaries{}, fmt.Errorf("go %s (or pass prebuilt binaries with -dsec and -agent): %v\n%s", strings.Join(args, " "), err, out)
+		}
+		slog.Info("built", "packages", pkgs, "dir", dir, "took", time.Since(t0).Round(time.Millisecond))
+	}
+	if err := requireStatic(b.agent); err != nil {
+		return binaries{}, err
+	}
+	return b, nil
+}
+
+// requireStatic refuses a dynamically linked dsec-agent: it cannot lock
+// down a sandbox (it must be built with CGO_ENABLED=0).
+func requireStatic(path string) error {
+	f, err := elf.Open(path)
+	if err != nil {
+		return fmt.Errorf("dsec-agent %s: %w", path, err)
+	}
+	defer f.Close()
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			return errors.New("dsec-agent is dynamically linked; build it with CGO_ENABLED=0")
+		}
+	}
+	return nil
+}
+
+func copyFile(from, to string, mode os.FileMode) error {
+	in, err := os.Open(from)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(to, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return fmt.Errorf("copy %s: %w", from, err)
+	}
+	return out.Close()
+}
+
+// buildRootfs makes the busybox tree `make up` imports, with the repo's
+// script (it needs a static busybox on PATH: Debian's busybox-static). The
+// OCI peer's containers run on the same tree.
+func buildRootfs(ctx context.Context, root, dir string) error {
+	cmd := exec.CommandContext(ctx, "bash", filepath.Join(root, "scripts", "busybox-rootfs.sh"), dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("scripts/busybox-rootfs.sh: %v\n%s", err, out)
+	}
+	return nil
+}
