@@ -14,11 +14,12 @@ import (
 	"time"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
 const (
-	cgroupRoot = "/sys/fs/cgroup"
+	cgroupRoot = dsecup.CgroupRoot
 	// cgroupPrefix starts the name of every cgroup the harness (or its OCI
 	// worker) makes; the harness's pid ends it.
 	cgroupPrefix = "statebench-"
@@ -169,7 +170,7 @@ func (h *harness) jobPhase(ctx context.Context) (err error) {
 				}
 			}
 		}
-		slog.Info("job repetition", "rep", i, "freeze_ms", ms(dsecFreeze[i-1]), "thaw_ms", ms(dsecThaw[i-1]))
+		slog.Info("job repetition", "rep", i, "freeze_ms", dsecup.Ms(dsecFreeze[i-1]), "thaw_ms", dsecup.Ms(dsecThaw[i-1]))
 	}
 	return nil
 }
@@ -208,7 +209,7 @@ type freezerFloor struct {
 
 func freezerDir() string { return filepath.Join(cgroupRoot, "freezer") }
 
-func freezerV1() bool { return isCgroupFS(freezerDir()) }
+func freezerV1() bool { return dsecup.IsCgroupFS(freezerDir()) }
 
 func newFreezerFloor(ctx context.Context, k int) (*freezerFloor, error) {
 	f := &freezerFloor{parent: filepath.Join(freezerDir(), fmt.Sprintf("%sfloor-%d", cgroupPrefix, os.Getpid()))}
@@ -292,7 +293,7 @@ func (f *freezerFloor) close() error {
 	for _, c := range f.cmds {
 		_ = c.Wait()
 	}
-	return removeCgroups([]string{f.parent})
+	return dsecup.RemoveCgroups([]string{f.parent})
 }
 
 // cgroupFrozen reports whether the cgroup rel (relative to a hierarchy
@@ -311,12 +312,12 @@ func cgroupFrozen(rel string) (bool, error) {
 // hybridCgroups reports the v1 + cgroup2 layout (v1 controllers, an
 // empty cgroup2 at /sys/fs/cgroup/unified).
 func hybridCgroups() bool {
-	return !isCgroupFS(cgroupRoot) && isCgroupFS(filepath.Join(cgroupRoot, "unified"))
+	return !dsecup.IsCgroupFS(cgroupRoot) && dsecup.IsCgroupFS(filepath.Join(cgroupRoot, "unified"))
 }
 
 func cgroupLayout() string {
 	switch {
-	case isCgroupFS(cgroupRoot):
+	case dsecup.IsCgroupFS(cgroupRoot):
 		return "v2"
 	case hybridCgroups():
 		return "v1 (hybrid)"

@@ -24,14 +24,10 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"debug/elf"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -41,6 +37,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 )
 
 // config is what one run measures.
@@ -61,6 +59,9 @@ const (
 	packMiB = 10 // "pack_diff of a 10 MB upper"
 	ckptMiB = 3  // "an upper of a few MB"
 )
+
+// nodeID names the edge; sandbox IDs start with it.
+const nodeID = "statebench"
 
 // Phases, in the order they run.
 var allPhases = []string{"pack", "checkpoint", "job"}
@@ -94,13 +95,8 @@ func mainErr() error {
 		agentBin = flag.String("agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
 	)
 	flag.Parse()
-	for name, v := range map[string]int{"k": *k, "peers": *peers, "reps": *reps, "batch": *batch} {
-		if v < 1 {
-			return fmt.Errorf("-%s must be at least 1, got %d", name, v)
-		}
-	}
-	if flag.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", flag.Args())
+	if err := dsecup.CheckFlags(map[string]int{"k": *k, "peers": *peers, "reps": *reps, "batch": *batch}); err != nil {
+		return err
 	}
 	var sel []string
 	for _, p := range strings.Split(*phases, ",") {
@@ -129,7 +125,7 @@ func mainErr() error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	root, err := repoRoot()
+	root, err := dsecup.RepoRoot()
 	if err != nil {
 		return err
 	}
@@ -153,32 +149,36 @@ func mainErr() error {
 	func() {
 		// Everything the run makes lives under work; its teardown runs
 		// whatever happened, Ctrl-C included.
-		bins, err := binariesFor(ctx, root, filepath.Join(work, "bin"), *dsecBin, *agentBin)
+		bins, err := dsecup.BuildBinaries(ctx, root, filepath.Join(work, "bin"), *dsecBin, *agentBin)
+		if err == nil {
+			err = dsecup.RequireStatic(bins.Agent)
+		}
 		if err != nil {
 			fail(err)
 			return
 		}
 		rootfs := filepath.Join(work, "rootfs")
-		if err := buildRootfs(ctx, root, rootfs); err != nil {
+		// The OCI peer's containers run on the same tree.
+		if err := dsecup.BuildRootfs(ctx, root, rootfs); err != nil {
 			fail(err)
 			return
 		}
 		h := &harness{cfg: cfg, work: work, rootfs: rootfs, bins: bins, rep: rep}
 		dataDir := filepath.Join(work, "data")
-		up, err := startUp(ctx, bins, dataDir, rootfs)
+		up, err := dsecup.Start(ctx, dsecup.Options{Bins: bins, DataDir: dataDir, Rootfs: rootfs, NodeID: nodeID})
 		if up != nil {
-			rep.UpPID = up.pid()
+			rep.UpPID = up.PID()
 			defer func() {
-				if err := up.stop(); err != nil {
+				if err := up.Stop(); err != nil {
 					fail(err)
 				}
-				leaks, err := reclaim(bins, up.pid(), dataDir)
+				leaks, err := dsecup.Reclaim(bins, up.PID(), dataDir)
 				if err != nil {
 					fail(fmt.Errorf("cleanup: %w", err))
 				}
 				rep.addLeaks(leaks)
 				if *keep {
-					if err := os.WriteFile(filepath.Join(work, "dsec-up.log"), []byte(up.log.String()), 0o644); err != nil {
+					if err := os.WriteFile(filepath.Join(work, "dsec-up.log"), []byte(up.Log()), 0o644); err != nil {
 						fail(err)
 					}
 				}
@@ -189,7 +189,7 @@ func mainErr() error {
 			return
 		}
 		h.up = up
-		h.api = newAPI(up.endpoint, up.token)
+		h.api = newAPI(up.Endpoint, up.Token)
 		for _, p := range sel {
 			if ctx.Err() != nil {
 				break
@@ -215,7 +215,7 @@ func mainErr() error {
 
 	// What the harness itself made (peer cgroups and processes, mounts
 	// under the work dir) is checked after everything was torn down.
-	leaks, err := reclaimHarness(work)
+	leaks, err := dsecup.ReclaimHarness(cgroupPrefix, work)
 	if err != nil {
 		fail(fmt.Errorf("cleanup: %w", err))
 	}
@@ -225,7 +225,7 @@ func mainErr() error {
 	}
 	if *keep {
 		slog.Info("kept the work dir (-keep)", "dir", work)
-	} else if err := removeDir(work); err != nil {
+	} else if err := dsecup.RemoveDir(work); err != nil {
 		fail(fmt.Errorf("remove work dir: %w", err))
 	}
 	if ctx.Err() != nil {
@@ -236,15 +236,8 @@ func mainErr() error {
 	for _, e := range errs {
 		rep.Errors = append(rep.Errors, e.Error())
 	}
-	if *asJSON {
-		enc := json.NewEncoder(os.Stdout)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(rep); err != nil {
-			return err
-		}
-	} else {
-		fmt.Printf("statebench %s\n", strings.Join(os.Args[1:], " "))
-		rep.print(os.Stdout)
+	if err := dsecup.PrintReport(*asJSON, "statebench", rep, rep.print); err != nil {
+		return err
 	}
 	return errors.Join(errs...)
 }
@@ -254,8 +247,8 @@ type harness struct {
 	cfg    config
 	work   string
 	rootfs string
-	bins   binaries
-	up     *upProc
+	bins   dsecup.Binaries
+	up     *dsecup.Up
 	api    *api
 	rep    *Report
 }
@@ -276,106 +269,4 @@ func pickRuntime(want string) (string, string) {
 		}
 	}
 	return "", fmt.Sprintf("pause/resume peer skipped: %s not installed (apt-get install -y crun)", strings.Join(cands, " nor "))
-}
-
-// repoRoot finds the DSec module root from the working directory up.
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && bytes.HasPrefix(b, []byte("module github.com/dsec-dev/dsec\n")) {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("run from inside the DSec repository (no go.mod of github.com/dsec-dev/dsec above the working directory)")
-		}
-		dir = parent
-	}
-}
-
-// binaries are the dsec and dsec-agent executables this run measures.
-type binaries struct{ dsec, agent, dir string }
-
-// binariesFor puts dsec and dsec-agent into dir: built from the working
-// tree, statically, as the e2e tests do, or copied from the given paths.
-// Every process started from dir is this run's, which the leak check
-// relies on.
-func binariesFor(ctx context.Context, root, dir, dsecBin, agentBin string) (binaries, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return binaries{}, err
-	}
-	b := binaries{dsec: filepath.Join(dir, "dsec"), agent: filepath.Join(dir, "dsec-agent"), dir: dir}
-	var pkgs []string
-	for _, x := range []struct{ from, to, pkg string }{{dsecBin, b.dsec, "./cmd/dsec"}, {agentBin, b.agent, "./cmd/dsec-agent"}} {
-		if x.from == "" {
-			pkgs = append(pkgs, x.pkg)
-			continue
-		}
-		if err := copyFile(x.from, x.to, 0o755); err != nil {
-			return binaries{}, err
-		}
-	}
-	if len(pkgs) > 0 {
-		args := append([]string{"build", "-trimpath", "-o", dir + "/"}, pkgs...)
-		cmd := exec.CommandContext(ctx, "go", args...)
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		t0 := time.Now()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return binaries{}, fmt.Errorf("go %s (or pass prebuilt binaries with -dsec and -agent): %v\n%s", strings.Join(args, " "), err, out)
-		}
-		slog.Info("built", "packages", pkgs, "dir", dir, "took", time.Since(t0).Round(time.Millisecond))
-	}
-	if err := requireStatic(b.agent); err != nil {
-		return binaries{}, err
-	}
-	return b, nil
-}
-
-// requireStatic refuses a dynamically linked dsec-agent: it cannot lock
-// down a sandbox (it must be built with CGO_ENABLED=0).
-func requireStatic(path string) error {
-	f, err := elf.Open(path)
-	if err != nil {
-		return fmt.Errorf("dsec-agent %s: %w", path, err)
-	}
-	defer f.Close()
-	for _, p := range f.Progs {
-		if p.Type == elf.PT_INTERP {
-			return errors.New("dsec-agent is dynamically linked; build it with CGO_ENABLED=0")
-		}
-	}
-	return nil
-}
-
-func copyFile(from, to string, mode os.FileMode) error {
-	in, err := os.Open(from)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(to, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return fmt.Errorf("copy %s: %w", from, err)
-	}
-	return out.Close()
-}
-
-// buildRootfs makes the busybox tree `make up` imports, with the repo's
-// script (it needs a static busybox on PATH: Debian's busybox-static). The
-// OCI peer's containers run on the same tree.
-func buildRootfs(ctx context.Context, root, dir string) error {
-	cmd := exec.CommandContext(ctx, "bash", filepath.Join(root, "scripts", "busybox-rootfs.sh"), dir)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("scripts/busybox-rootfs.sh: %v\n%s", err, out)
-	}
-	return nil
 }

@@ -4,31 +4,16 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
+	"github.com/dsec-dev/dsec/bench/internal/dsecup/dsecuptest"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
-
-func TestSummarize(t *testing.T) {
-	var ds []time.Duration
-	for v := 10; v >= 1; v-- {
-		ds = append(ds, time.Duration(v)*time.Millisecond)
-	}
-	st := summarize(ds)
-	want := stats{median: 5 * time.Millisecond, p90: 9 * time.Millisecond, mean: 5500 * time.Microsecond}
-	if st != want {
-		t.Fatalf("summarize = %+v, want %+v", st, want)
-	}
-	if ds[0] != 10*time.Millisecond {
-		t.Fatal("summarize sorted its input in place")
-	}
-}
 
 func TestRatiosAndExtrapolation(t *testing.T) {
 	rep := &Report{Config: config{K: 1000, PackMiB: 10}}
@@ -69,22 +54,10 @@ func TestEndToEnd(t *testing.T) {
 			t.Skipf("%s not installed", tool)
 		}
 	}
-	bin := testutil.BuildBinary(t, "./bench/statebench")
-	tmp := t.TempDir()
-	cmd := exec.Command(bin, "-k", "5", "-peers", "3", "-reps", "2", "-json",
+	cmd, tmp := dsecuptest.Harness(t, "./bench/statebench", "-k", "5", "-peers", "3", "-reps", "2", "-json",
 		"-dsec", testutil.BuildBinary(t, "./cmd/dsec"), "-agent", testutil.BuildBinary(t, "./cmd/dsec-agent"))
-	cmd.Dir = testutil.RepoRoot(t)
-	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("harness: %v\n%s\n%s", err, out, stderr.String())
-	}
 	var rep Report
-	if err := json.Unmarshal(out, &rep); err != nil {
-		t.Fatalf("harness JSON: %v\n%s", err, out)
-	}
+	stderr := dsecuptest.RunJSON(t, cmd, &rep)
 	if len(rep.Errors) > 0 || rep.Leaks != nil {
 		t.Errorf("errors %q, leaks %+v", rep.Errors, rep.Leaks)
 	}
@@ -143,7 +116,7 @@ func TestEndToEnd(t *testing.T) {
 	}
 	assertNoLeaks(t, tmp, rep.UpPID, rep.HarnessPID)
 	if t.Failed() {
-		t.Logf("harness log:\n%s", stderr.String())
+		t.Logf("harness log:\n%s", stderr)
 	}
 }
 
@@ -151,13 +124,8 @@ func TestEndToEnd(t *testing.T) {
 // would (sandboxes frozen or thawed, containers paused or not), and checks
 // that it reports what it measured, fails, and leaves nothing behind.
 func TestInterrupt(t *testing.T) {
-	testutil.RequireRoot(t)
-	bin := testutil.BuildBinary(t, "./bench/statebench")
-	tmp := t.TempDir()
-	cmd := exec.Command(bin, "-k", "10", "-peers", "2", "-reps", "1000000", "-phases", "job", "-json",
+	cmd, tmp := dsecuptest.Harness(t, "./bench/statebench", "-k", "10", "-peers", "2", "-reps", "1000000", "-phases", "job", "-json",
 		"-dsec", testutil.BuildBinary(t, "./cmd/dsec"), "-agent", testutil.BuildBinary(t, "./cmd/dsec-agent"))
-	cmd.Dir = testutil.RepoRoot(t)
-	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
 	var stdout bytes.Buffer
 	cmd.Stdout = &stdout
 	stderr, err := cmd.StderrPipe()
@@ -213,37 +181,20 @@ func TestInterrupt(t *testing.T) {
 	}
 }
 
-// assertNoLeaks checks what a run may leave behind: files in its TMPDIR,
-// mounts under it, processes started from binaries under it, dsec up's
-// sandbox cgroups, and the harness's own peer cgroups (a cgroup can only
-// be removed once no process is left in it, so a leaked sandbox, container
+// assertNoLeaks checks what a run may leave behind (see
+// dsecuptest.AssertNoLeaks), and the harness's own peer cgroups (a cgroup
+// can only be removed once no process is left in it, so a leaked container
 // or sleep shows up here too).
 func assertNoLeaks(t *testing.T, tmp string, upPID, harnessPID int) {
 	t.Helper()
-	if ents, err := os.ReadDir(tmp); err != nil || len(ents) != 0 {
-		t.Errorf("harness left %d entries in its TMPDIR (%v)", len(ents), err)
+	var upPIDs []int
+	if upPID != 0 {
+		upPIDs = append(upPIDs, upPID)
 	}
-	if mps, err := mountsUnder(tmp); err != nil || len(mps) != 0 {
-		t.Errorf("harness left mounts %v (%v)", mps, err)
-	}
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range ents {
-		exe, err := os.Readlink(filepath.Join("/proc", e.Name(), "exe"))
-		if err == nil && strings.HasPrefix(exe, tmp+"/") {
-			t.Errorf("process %s (%s) left running", e.Name(), exe)
-		}
-	}
-	if upPID == 0 {
-		t.Error("no dsec up pid to check")
-	} else if cgs, err := sandboxCgroups(upPID); err != nil || len(cgs) != 0 {
-		t.Errorf("dsec up %d left cgroups %v (%v)", upPID, cgs, err)
-	}
+	dsecuptest.AssertNoLeaks(t, tmp, upPIDs)
 	if harnessPID == 0 {
 		t.Error("no harness pid to check")
-	} else if cgs, err := harnessCgroups(harnessPID); err != nil || len(cgs) != 0 {
+	} else if cgs, err := dsecup.HarnessCgroups(cgroupPrefix, harnessPID); err != nil || len(cgs) != 0 {
 		t.Errorf("harness left cgroups %v (%v)", cgs, err)
 	}
 }

@@ -30,6 +30,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 )
@@ -382,15 +383,15 @@ func (w *ociWorker) teardown() error {
 		}
 	}
 	if w.cgroup != "" {
-		cgs, err := globCgroups(w.cgroup)
+		cgs, err := dsecup.GlobCgroups(w.cgroup)
 		if err != nil {
 			errs = append(errs, err)
 		}
-		if err := removeCgroups(cgs); err != nil {
+		if err := dsecup.RemoveCgroups(cgs); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	if err := removeDir(w.work); err != nil {
+	if err := dsecup.RemoveDir(w.work); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)

@@ -4,15 +4,13 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"math"
 	"os/exec"
-	"runtime"
 	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 )
 
 // Figures, in report order.
@@ -37,12 +35,12 @@ type Report struct {
 	WallSeconds float64           `json:"wall_seconds"`
 	// JobCreateSeconds is how long creating the job's K sandboxes took
 	// (CreateMany in batches; not a compared figure).
-	JobCreateSeconds float64  `json:"job_create_seconds,omitempty"`
-	Rows             []Row    `json:"rows"`
-	Ratios           []Ratio  `json:"ratios"`
-	Skipped          []string `json:"skipped,omitempty"`
-	Leaks            *Leaks   `json:"leaks,omitempty"`
-	Errors           []string `json:"errors,omitempty"`
+	JobCreateSeconds float64       `json:"job_create_seconds,omitempty"`
+	Rows             []Row         `json:"rows"`
+	Ratios           []Ratio       `json:"ratios"`
+	Skipped          []string      `json:"skipped,omitempty"`
+	Leaks            *dsecup.Leaks `json:"leaks,omitempty"`
+	Errors           []string      `json:"errors,omitempty"`
 }
 
 // Row is one system's figure. Latencies are in milliseconds, nearest-rank
@@ -99,11 +97,11 @@ func (rep *Report) addRow(figure, system string, isDSec bool, samples []time.Dur
 	if len(samples) == 0 {
 		return
 	}
-	st := summarize(samples)
+	st := dsecup.Summarize(samples)
 	r := Row{Figure: figure, System: system, DSec: isDSec, N: len(samples), Items: items,
-		MedianMs: ms(st.median), P90Ms: ms(st.p90), MeanMs: ms(st.mean), Note: note}
+		MedianMs: dsecup.Ms(st.Median), P90Ms: dsecup.Ms(st.P90), MeanMs: dsecup.Ms(st.Mean), Note: note}
 	for _, d := range samples {
-		r.SamplesMs = append(r.SamplesMs, ms(d))
+		r.SamplesMs = append(r.SamplesMs, dsecup.Ms(d))
 	}
 	if items > 0 {
 		r.PerItemMs = r.MedianMs / float64(items)
@@ -116,12 +114,12 @@ func (rep *Report) addRow(figure, system string, isDSec bool, samples []time.Dur
 	rep.Rows = append(rep.Rows, r)
 }
 
-func (rep *Report) addLeaks(l Leaks) {
-	if l.empty() {
+func (rep *Report) addLeaks(l dsecup.Leaks) {
+	if l.Empty() {
 		return
 	}
 	if rep.Leaks == nil {
-		rep.Leaks = &Leaks{}
+		rep.Leaks = &dsecup.Leaks{}
 	}
 	rep.Leaks.Mounts = append(rep.Leaks.Mounts, l.Mounts...)
 	rep.Leaks.Cgroups = append(rep.Leaks.Cgroups, l.Cgroups...)
@@ -238,8 +236,8 @@ func (rep *Report) print(w io.Writer) {
 			if r.Extrapolated {
 				ext = " (extrapolated)"
 			}
-			fmt.Fprintf(w, "  %s: median %s (target %s, %s) vs %s %s%s: %s\n", rep.figureLabel(r.Figure), fmtMs(r.DSecMs),
-				fmt.Sprintf("%.0f ms", d.TargetMs), verdict, r.Peer, fmtMs(r.PeerMs), ext, fmtX(r.Ratio))
+			fmt.Fprintf(w, "  %s: median %s (target %s, %s) vs %s %s%s: %s\n", rep.figureLabel(r.Figure), dsecup.FmtMs(r.DSecMs),
+				fmt.Sprintf("%.0f ms", d.TargetMs), verdict, r.Peer, dsecup.FmtMs(r.PeerMs), ext, dsecup.FmtX(r.Ratio))
 		}
 	}
 	for _, s := range rep.Skipped {
@@ -251,36 +249,6 @@ func (rep *Report) print(w io.Writer) {
 	for _, e := range rep.Errors {
 		fmt.Fprintf(w, "ERROR: %s\n", e)
 	}
-}
-
-func fmtMs(v float64) string {
-	switch {
-	case v >= 100:
-		return fmt.Sprintf("%.0f ms", v)
-	case v >= 10:
-		return fmt.Sprintf("%.1f ms", v)
-	}
-	return fmt.Sprintf("%.2f ms", v)
-}
-
-func fmtX(v float64) string {
-	if v <= 0 || math.IsInf(v, 0) || math.IsNaN(v) {
-		return "n/a"
-	}
-	return fmt.Sprintf("%.2fx", v)
-}
-
-func hostLine() string {
-	var uts unix.Utsname
-	_ = unix.Uname(&uts)
-	var load string
-	var si unix.Sysinfo_t
-	if unix.Sysinfo(&si) == nil {
-		const scale = 1 << 16 // SI_LOAD_SHIFT
-		load = fmt.Sprintf(", load average at start %.2f %.2f %.2f",
-			float64(si.Loads[0])/scale, float64(si.Loads[1])/scale, float64(si.Loads[2])/scale)
-	}
-	return fmt.Sprintf("Linux %s, %d CPUs, cgroup %s%s", unix.ByteSliceToString(uts.Release[:]), runtime.NumCPU(), cgroupLayout(), load)
 }
 
 // toolVersions records the peers' versions (first line of --version).
@@ -306,28 +274,5 @@ func toolVersions(rt string) map[string]string {
 	return out
 }
 
-// stats summarizes a latency sample.
-type stats struct{ median, p90, mean time.Duration }
-
-// summarize computes nearest-rank percentiles of ds (not modified).
-func summarize(ds []time.Duration) stats {
-	if len(ds) == 0 {
-		return stats{}
-	}
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	var sum time.Duration
-	for _, d := range s {
-		sum += d
-	}
-	return stats{median: percentile(s, 50), p90: percentile(s, 90), mean: sum / time.Duration(len(s))}
-}
-
-// percentile is the nearest-rank p-th percentile of sorted s.
-func percentile(s []time.Duration, p float64) time.Duration {
-	rank := int(math.Ceil(p / 100 * float64(len(s))))
-	rank = max(1, min(rank, len(s)))
-	return s[rank-1]
-}
-
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+// hostLine describes the machine, its cgroup layout included.
+func hostLine() string { return dsecup.HostLine("cgroup " + cgroupLayout()) }

@@ -20,20 +20,18 @@ package main
 import (
 	"bytes"
 	"context"
-	"debug/elf"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"time"
+
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 )
 
 // config is what one run measures.
@@ -70,13 +68,8 @@ func mainErr() error {
 		agentBin  = flag.String("agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
 	)
 	flag.Parse()
-	for name, v := range map[string]int{"sandboxes": *sandboxes, "execs": *execs, "rounds": *rounds, "batch": *batch} {
-		if v < 1 {
-			return fmt.Errorf("-%s must be at least 1, got %d", name, v)
-		}
-	}
-	if flag.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", flag.Args())
+	if err := dsecup.CheckFlags(map[string]int{"sandboxes": *sandboxes, "execs": *execs, "rounds": *rounds, "batch": *batch}); err != nil {
+		return err
 	}
 	if os.Geteuid() != 0 {
 		return errors.New("must run as root (dsec up makes namespaces, mounts and cgroups)")
@@ -89,7 +82,7 @@ func mainErr() error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	root, err := repoRoot()
+	root, err := dsecup.RepoRoot()
 	if err != nil {
 		return err
 	}
@@ -102,7 +95,7 @@ func mainErr() error {
 			slog.Info("kept the work dir (-keep)", "dir", work)
 			return
 		}
-		if err := removeDir(work); err != nil {
+		if err := dsecup.RemoveDir(work); err != nil {
 			slog.Error("cleanup", "err", err)
 		}
 	}()
@@ -113,11 +106,11 @@ func mainErr() error {
 		return err
 	}
 	rootfs := filepath.Join(work, "rootfs")
-	if err := buildRootfs(ctx, root, rootfs); err != nil {
+	if err := dsecup.BuildRootfs(ctx, root, rootfs); err != nil {
 		return err
 	}
 
-	rep := &Report{Config: cfg, Host: hostLine()}
+	rep := &Report{Config: cfg, Host: dsecup.HostLine()}
 	var errs []error
 rounds:
 	for i := 1; i <= cfg.Rounds && ctx.Err() == nil; i++ {
@@ -148,127 +141,33 @@ rounds:
 		errs = append(errs, ctx.Err())
 	}
 
-	if *asJSON {
-		enc := json.NewEncoder(os.Stdout)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(rep); err != nil {
-			return err
-		}
-	} else {
-		fmt.Printf("trajbench %s\n", strings.Join(os.Args[1:], " "))
-		rep.print(os.Stdout)
+	if err := dsecup.PrintReport(*asJSON, "trajbench", rep, rep.print); err != nil {
+		return err
 	}
 	return errors.Join(errs...)
 }
 
-// repoRoot finds the DSec module root from the working directory up.
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
+// binariesFor puts dsec and dsec-agent into dir (see dsecup.BuildBinaries)
+// and checks that they can be measured: a static agent, and a dsec with
+// the --trajectory flag.
+func binariesFor(ctx context.Context, root, dir, dsecBin, agentBin string) (dsecup.Binaries, error) {
+	b, err := dsecup.BuildBinaries(ctx, root, dir, dsecBin, agentBin)
 	if err != nil {
-		return "", err
+		return dsecup.Binaries{}, err
 	}
-	for {
-		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && bytes.HasPrefix(b, []byte("module github.com/dsec-dev/dsec\n")) {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("run from inside the DSec repository (no go.mod of github.com/dsec-dev/dsec above the working directory)")
-		}
-		dir = parent
-	}
-}
-
-// binaries are the dsec and dsec-agent executables this run measures.
-type binaries struct{ dsec, agent, dir string }
-
-// binariesFor puts dsec and dsec-agent into dir: built from the working
-// tree, statically, as the e2e tests do, or copied from the given paths.
-// Either way every process started from dir is this run's, which the leak
-// check relies on (a shared bin/ may be running other people's dsec).
-func binariesFor(ctx context.Context, root, dir, dsecBin, agentBin string) (binaries, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return binaries{}, err
-	}
-	b := binaries{dsec: filepath.Join(dir, "dsec"), agent: filepath.Join(dir, "dsec-agent"), dir: dir}
-	var pkgs []string
-	for _, x := range []struct{ from, to, pkg string }{{dsecBin, b.dsec, "./cmd/dsec"}, {agentBin, b.agent, "./cmd/dsec-agent"}} {
-		if x.from == "" {
-			pkgs = append(pkgs, x.pkg)
-			continue
-		}
-		if err := copyFile(x.from, x.to); err != nil {
-			return binaries{}, err
-		}
-	}
-	if len(pkgs) > 0 {
-		args := append([]string{"build", "-trimpath", "-o", dir + "/"}, pkgs...)
-		cmd := exec.CommandContext(ctx, "go", args...)
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		t0 := time.Now()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return binaries{}, fmt.Errorf("go %s (or pass prebuilt binaries with -dsec and -agent): %v\n%s", strings.Join(args, " "), err, out)
-		}
-		slog.Info("built", "packages", pkgs, "dir", dir, "took", time.Since(t0).Round(time.Millisecond))
-	}
-	if err := requireStatic(b.agent); err != nil {
+	if err := dsecup.RequireStatic(b.Agent); err != nil {
 		if agentBin != "" {
-			return binaries{}, fmt.Errorf("-agent %s: %w", agentBin, err)
+			return dsecup.Binaries{}, fmt.Errorf("-agent %s: %w", agentBin, err)
 		}
-		return binaries{}, err
+		return dsecup.Binaries{}, err
 	}
 	// The "off" rounds need the --trajectory flag (issue 4).
-	out, err := exec.CommandContext(ctx, b.dsec, "up", "--help").CombinedOutput()
+	out, err := exec.CommandContext(ctx, b.Dsec, "up", "--help").CombinedOutput()
 	if err != nil {
-		return binaries{}, fmt.Errorf("%s up --help: %v\n%s", b.dsec, err, out)
+		return dsecup.Binaries{}, fmt.Errorf("%s up --help: %v\n%s", b.Dsec, err, out)
 	}
 	if !bytes.Contains(out, []byte("--trajectory")) {
-		return binaries{}, errors.New("this dsec has no `up --trajectory` flag: too old to measure the log's overhead")
+		return dsecup.Binaries{}, errors.New("this dsec has no `up --trajectory` flag: too old to measure the log's overhead")
 	}
 	return b, nil
-}
-
-// requireStatic refuses a dynamically linked dsec-agent: it cannot lock
-// down a sandbox (it must be built with CGO_ENABLED=0).
-func requireStatic(path string) error {
-	f, err := elf.Open(path)
-	if err != nil {
-		return fmt.Errorf("dsec-agent %s: %w", path, err)
-	}
-	defer f.Close()
-	for _, p := range f.Progs {
-		if p.Type == elf.PT_INTERP {
-			return errors.New("dsec-agent is dynamically linked; build it with CGO_ENABLED=0")
-		}
-	}
-	return nil
-}
-
-func copyFile(from, to string) error {
-	in, err := os.Open(from)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(to, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o755)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return fmt.Errorf("copy %s: %w", from, err)
-	}
-	return out.Close()
-}
-
-// buildRootfs makes the busybox tree `make up` imports, with the repo's
-// script (it needs a static busybox on PATH: Debian's busybox-static).
-func buildRootfs(ctx context.Context, root, dir string) error {
-	cmd := exec.CommandContext(ctx, "bash", filepath.Join(root, "scripts", "busybox-rootfs.sh"), dir)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("scripts/busybox-rootfs.sh: %v\n%s", err, out)
-	}
-	return nil
 }

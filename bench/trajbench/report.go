@@ -3,14 +3,11 @@ package main
 import (
 	"fmt"
 	"io"
-	"math"
-	"runtime"
-	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 )
 
 // Report is one run: every round, each mode's pooled figures, and the
@@ -80,8 +77,8 @@ func (rep *Report) summarize() {
 		if s.Rounds == 0 {
 			continue
 		}
-		st := summarize(lats[mode])
-		s.MedianMs, s.P90Ms, s.P99Ms, s.MaxMs, s.MeanMs = ms(st.median), ms(st.p90), ms(st.p99), ms(st.max), ms(st.mean)
+		st := dsecup.Summarize(lats[mode])
+		s.MedianMs, s.P90Ms, s.P99Ms, s.MaxMs, s.MeanMs = dsecup.Ms(st.Median), dsecup.Ms(st.P90), dsecup.Ms(st.P99), dsecup.Ms(st.Max), dsecup.Ms(st.Mean)
 		if s.WallSeconds > 0 {
 			s.PerSec = float64(s.Execs) / s.WallSeconds
 		}
@@ -158,61 +155,9 @@ func (rep *Report) print(w io.Writer) {
 	}
 	pairs := make([]string, len(o.PairMedians))
 	for i, v := range o.PairMedians {
-		pairs[i] = fmtX(v)
+		pairs[i] = dsecup.FmtX(v)
 	}
 	fmt.Fprintf(w, "overhead of the trajectory log (on/off for latency, off/on for throughput; target <= 1.10x):\n")
-	fmt.Fprintf(w, "  median %s  p90 %s  p99 %s  mean %s  throughput %s\n", fmtX(o.Median), fmtX(o.P90), fmtX(o.P99), fmtX(o.Mean), fmtX(o.Throughput))
+	fmt.Fprintf(w, "  median %s  p90 %s  p99 %s  mean %s  throughput %s\n", dsecup.FmtX(o.Median), dsecup.FmtX(o.P90), dsecup.FmtX(o.P99), dsecup.FmtX(o.Mean), dsecup.FmtX(o.Throughput))
 	fmt.Fprintf(w, "  median per round pair: %s\n", strings.Join(pairs, " "))
 }
-
-func fmtX(v float64) string {
-	if v <= 0 {
-		return "n/a"
-	}
-	return fmt.Sprintf("%.2fx", v)
-}
-
-func hostLine() string {
-	var uts unix.Utsname
-	_ = unix.Uname(&uts)
-	var load string
-	var si unix.Sysinfo_t
-	if unix.Sysinfo(&si) == nil {
-		const scale = 1 << 16 // SI_LOAD_SHIFT
-		load = fmt.Sprintf(", load average at start %.2f %.2f %.2f",
-			float64(si.Loads[0])/scale, float64(si.Loads[1])/scale, float64(si.Loads[2])/scale)
-	}
-	return fmt.Sprintf("Linux %s, %d CPUs%s", unix.ByteSliceToString(uts.Release[:]), runtime.NumCPU(), load)
-}
-
-// stats summarizes a latency sample.
-type stats struct{ median, p90, p99, max, mean time.Duration }
-
-// summarize computes nearest-rank percentiles of ds (not modified).
-func summarize(ds []time.Duration) stats {
-	if len(ds) == 0 {
-		return stats{}
-	}
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	var sum time.Duration
-	for _, d := range s {
-		sum += d
-	}
-	return stats{
-		median: percentile(s, 50),
-		p90:    percentile(s, 90),
-		p99:    percentile(s, 99),
-		max:    s[len(s)-1],
-		mean:   sum / time.Duration(len(s)),
-	}
-}
-
-// percentile is the nearest-rank p-th percentile of sorted s.
-func percentile(s []time.Duration, p float64) time.Duration {
-	rank := int(math.Ceil(p / 100 * float64(len(s))))
-	rank = max(1, min(rank, len(s)))
-	return s[rank-1]
-}
-
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

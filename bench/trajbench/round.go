@@ -10,8 +10,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
+
+// nodeID names the edge; sandbox IDs start with it.
+const nodeID = "trajbench"
 
 // Round is one `dsec up` process's figures. Latencies are in milliseconds.
 type Round struct {
@@ -37,15 +41,15 @@ type Round struct {
 	// sandboxes were destroyed (0 with the log off).
 	WALBytes int64 `json:"wal_bytes"`
 	// WALRecords counts all its records: creation, exec and destroy.
-	WALRecords int    `json:"wal_records"`
-	Leaks      *Leaks `json:"leaks,omitempty"`
-	Err        string `json:"error,omitempty"`
+	WALRecords int           `json:"wal_records"`
+	Leaks      *dsecup.Leaks `json:"leaks,omitempty"`
+	Err        string        `json:"error,omitempty"`
 
 	latencies []time.Duration
 }
 
 // runRound runs one mode on its own dsec up and always tears it down.
-func runRound(ctx context.Context, cfg config, bins binaries, rootfs, dir string, round int, mode string, keep bool) (res Round) {
+func runRound(ctx context.Context, cfg config, bins dsecup.Binaries, rootfs, dir string, round int, mode string, keep bool) (res Round) {
 	res = Round{Round: round, Mode: mode, Sandboxes: cfg.Sandboxes}
 	var errs []error
 	defer func() {
@@ -58,29 +62,34 @@ func runRound(ctx context.Context, cfg config, bins binaries, rootfs, dir string
 		errs = append(errs, err)
 		return res
 	}
-	up, err := startUp(ctx, bins, dataDir, rootfs, mode == modeOn)
+	var args []string
+	if mode != modeOn {
+		args = append(args, "--trajectory=false")
+	}
+	up, err := dsecup.Start(ctx, dsecup.Options{Bins: bins, DataDir: dataDir, Rootfs: rootfs, NodeID: nodeID,
+		Args: args, LogAttrs: []any{"trajectory", mode == modeOn}})
 	if up != nil {
-		res.UpPID = up.pid()
+		res.UpPID = up.PID()
 		defer func() {
 			// Teardown runs whatever happened above, Ctrl-C included.
-			if err := up.stop(); err != nil {
+			if err := up.Stop(); err != nil {
 				errs = append(errs, err)
 			}
-			leaks, err := reclaim(bins, up.pid(), dataDir)
+			leaks, err := dsecup.Reclaim(bins, up.PID(), dataDir)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("cleanup: %w", err))
 			}
-			if !leaks.empty() {
+			if !leaks.Empty() {
 				res.Leaks = &leaks
 				errs = append(errs, fmt.Errorf("dsec up left %s (removed)", leaks))
 			}
 			if keep {
-				if err := os.WriteFile(filepath.Join(dir, "dsec-up.log"), []byte(up.log.String()), 0o644); err != nil {
+				if err := os.WriteFile(filepath.Join(dir, "dsec-up.log"), []byte(up.Log()), 0o644); err != nil {
 					errs = append(errs, err)
 				}
 				return
 			}
-			if err := removeDir(dir); err != nil {
+			if err := dsecup.RemoveDir(dir); err != nil {
 				errs = append(errs, fmt.Errorf("remove %s: %w", dir, err))
 			}
 		}()
@@ -94,8 +103,8 @@ func runRound(ctx context.Context, cfg config, bins binaries, rootfs, dir string
 }
 
 // measure creates the sandboxes, runs the execs, destroys the sandboxes.
-func measure(ctx context.Context, cfg config, up *upProc, mode string, res *Round) error {
-	c := dsec.New(up.endpoint, up.token)
+func measure(ctx context.Context, cfg config, up *dsecup.Up, mode string, res *Round) error {
+	c := dsec.New(up.Endpoint, up.Token)
 	if _, err := c.Images().Get(ctx, "busybox:latest"); err != nil {
 		return fmt.Errorf("seeded image: %w", err)
 	}
@@ -113,7 +122,7 @@ func measure(ctx context.Context, cfg config, up *upProc, mode string, res *Roun
 			}
 		}
 		if mode == modeOn {
-			res.WALBytes, res.WALRecords = walStats(up.dataDir)
+			res.WALBytes, res.WALRecords = walStats(up.DataDir)
 		}
 	}()
 
@@ -201,8 +210,8 @@ func measure(ctx context.Context, cfg config, up *upProc, mode string, res *Roun
 	if wall > 0 {
 		res.PerSec = float64(res.Execs) / wall.Seconds()
 	}
-	st := summarize(res.latencies)
-	res.MedianMs, res.P90Ms, res.P99Ms, res.MaxMs = ms(st.median), ms(st.p90), ms(st.p99), ms(st.max)
+	st := dsecup.Summarize(res.latencies)
+	res.MedianMs, res.P90Ms, res.P99Ms, res.MaxMs = dsecup.Ms(st.Median), dsecup.Ms(st.P90), dsecup.Ms(st.P99), dsecup.Ms(st.Max)
 	if ctx.Err() != nil {
 		return fmt.Errorf("interrupted after %d execs: %w", res.Execs, ctx.Err())
 	}

@@ -114,43 +114,51 @@ func (ss *sandboxService) DeleteCheckpoint(ctx context.Context, req *connect.Req
 }
 
 func (ss *sandboxService) Freeze(ctx context.Context, req *connect.Request[dsecv1.FreezeRequest]) (*connect.Response[dsecv1.FreezeResponse], error) {
-	s := ss.s
-	p, err := principal(ctx)
+	sb, err := ss.s.freezeThaw(ctx, req.Msg.GetSandboxId(), true)
 	if err != nil {
 		return nil, err
 	}
-	rt, err := s.live(p, req.Msg.GetSandboxId(), 0)
-	if err != nil {
-		return nil, err
-	}
-	cctx, cancel := callContext(ctx, edgeCallTimeout)
-	defer cancel()
-	resp, err := s.edges.get(rt.url).FreezeOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: callerOf(p), SandboxId: req.Msg.GetSandboxId()}))
-	if err != nil {
-		return nil, edgeFailure(rt.node, err)
-	}
-	resp.Msg.Sandbox = toUser(resp.Msg.GetSandbox())
-	return connect.NewResponse(resp.Msg), nil
+	return connect.NewResponse(&dsecv1.FreezeResponse{Sandbox: sb}), nil
 }
 
 func (ss *sandboxService) Thaw(ctx context.Context, req *connect.Request[dsecv1.ThawRequest]) (*connect.Response[dsecv1.ThawResponse], error) {
-	s := ss.s
+	sb, err := ss.s.freezeThaw(ctx, req.Msg.GetSandboxId(), false)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&dsecv1.ThawResponse{Sandbox: sb}), nil
+}
+
+// freezeThaw freezes (or thaws) one sandbox on its node and returns it as
+// the caller sees it.
+func (s *Server) freezeThaw(ctx context.Context, id string, freeze bool) (*dsecv1.Sandbox, error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
-	rt, err := s.live(p, req.Msg.GetSandboxId(), 0)
+	rt, err := s.live(p, id, 0)
 	if err != nil {
 		return nil, err
 	}
 	cctx, cancel := callContext(ctx, edgeCallTimeout)
 	defer cancel()
-	resp, err := s.edges.get(rt.url).ThawOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: callerOf(p), SandboxId: req.Msg.GetSandboxId()}))
+	edge, req := s.edges.get(rt.url), connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: callerOf(p), SandboxId: id})
+	var sb *dsecv1.Sandbox
+	if freeze {
+		var resp *connect.Response[dsecv1.FreezeResponse]
+		if resp, err = edge.FreezeOnEdge(cctx, req); err == nil {
+			sb = resp.Msg.GetSandbox()
+		}
+	} else {
+		var resp *connect.Response[dsecv1.ThawResponse]
+		if resp, err = edge.ThawOnEdge(cctx, req); err == nil {
+			sb = resp.Msg.GetSandbox()
+		}
+	}
 	if err != nil {
 		return nil, edgeFailure(rt.node, err)
 	}
-	resp.Msg.Sandbox = toUser(resp.Msg.GetSandbox())
-	return connect.NewResponse(resp.Msg), nil
+	return toUser(sb), nil
 }
 
 func (ss *sandboxService) FreezeJob(ctx context.Context, req *connect.Request[dsecv1.JobRequest]) (*connect.Response[dsecv1.JobResponse], error) {

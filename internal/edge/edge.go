@@ -236,6 +236,7 @@ func New(cfg Config) (*Edge, error) {
 	if err != nil {
 		return nil, fmt.Errorf("edge checkpoint store: %w", err)
 	}
+	ckStore.Scratch()
 	stopCtx, stop := context.WithCancel(context.Background())
 	e := &Edge{
 		cfg:         cfg,

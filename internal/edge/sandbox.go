@@ -489,9 +489,6 @@ func (e errLost) Error() string { return e.reason }
 // find its number used up by the refusal.
 func (e *Edge) paused(sb *sandbox) error { return e.pausedUnless(sb, false) }
 
-// pausedExceptFrozen is paused for operations a frozen sandbox takes.
-func (e *Edge) pausedExceptFrozen(sb *sandbox) error { return e.pausedUnless(sb, true) }
-
 func (e *Edge) pausedUnless(sb *sandbox, frozenOK bool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()

@@ -291,29 +291,9 @@ func (e *Edge) fileOp(ctx context.Context, caller *dsecv1.Caller, id string, seq
 	if err != nil {
 		return 0, nil, err
 	}
-	if err := e.paused(sb); err != nil {
-		return 0, nil, err
-	}
-	top, replay, err := e.admitOp(ctx, sb, seq, rec)
-	if err != nil {
-		return 0, nil, err
-	}
-	if replay != nil {
-		if replay.Error != nil {
-			return 0, nil, recordedError(replay)
-		}
-		return replay.Seq, replay, nil
-	}
-	ctx = detach(ctx, seq, top)
-	start := time.Now()
-	err = e.runFileOp(ctx, sb, id, what, op)
-	if top == nil {
-		return 0, nil, err
-	}
-	if cerr := e.commit(ctx, top, rec, start, err); cerr != nil {
-		return 0, nil, cerr
-	}
-	return top.Seq(), nil, err
+	return e.numbered(ctx, sb, seq, rec, false, func(ctx context.Context, _ uint64) error {
+		return e.runFileOp(ctx, sb, id, what, op)
+	})
 }
 
 func (e *Edge) runFileOp(ctx context.Context, sb *sandbox, id, what string, op func(context.Context, runtime.Sandbox) error) error {

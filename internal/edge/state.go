@@ -417,14 +417,15 @@ func (e *Edge) releaseState(sb *sandbox) {
 	e.dropCheckpoints(sb)
 }
 
-// numbered runs a numbered state operation (snapshot, checkpoint,
-// rollback): admit with the trajectory, run detached when the client
+// numbered runs a numbered operation (file operations, snapshot,
+// checkpoint, rollback): admit with the trajectory, run detached when the client
 // numbered it, record. run fills rec with the result. It returns the
 // operation's seq, or the recorded record of a fast-forward. run gets the
-// operation's seq (0 when the node keeps no trajectory). A frozen sandbox
-// takes them: snapshotting a preempted job is what freezing it is for.
-func (e *Edge) numbered(ctx context.Context, sb *sandbox, seq uint64, rec *trajectory.Record, run func(context.Context, uint64) error) (uint64, *trajectory.Record, error) {
-	if err := e.pausedExceptFrozen(sb); err != nil {
+// operation's seq (0 when the node keeps no trajectory). With frozenOK a
+// frozen sandbox takes the operation: snapshotting a preempted job is what
+// freezing it is for.
+func (e *Edge) numbered(ctx context.Context, sb *sandbox, seq uint64, rec *trajectory.Record, frozenOK bool, run func(context.Context, uint64) error) (uint64, *trajectory.Record, error) {
+	if err := e.pausedUnless(sb, frozenOK); err != nil {
 		return 0, nil, err
 	}
 	op, replay, err := e.admitOp(ctx, sb, seq, rec)
@@ -469,7 +470,7 @@ func (e *Edge) snapshot(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Sn
 		return nil, err
 	}
 	var img *dsecv1.Image
-	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context, seq uint64) error {
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, true, func(ctx context.Context, seq uint64) error {
 		var layerDigest string
 		var err error
 		img, layerDigest, err = e.doSnapshot(ctx, sb, internal, seq)
@@ -497,7 +498,7 @@ func (e *Edge) checkpoint(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.
 		return nil, err
 	}
 	rec := &trajectory.Record{Kind: trajectory.KindCheckpoint, RequestID: r.RequestId, Checkpoint: &trajectory.Checkpoint{}}
-	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context, _ uint64) error {
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, true, func(ctx context.Context, _ uint64) error {
 		id, layerDigest, err := e.doCheckpoint(ctx, sb)
 		rec.Checkpoint.ID, rec.Checkpoint.Layer = id, layerDigest
 		return err
@@ -523,7 +524,7 @@ func (e *Edge) rollback(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Ro
 	if err != nil {
 		return nil, err
 	}
-	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, func(ctx context.Context, _ uint64) error {
+	seq, replay, err := e.numbered(ctx, sb, r.Seq, rec, true, func(ctx context.Context, _ uint64) error {
 		return e.doRollback(ctx, sb, r.CheckpointId)
 	})
 	if err != nil {

@@ -1,0 +1,81 @@
+// Package dsecuptest holds the test helpers of the harnesses built on
+// dsecup: running a harness binary with its own TMPDIR, and checking that
+// it left nothing behind.
+package dsecuptest
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
+	"github.com/dsec-dev/dsec/internal/testutil"
+)
+
+// Harness requires root, builds the harness command pkg (e.g.
+// "./bench/trajbench") and returns a runner for it from the repository
+// root with TMPDIR set to a fresh directory (everything it makes goes
+// there), and that directory.
+func Harness(t *testing.T, pkg string, args ...string) (*exec.Cmd, string) {
+	t.Helper()
+	testutil.RequireRoot(t)
+	bin := testutil.BuildBinary(t, pkg)
+	tmp := t.TempDir()
+	cmd := exec.Command(bin, args...)
+	cmd.Dir = testutil.RepoRoot(t)
+	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+	return cmd, tmp
+}
+
+// AssertNoLeaks checks what a run may leave behind: files in its TMPDIR,
+// mounts under it, processes started from binaries under it, and the
+// sandbox cgroups of its dsec up processes (a cgroup can only be removed
+// once no process is left in it, so a leaked sandbox shows up here too).
+func AssertNoLeaks(t *testing.T, tmp string, upPIDs []int) {
+	t.Helper()
+	if ents, err := os.ReadDir(tmp); err != nil || len(ents) != 0 {
+		t.Errorf("harness left %d entries in its TMPDIR (%v)", len(ents), err)
+	}
+	if mps, err := dsecup.MountsUnder(tmp); err != nil || len(mps) != 0 {
+		t.Errorf("harness left mounts %v (%v)", mps, err)
+	}
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		exe, err := os.Readlink(filepath.Join("/proc", e.Name(), "exe"))
+		if err == nil && strings.HasPrefix(exe, tmp+"/") {
+			t.Errorf("process %s (%s) left running", e.Name(), exe)
+		}
+	}
+	if len(upPIDs) == 0 {
+		t.Error("no dsec up pid to check")
+	}
+	for _, pid := range upPIDs {
+		if cgs, err := dsecup.SandboxCgroups(pid); err != nil || len(cgs) != 0 {
+			t.Errorf("dsec up %d left cgroups %v (%v)", pid, cgs, err)
+		}
+	}
+}
+
+// RunJSON runs cmd (a harness with -json), fails the test unless it exits
+// 0 and prints JSON, decodes that into rep, and returns its stderr (the
+// harness log).
+func RunJSON(t *testing.T, cmd *exec.Cmd, rep any) string {
+	t.Helper()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("harness: %v\n%s\n%s", err, out, stderr.String())
+	}
+	if err := json.Unmarshal(out, rep); err != nil {
+		t.Fatalf("harness JSON: %v\n%s", err, out)
+	}
+	return stderr.String()
+}
