@@ -43,7 +43,7 @@ func newSandboxCmd(g *globals) *cobra.Command {
 type createFlags struct {
 	image, workspace, backend string
 	toolkits, labels, env     []string
-	cpu, memory               string
+	cpu, memory, idleAction   string
 	ttl, idle                 time.Duration
 }
 
@@ -58,7 +58,8 @@ func (f *createFlags) register(cmd *cobra.Command) {
 	fl.StringArrayVar(&f.labels, "label", nil, "label KEY=VALUE (repeatable)")
 	fl.StringArrayVar(&f.env, "sandbox-env", nil, "environment KEY=VALUE for every exec in the sandbox (repeatable)")
 	fl.DurationVar(&f.ttl, "ttl", 0, "maximum lifetime, e.g. 1h (default none)")
-	fl.DurationVar(&f.idle, "idle-timeout", 0, "destroy after this long without an operation (default none)")
+	fl.DurationVar(&f.idle, "idle-timeout", 0, "destroy (or, with --idle-action freeze, freeze) after this long without an operation (default none)")
+	fl.StringVar(&f.idleAction, "idle-action", "destroy", "what --idle-timeout does: destroy or freeze")
 }
 
 func (f *createFlags) spec() (dsec.Spec, error) {
@@ -71,6 +72,9 @@ func (f *createFlags) spec() (dsec.Spec, error) {
 	if f.idle < 0 {
 		return dsec.Spec{}, usagef("--idle-timeout %s: must not be negative", f.idle)
 	}
+	if f.idleAction != dsec.IdleDestroy && f.idleAction != dsec.IdleFreeze {
+		return dsec.Spec{}, usagef("--idle-action %q: want destroy or freeze", f.idleAction)
+	}
 	s := dsec.Spec{
 		Backend:     f.backend,
 		Image:       f.image,
@@ -78,6 +82,7 @@ func (f *createFlags) spec() (dsec.Spec, error) {
 		Toolkits:    f.toolkits,
 		TTL:         f.ttl,
 		IdleTimeout: f.idle,
+		IdleAction:  f.idleAction,
 		Env:         f.env,
 	}
 	var err error
