@@ -6,7 +6,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -33,12 +35,13 @@ type checkpoint struct {
 	deleted bool
 }
 
-// localLayers are the checkpoint layers in stack (those from the node's
-// checkpoint store, not the shared blob store).
+// localLayers are the checkpoint layers in stack: those whose file is in
+// the node's checkpoint store, not the shared blob store.
 func (e *Edge) localLayers(stack []runtime.Layer) []string {
+	root := e.ckStore.Root() + string(filepath.Separator)
 	var out []string
 	for _, l := range stack {
-		if _, ok := e.ckLayers[l.Digest]; ok {
+		if strings.HasPrefix(l.Path, root) {
 			out = append(out, l.Digest)
 		}
 	}
@@ -186,7 +189,6 @@ func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest s
 		stack:   append(slices.Clone(sb.rspec.Layers), runtime.Layer{Digest: desc.Digest, Path: path}),
 	}
 	e.mu.Lock()
-	e.ckLayers[desc.Digest] += 0 // known as a checkpoint layer from now on
 	e.holdLayers(e.localLayers(ck.stack))
 	e.checkpoints[ck.id] = ck
 	e.mu.Unlock()
@@ -265,8 +267,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	}
 	defer e.releaseCheckpoint(ck)
 	e.mu.Lock()
-	switch {
-	case sb.destroying != nil || sb.state != StateRunning:
+	if sb.destroying != nil || sb.state != StateRunning {
 		e.mu.Unlock()
 		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
 	}
@@ -295,8 +296,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	switch {
 	case err != nil:
 		unused = e.dropLayers(e.localLayers(spec.Layers))
-		lost := e.loseLocked(sb, fmt.Sprintf("rollback to %s failed: %v", id, err))
-		_ = lost // already destroyed above
+		e.loseLocked(sb, fmt.Sprintf("rollback to %s failed: %v", id, err)) // its rt is destroyed above
 	case sb.destroying != nil || sb.state != StateRunning:
 		// Destroyed while rolling back: the new sandbox is not wanted.
 		unused = e.dropLayers(e.localLayers(spec.Layers))
@@ -324,7 +324,9 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	}
 	e.deleteLocalLayers(unused)
 	if err != nil {
+		// What release does for any lost sandbox; its rt is gone already.
 		e.endTrajectory(sb, trajectory.KindLost, "rollback failed")
+		e.releaseState(sb)
 		return connect.NewError(connect.CodeInternal, fmt.Errorf("rollback sandbox %q to %s: %w", sb.id, id, err))
 	}
 	return nil
