@@ -626,6 +626,9 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.mu.Unlock()
 
 	err := rs.Destroy(context.WithoutCancel(ctx))
+	// Counted before the state turns destroyed, so whoever sees the state
+	// also sees the count.
+	e.metrics.destroys.WithLabelValues(string(sb.kind), reason).Inc()
 
 	e.mu.Lock()
 	e.uncharge(sb)
@@ -649,7 +652,6 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.mu.Lock()
 	close(done)
 	e.mu.Unlock()
-	e.metrics.destroys.WithLabelValues(string(sb.kind), reason).Inc()
 	if err != nil {
 		e.log.Warn("destroy sandbox", "sandbox", sb.id, "reason", reason, "err", err)
 		return connect.NewError(connect.CodeInternal, fmt.Errorf("destroy sandbox %q: %w", sb.id, err))
