@@ -13,12 +13,17 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
-type sandboxService struct{ s *Server }
+type sandboxService struct {
+	// Embedded until the batch RPCs land (issue 6).
+	dsecv1connect.UnimplementedSandboxServiceHandler
+	s *Server
+}
 
 // prepared is a validated create: the spec as the user wrote it (defaults
 // filled), the spec the edge gets (internal image names), and what

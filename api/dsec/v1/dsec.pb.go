@@ -2761,6 +2761,488 @@ func (x *JobResponse) GetResults() []*JobResult {
 	return nil
 }
 
+type AcquireRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Spec          *SandboxSpec           `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
+	Count         int32                  `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AcquireRequest) Reset() {
+	*x = AcquireRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AcquireRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AcquireRequest) ProtoMessage() {}
+
+func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AcquireRequest.ProtoReflect.Descriptor instead.
+func (*AcquireRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *AcquireRequest) GetSpec() *SandboxSpec {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *AcquireRequest) GetCount() int32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+type AcquireResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*BatchCreateResult   `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AcquireResponse) Reset() {
+	*x = AcquireResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AcquireResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AcquireResponse) ProtoMessage() {}
+
+func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AcquireResponse.ProtoReflect.Descriptor instead.
+func (*AcquireResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *AcquireResponse) GetResults() []*BatchCreateResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type BatchExecRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Requests      []*ExecRequest         `protobuf:"bytes,1,rep,name=requests,proto3" json:"requests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchExecRequest) Reset() {
+	*x = BatchExecRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchExecRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchExecRequest) ProtoMessage() {}
+
+func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchExecRequest.ProtoReflect.Descriptor instead.
+func (*BatchExecRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *BatchExecRequest) GetRequests() []*ExecRequest {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+type BatchExecItem struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// Set when the exec ran (including infra_error outcomes).
+	Result *ExecResult `protobuf:"bytes,2,opt,name=result,proto3" json:"result,omitempty"`
+	// Set when the request was refused (bad argument, not found, ...).
+	Error         *ItemError `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchExecItem) Reset() {
+	*x = BatchExecItem{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchExecItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchExecItem) ProtoMessage() {}
+
+func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchExecItem.ProtoReflect.Descriptor instead.
+func (*BatchExecItem) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *BatchExecItem) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *BatchExecItem) GetResult() *ExecResult {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *BatchExecItem) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+type BatchExecResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*BatchExecItem       `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchExecResponse) Reset() {
+	*x = BatchExecResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchExecResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchExecResponse) ProtoMessage() {}
+
+func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchExecResponse.ProtoReflect.Descriptor instead.
+func (*BatchExecResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *BatchExecResponse) GetResults() []*BatchExecItem {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type BatchRollbackRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Requests      []*RollbackRequest     `protobuf:"bytes,1,rep,name=requests,proto3" json:"requests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchRollbackRequest) Reset() {
+	*x = BatchRollbackRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchRollbackRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchRollbackRequest) ProtoMessage() {}
+
+func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchRollbackRequest.ProtoReflect.Descriptor instead.
+func (*BatchRollbackRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *BatchRollbackRequest) GetRequests() []*RollbackRequest {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+type BatchRollbackItem struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Result        *RollbackResponse      `protobuf:"bytes,2,opt,name=result,proto3" json:"result,omitempty"`
+	Error         *ItemError             `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchRollbackItem) Reset() {
+	*x = BatchRollbackItem{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchRollbackItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchRollbackItem) ProtoMessage() {}
+
+func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchRollbackItem.ProtoReflect.Descriptor instead.
+func (*BatchRollbackItem) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *BatchRollbackItem) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *BatchRollbackItem) GetResult() *RollbackResponse {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *BatchRollbackItem) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+type BatchRollbackResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*BatchRollbackItem   `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchRollbackResponse) Reset() {
+	*x = BatchRollbackResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchRollbackResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchRollbackResponse) ProtoMessage() {}
+
+func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchRollbackResponse.ProtoReflect.Descriptor instead.
+func (*BatchRollbackResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *BatchRollbackResponse) GetResults() []*BatchRollbackItem {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+type ReleaseRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ids           []string               `protobuf:"bytes,1,rep,name=ids,proto3" json:"ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseRequest) Reset() {
+	*x = ReleaseRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseRequest) ProtoMessage() {}
+
+func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
+func (*ReleaseRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *ReleaseRequest) GetIds() []string {
+	if x != nil {
+		return x.Ids
+	}
+	return nil
+}
+
+type ReleaseResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Results       []*BatchDestroyResult  `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseResponse) Reset() {
+	*x = ReleaseResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseResponse) ProtoMessage() {}
+
+func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
+func (*ReleaseResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+}
+
+func (x *ReleaseResponse) GetResults() []*BatchDestroyResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
 type Image struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// NAME:TAG
@@ -2777,7 +3259,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2789,7 +3271,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2802,7 +3284,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *Image) GetRef() string {
@@ -2860,7 +3342,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2872,7 +3354,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2885,7 +3367,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -2944,7 +3426,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2956,7 +3438,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2969,7 +3451,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -3002,7 +3484,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3014,7 +3496,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3027,7 +3509,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -3045,7 +3527,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3057,7 +3539,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3070,7 +3552,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 type ListImagesResponse struct {
@@ -3082,7 +3564,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3094,7 +3576,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3107,7 +3589,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -3126,7 +3608,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3138,7 +3620,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3151,7 +3633,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -3170,7 +3652,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3182,7 +3664,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3195,7 +3677,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -3215,7 +3697,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3227,7 +3709,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3240,7 +3722,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -3266,7 +3748,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3278,7 +3760,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3291,7 +3773,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -3310,7 +3792,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3322,7 +3804,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3335,7 +3817,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -3353,7 +3835,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3365,7 +3847,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3378,7 +3860,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -3400,7 +3882,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3412,7 +3894,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3425,7 +3907,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -3469,7 +3951,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3481,7 +3963,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3494,7 +3976,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -3581,6 +4063,748 @@ func (x *GarbageCollectResponse) GetBrokenRefs() []string {
 	return nil
 }
 
+// A pool keeps size sandboxes of one spec created and clean ahead of
+// demand, on one node. A Create or Acquire by the pool's tenant whose spec
+// matches (same backend, images, resources and env; labels, ttl and idle
+// settings are the new sandbox's own) takes a clean one; a released one is
+// reset and goes back. Pools refill in the background and shrink to
+// min_size after idle_shrink without takes.
+type Pool struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Spec  *SandboxSpec           `protobuf:"bytes,2,opt,name=spec,proto3" json:"spec,omitempty"`
+	Size  int32                  `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	// Clean sandboxes ready to take, sandboxes handed out, being reset.
+	Ready     int32  `protobuf:"varint,4,opt,name=ready,proto3" json:"ready,omitempty"`
+	InUse     int32  `protobuf:"varint,5,opt,name=in_use,json=inUse,proto3" json:"in_use,omitempty"`
+	Resetting int32  `protobuf:"varint,6,opt,name=resetting,proto3" json:"resetting,omitempty"`
+	Node      string `protobuf:"bytes,7,opt,name=node,proto3" json:"node,omitempty"`
+	Tenant    string `protobuf:"bytes,8,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// Target while unused (default 0) and how long unused before shrinking
+	// to it (default 10 minutes).
+	MinSize    int32                `protobuf:"varint,9,opt,name=min_size,json=minSize,proto3" json:"min_size,omitempty"`
+	IdleShrink *durationpb.Duration `protobuf:"bytes,10,opt,name=idle_shrink,json=idleShrink,proto3" json:"idle_shrink,omitempty"`
+	// Takes served warm and creates that found the pool empty.
+	Hits          int64 `protobuf:"varint,11,opt,name=hits,proto3" json:"hits,omitempty"`
+	Misses        int64 `protobuf:"varint,12,opt,name=misses,proto3" json:"misses,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Pool) Reset() {
+	*x = Pool{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Pool) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Pool) ProtoMessage() {}
+
+func (x *Pool) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Pool.ProtoReflect.Descriptor instead.
+func (*Pool) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+}
+
+func (x *Pool) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Pool) GetSpec() *SandboxSpec {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *Pool) GetSize() int32 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *Pool) GetReady() int32 {
+	if x != nil {
+		return x.Ready
+	}
+	return 0
+}
+
+func (x *Pool) GetInUse() int32 {
+	if x != nil {
+		return x.InUse
+	}
+	return 0
+}
+
+func (x *Pool) GetResetting() int32 {
+	if x != nil {
+		return x.Resetting
+	}
+	return 0
+}
+
+func (x *Pool) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *Pool) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+func (x *Pool) GetMinSize() int32 {
+	if x != nil {
+		return x.MinSize
+	}
+	return 0
+}
+
+func (x *Pool) GetIdleShrink() *durationpb.Duration {
+	if x != nil {
+		return x.IdleShrink
+	}
+	return nil
+}
+
+func (x *Pool) GetHits() int64 {
+	if x != nil {
+		return x.Hits
+	}
+	return 0
+}
+
+func (x *Pool) GetMisses() int64 {
+	if x != nil {
+		return x.Misses
+	}
+	return 0
+}
+
+type CreatePoolRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Spec          *SandboxSpec           `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
+	Size          int32                  `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	MinSize       int32                  `protobuf:"varint,3,opt,name=min_size,json=minSize,proto3" json:"min_size,omitempty"`
+	IdleShrink    *durationpb.Duration   `protobuf:"bytes,4,opt,name=idle_shrink,json=idleShrink,proto3" json:"idle_shrink,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreatePoolRequest) Reset() {
+	*x = CreatePoolRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreatePoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreatePoolRequest) ProtoMessage() {}
+
+func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
+func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+}
+
+func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *CreatePoolRequest) GetSize() int32 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *CreatePoolRequest) GetMinSize() int32 {
+	if x != nil {
+		return x.MinSize
+	}
+	return 0
+}
+
+func (x *CreatePoolRequest) GetIdleShrink() *durationpb.Duration {
+	if x != nil {
+		return x.IdleShrink
+	}
+	return nil
+}
+
+type CreatePoolResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pool          *Pool                  `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreatePoolResponse) Reset() {
+	*x = CreatePoolResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreatePoolResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreatePoolResponse) ProtoMessage() {}
+
+func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
+func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+}
+
+func (x *CreatePoolResponse) GetPool() *Pool {
+	if x != nil {
+		return x.Pool
+	}
+	return nil
+}
+
+type ListPoolsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListPoolsRequest) Reset() {
+	*x = ListPoolsRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListPoolsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListPoolsRequest) ProtoMessage() {}
+
+func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
+func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+}
+
+type ListPoolsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pools         []*Pool                `protobuf:"bytes,1,rep,name=pools,proto3" json:"pools,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListPoolsResponse) Reset() {
+	*x = ListPoolsResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListPoolsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListPoolsResponse) ProtoMessage() {}
+
+func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
+func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+}
+
+func (x *ListPoolsResponse) GetPools() []*Pool {
+	if x != nil {
+		return x.Pools
+	}
+	return nil
+}
+
+type DeletePoolRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeletePoolRequest) Reset() {
+	*x = DeletePoolRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeletePoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeletePoolRequest) ProtoMessage() {}
+
+func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
+func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+}
+
+func (x *DeletePoolRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type DeletePoolResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeletePoolResponse) Reset() {
+	*x = DeletePoolResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeletePoolResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeletePoolResponse) ProtoMessage() {}
+
+func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
+func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+}
+
+// RunCodeRequest is one stateless call: run code in a language, in a clean
+// sandbox from a warm pool, and return its output. The fields mirror
+// SandboxFusion's /run_code (served on the same port as JSON too).
+type RunCodeRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Code  string                 `protobuf:"bytes,1,opt,name=code,proto3" json:"code,omitempty"`
+	// A name from the language table (python, bash, c, cpp, go, nodejs, ...).
+	Language string `protobuf:"bytes,2,opt,name=language,proto3" json:"language,omitempty"`
+	// Defaults: 10 s to compile, 10 s to run.
+	CompileTimeout *durationpb.Duration `protobuf:"bytes,3,opt,name=compile_timeout,json=compileTimeout,proto3" json:"compile_timeout,omitempty"`
+	RunTimeout     *durationpb.Duration `protobuf:"bytes,4,opt,name=run_timeout,json=runTimeout,proto3" json:"run_timeout,omitempty"`
+	// Memory limit of the call's sandbox; 0 = the language's default.
+	MemoryLimitMb int64  `protobuf:"varint,5,opt,name=memory_limit_mb,json=memoryLimitMb,proto3" json:"memory_limit_mb,omitempty"`
+	Stdin         []byte `protobuf:"bytes,6,opt,name=stdin,proto3" json:"stdin,omitempty"`
+	// Extra files written before compiling, path (relative to the working
+	// directory, or absolute) -> content.
+	Files map[string][]byte `protobuf:"bytes,7,rep,name=files,proto3" json:"files,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Files read back after the run (missing ones are left out).
+	FetchFiles []string `protobuf:"bytes,8,rep,name=fetch_files,json=fetchFiles,proto3" json:"fetch_files,omitempty"`
+	// Arguments passed to the program.
+	Args []string `protobuf:"bytes,9,rep,name=args,proto3" json:"args,omitempty"`
+	// Overrides the language's image (NAME:TAG).
+	Image string `protobuf:"bytes,10,opt,name=image,proto3" json:"image,omitempty"`
+	// Bound on captured stdout and stderr each; 0 = server default.
+	MaxOutputBytes int64 `protobuf:"varint,11,opt,name=max_output_bytes,json=maxOutputBytes,proto3" json:"max_output_bytes,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *RunCodeRequest) Reset() {
+	*x = RunCodeRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunCodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunCodeRequest) ProtoMessage() {}
+
+func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
+func (*RunCodeRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+}
+
+func (x *RunCodeRequest) GetCode() string {
+	if x != nil {
+		return x.Code
+	}
+	return ""
+}
+
+func (x *RunCodeRequest) GetLanguage() string {
+	if x != nil {
+		return x.Language
+	}
+	return ""
+}
+
+func (x *RunCodeRequest) GetCompileTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.CompileTimeout
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetRunTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.RunTimeout
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetMemoryLimitMb() int64 {
+	if x != nil {
+		return x.MemoryLimitMb
+	}
+	return 0
+}
+
+func (x *RunCodeRequest) GetStdin() []byte {
+	if x != nil {
+		return x.Stdin
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetFiles() map[string][]byte {
+	if x != nil {
+		return x.Files
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetFetchFiles() []string {
+	if x != nil {
+		return x.FetchFiles
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetArgs() []string {
+	if x != nil {
+		return x.Args
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
+func (x *RunCodeRequest) GetMaxOutputBytes() int64 {
+	if x != nil {
+		return x.MaxOutputBytes
+	}
+	return 0
+}
+
+// CommandResult is one step of a call (compile or run).
+type CommandResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "Finished" (ran to its end, any exit code), "TimeLimitExceeded" or
+	// "Error" (could not be run).
+	Status string `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	// Wall time in seconds.
+	ExecutionTime   float64 `protobuf:"fixed64,2,opt,name=execution_time,json=executionTime,proto3" json:"execution_time,omitempty"`
+	ReturnCode      int32   `protobuf:"varint,3,opt,name=return_code,json=returnCode,proto3" json:"return_code,omitempty"`
+	Stdout          []byte  `protobuf:"bytes,4,opt,name=stdout,proto3" json:"stdout,omitempty"`
+	Stderr          []byte  `protobuf:"bytes,5,opt,name=stderr,proto3" json:"stderr,omitempty"`
+	StdoutTruncated bool    `protobuf:"varint,6,opt,name=stdout_truncated,json=stdoutTruncated,proto3" json:"stdout_truncated,omitempty"`
+	StderrTruncated bool    `protobuf:"varint,7,opt,name=stderr_truncated,json=stderrTruncated,proto3" json:"stderr_truncated,omitempty"`
+	OomKilled       bool    `protobuf:"varint,8,opt,name=oom_killed,json=oomKilled,proto3" json:"oom_killed,omitempty"`
+	Signal          int32   `protobuf:"varint,9,opt,name=signal,proto3" json:"signal,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *CommandResult) Reset() {
+	*x = CommandResult{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommandResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommandResult) ProtoMessage() {}
+
+func (x *CommandResult) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
+func (*CommandResult) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+}
+
+func (x *CommandResult) GetStatus() string {
+	if x != nil {
+		return x.Status
+	}
+	return ""
+}
+
+func (x *CommandResult) GetExecutionTime() float64 {
+	if x != nil {
+		return x.ExecutionTime
+	}
+	return 0
+}
+
+func (x *CommandResult) GetReturnCode() int32 {
+	if x != nil {
+		return x.ReturnCode
+	}
+	return 0
+}
+
+func (x *CommandResult) GetStdout() []byte {
+	if x != nil {
+		return x.Stdout
+	}
+	return nil
+}
+
+func (x *CommandResult) GetStderr() []byte {
+	if x != nil {
+		return x.Stderr
+	}
+	return nil
+}
+
+func (x *CommandResult) GetStdoutTruncated() bool {
+	if x != nil {
+		return x.StdoutTruncated
+	}
+	return false
+}
+
+func (x *CommandResult) GetStderrTruncated() bool {
+	if x != nil {
+		return x.StderrTruncated
+	}
+	return false
+}
+
+func (x *CommandResult) GetOomKilled() bool {
+	if x != nil {
+		return x.OomKilled
+	}
+	return false
+}
+
+func (x *CommandResult) GetSignal() int32 {
+	if x != nil {
+		return x.Signal
+	}
+	return 0
+}
+
+type RunCodeResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "Success" (exit 0), "Failed" (the code failed: compile error, non-zero
+	// exit, time or memory limit) or "SandboxError" (DSec failed: mask it).
+	Status  string `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// Unset when the language is not compiled.
+	CompileResult *CommandResult `protobuf:"bytes,3,opt,name=compile_result,json=compileResult,proto3" json:"compile_result,omitempty"`
+	// Unset when compiling failed.
+	RunResult     *CommandResult    `protobuf:"bytes,4,opt,name=run_result,json=runResult,proto3" json:"run_result,omitempty"`
+	Files         map[string][]byte `protobuf:"bytes,5,rep,name=files,proto3" json:"files,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunCodeResponse) Reset() {
+	*x = RunCodeResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunCodeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunCodeResponse) ProtoMessage() {}
+
+func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
+func (*RunCodeResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+}
+
+func (x *RunCodeResponse) GetStatus() string {
+	if x != nil {
+		return x.Status
+	}
+	return ""
+}
+
+func (x *RunCodeResponse) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *RunCodeResponse) GetCompileResult() *CommandResult {
+	if x != nil {
+		return x.CompileResult
+	}
+	return nil
+}
+
+func (x *RunCodeResponse) GetRunResult() *CommandResult {
+	if x != nil {
+		return x.RunResult
+	}
+	return nil
+}
+
+func (x *RunCodeResponse) GetFiles() map[string][]byte {
+	if x != nil {
+		return x.Files
+	}
+	return nil
+}
+
 type Quota struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 0 means unlimited.
@@ -3593,7 +4817,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3605,7 +4829,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3618,7 +4842,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -3652,7 +4876,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3664,7 +4888,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3677,7 +4901,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -3705,7 +4929,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3717,7 +4941,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3730,7 +4954,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -3966,7 +5190,34 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
 	"\x05error\x18\x02 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\";\n" +
 	"\vJobResponse\x12,\n" +
-	"\aresults\x18\x01 \x03(\v2\x12.dsec.v1.JobResultR\aresults\"\xb0\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x12.dsec.v1.JobResultR\aresults\"P\n" +
+	"\x0eAcquireRequest\x12(\n" +
+	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\x05R\x05count\"G\n" +
+	"\x0fAcquireResponse\x124\n" +
+	"\aresults\x18\x01 \x03(\v2\x1a.dsec.v1.BatchCreateResultR\aresults\"D\n" +
+	"\x10BatchExecRequest\x120\n" +
+	"\brequests\x18\x01 \x03(\v2\x14.dsec.v1.ExecRequestR\brequests\"\x85\x01\n" +
+	"\rBatchExecItem\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
+	"\x06result\x18\x02 \x01(\v2\x13.dsec.v1.ExecResultR\x06result\x12(\n" +
+	"\x05error\x18\x03 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"E\n" +
+	"\x11BatchExecResponse\x120\n" +
+	"\aresults\x18\x01 \x03(\v2\x16.dsec.v1.BatchExecItemR\aresults\"L\n" +
+	"\x14BatchRollbackRequest\x124\n" +
+	"\brequests\x18\x01 \x03(\v2\x18.dsec.v1.RollbackRequestR\brequests\"\x8f\x01\n" +
+	"\x11BatchRollbackItem\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x121\n" +
+	"\x06result\x18\x02 \x01(\v2\x19.dsec.v1.RollbackResponseR\x06result\x12(\n" +
+	"\x05error\x18\x03 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"M\n" +
+	"\x15BatchRollbackResponse\x124\n" +
+	"\aresults\x18\x01 \x03(\v2\x1a.dsec.v1.BatchRollbackItemR\aresults\"\"\n" +
+	"\x0eReleaseRequest\x12\x10\n" +
+	"\x03ids\x18\x01 \x03(\tR\x03ids\"H\n" +
+	"\x0fReleaseResponse\x125\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.dsec.v1.BatchDestroyResultR\aresults\"\xb0\x01\n" +
 	"\x05Image\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x16\n" +
@@ -4024,7 +5275,78 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"youngBlobs\x12\x17\n" +
 	"\adry_run\x18\v \x01(\bR\x06dryRun\x12\x1f\n" +
 	"\vbroken_refs\x18\f \x03(\tR\n" +
-	"brokenRefs\"z\n" +
+	"brokenRefs\"\xce\x02\n" +
+	"\x04Pool\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
+	"\x04spec\x18\x02 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\x05R\x04size\x12\x14\n" +
+	"\x05ready\x18\x04 \x01(\x05R\x05ready\x12\x15\n" +
+	"\x06in_use\x18\x05 \x01(\x05R\x05inUse\x12\x1c\n" +
+	"\tresetting\x18\x06 \x01(\x05R\tresetting\x12\x12\n" +
+	"\x04node\x18\a \x01(\tR\x04node\x12\x16\n" +
+	"\x06tenant\x18\b \x01(\tR\x06tenant\x12\x19\n" +
+	"\bmin_size\x18\t \x01(\x05R\aminSize\x12:\n" +
+	"\vidle_shrink\x18\n" +
+	" \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"idleShrink\x12\x12\n" +
+	"\x04hits\x18\v \x01(\x03R\x04hits\x12\x16\n" +
+	"\x06misses\x18\f \x01(\x03R\x06misses\"\xa8\x01\n" +
+	"\x11CreatePoolRequest\x12(\n" +
+	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12\x12\n" +
+	"\x04size\x18\x02 \x01(\x05R\x04size\x12\x19\n" +
+	"\bmin_size\x18\x03 \x01(\x05R\aminSize\x12:\n" +
+	"\vidle_shrink\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"idleShrink\"7\n" +
+	"\x12CreatePoolResponse\x12!\n" +
+	"\x04pool\x18\x01 \x01(\v2\r.dsec.v1.PoolR\x04pool\"\x12\n" +
+	"\x10ListPoolsRequest\"8\n" +
+	"\x11ListPoolsResponse\x12#\n" +
+	"\x05pools\x18\x01 \x03(\v2\r.dsec.v1.PoolR\x05pools\"#\n" +
+	"\x11DeletePoolRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\x14\n" +
+	"\x12DeletePoolResponse\"\xe7\x03\n" +
+	"\x0eRunCodeRequest\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\tR\x04code\x12\x1a\n" +
+	"\blanguage\x18\x02 \x01(\tR\blanguage\x12B\n" +
+	"\x0fcompile_timeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x0ecompileTimeout\x12:\n" +
+	"\vrun_timeout\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"runTimeout\x12&\n" +
+	"\x0fmemory_limit_mb\x18\x05 \x01(\x03R\rmemoryLimitMb\x12\x14\n" +
+	"\x05stdin\x18\x06 \x01(\fR\x05stdin\x128\n" +
+	"\x05files\x18\a \x03(\v2\".dsec.v1.RunCodeRequest.FilesEntryR\x05files\x12\x1f\n" +
+	"\vfetch_files\x18\b \x03(\tR\n" +
+	"fetchFiles\x12\x12\n" +
+	"\x04args\x18\t \x03(\tR\x04args\x12\x14\n" +
+	"\x05image\x18\n" +
+	" \x01(\tR\x05image\x12(\n" +
+	"\x10max_output_bytes\x18\v \x01(\x03R\x0emaxOutputBytes\x1a8\n" +
+	"\n" +
+	"FilesEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\fR\x05value:\x028\x01\"\xac\x02\n" +
+	"\rCommandResult\x12\x16\n" +
+	"\x06status\x18\x01 \x01(\tR\x06status\x12%\n" +
+	"\x0eexecution_time\x18\x02 \x01(\x01R\rexecutionTime\x12\x1f\n" +
+	"\vreturn_code\x18\x03 \x01(\x05R\n" +
+	"returnCode\x12\x16\n" +
+	"\x06stdout\x18\x04 \x01(\fR\x06stdout\x12\x16\n" +
+	"\x06stderr\x18\x05 \x01(\fR\x06stderr\x12)\n" +
+	"\x10stdout_truncated\x18\x06 \x01(\bR\x0fstdoutTruncated\x12)\n" +
+	"\x10stderr_truncated\x18\a \x01(\bR\x0fstderrTruncated\x12\x1d\n" +
+	"\n" +
+	"oom_killed\x18\b \x01(\bR\toomKilled\x12\x16\n" +
+	"\x06signal\x18\t \x01(\x05R\x06signal\"\xae\x02\n" +
+	"\x0fRunCodeResponse\x12\x16\n" +
+	"\x06status\x18\x01 \x01(\tR\x06status\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12=\n" +
+	"\x0ecompile_result\x18\x03 \x01(\v2\x16.dsec.v1.CommandResultR\rcompileResult\x125\n" +
+	"\n" +
+	"run_result\x18\x04 \x01(\v2\x16.dsec.v1.CommandResultR\trunResult\x129\n" +
+	"\x05files\x18\x05 \x03(\v2#.dsec.v1.RunCodeResponse.FilesEntryR\x05files\x1a8\n" +
+	"\n" +
+	"FilesEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\fR\x05value:\x028\x01\"z\n" +
 	"\x05Quota\x12#\n" +
 	"\rmax_sandboxes\x18\x01 \x01(\x03R\fmaxSandboxes\x12\"\n" +
 	"\rmax_milli_cpu\x18\x02 \x01(\x03R\vmaxMilliCpu\x12(\n" +
@@ -4034,7 +5356,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\"@\n" +
 	"\x14CreateTenantResponse\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
-	"\x05token\x18\x02 \x01(\tR\x05token2\x81\v\n" +
+	"\x05token\x18\x02 \x01(\tR\x05token2\x91\r\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -4057,14 +5379,24 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06Freeze\x12\x16.dsec.v1.FreezeRequest\x1a\x17.dsec.v1.FreezeResponse\x123\n" +
 	"\x04Thaw\x12\x14.dsec.v1.ThawRequest\x1a\x15.dsec.v1.ThawResponse\x126\n" +
 	"\tFreezeJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x124\n" +
-	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse2\xa6\x03\n" +
+	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x12<\n" +
+	"\aAcquire\x12\x17.dsec.v1.AcquireRequest\x1a\x18.dsec.v1.AcquireResponse\x12B\n" +
+	"\tBatchExec\x12\x19.dsec.v1.BatchExecRequest\x1a\x1a.dsec.v1.BatchExecResponse\x12N\n" +
+	"\rBatchRollback\x12\x1d.dsec.v1.BatchRollbackRequest\x1a\x1e.dsec.v1.BatchRollbackResponse\x12<\n" +
+	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xa6\x03\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
 	"\x03Get\x12\x18.dsec.v1.GetImageRequest\x1a\x19.dsec.v1.GetImageResponse\x12:\n" +
 	"\x03Tag\x12\x18.dsec.v1.TagImageRequest\x1a\x19.dsec.v1.TagImageResponse\x12C\n" +
 	"\x06Delete\x12\x1b.dsec.v1.DeleteImageRequest\x1a\x1c.dsec.v1.DeleteImageResponse\x12Q\n" +
-	"\x0eGarbageCollect\x12\x1e.dsec.v1.GarbageCollectRequest\x1a\x1f.dsec.v1.GarbageCollectResponse2V\n" +
+	"\x0eGarbageCollect\x12\x1e.dsec.v1.GarbageCollectRequest\x1a\x1f.dsec.v1.GarbageCollectResponse2\xd2\x01\n" +
+	"\vPoolService\x12A\n" +
+	"\x06Create\x12\x1a.dsec.v1.CreatePoolRequest\x1a\x1b.dsec.v1.CreatePoolResponse\x12=\n" +
+	"\x04List\x12\x19.dsec.v1.ListPoolsRequest\x1a\x1a.dsec.v1.ListPoolsResponse\x12A\n" +
+	"\x06Delete\x12\x1a.dsec.v1.DeletePoolRequest\x1a\x1b.dsec.v1.DeletePoolResponse2I\n" +
+	"\tFnService\x12<\n" +
+	"\aRunCode\x12\x17.dsec.v1.RunCodeRequest\x1a\x18.dsec.v1.RunCodeResponse2V\n" +
 	"\rTenantService\x12E\n" +
 	"\x06Create\x12\x1c.dsec.v1.CreateTenantRequest\x1a\x1d.dsec.v1.CreateTenantResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
@@ -4080,7 +5412,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 66)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 88)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -4127,38 +5459,60 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*JobRequest)(nil),                    // 42: dsec.v1.JobRequest
 	(*JobResult)(nil),                     // 43: dsec.v1.JobResult
 	(*JobResponse)(nil),                   // 44: dsec.v1.JobResponse
-	(*Image)(nil),                         // 45: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 46: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 47: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 48: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 49: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 50: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 51: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 52: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 53: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 54: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 55: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 56: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 57: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 58: dsec.v1.GarbageCollectResponse
-	(*Quota)(nil),                         // 59: dsec.v1.Quota
-	(*CreateTenantRequest)(nil),           // 60: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 61: dsec.v1.CreateTenantResponse
-	nil,                                   // 62: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 63: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 64: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 65: dsec.v1.JobRequest.LabelsEntry
-	(*durationpb.Duration)(nil),           // 66: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 67: google.protobuf.Timestamp
+	(*AcquireRequest)(nil),                // 45: dsec.v1.AcquireRequest
+	(*AcquireResponse)(nil),               // 46: dsec.v1.AcquireResponse
+	(*BatchExecRequest)(nil),              // 47: dsec.v1.BatchExecRequest
+	(*BatchExecItem)(nil),                 // 48: dsec.v1.BatchExecItem
+	(*BatchExecResponse)(nil),             // 49: dsec.v1.BatchExecResponse
+	(*BatchRollbackRequest)(nil),          // 50: dsec.v1.BatchRollbackRequest
+	(*BatchRollbackItem)(nil),             // 51: dsec.v1.BatchRollbackItem
+	(*BatchRollbackResponse)(nil),         // 52: dsec.v1.BatchRollbackResponse
+	(*ReleaseRequest)(nil),                // 53: dsec.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),               // 54: dsec.v1.ReleaseResponse
+	(*Image)(nil),                         // 55: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 56: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 57: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 58: dsec.v1.ImportImageResponse
+	(*ListImagesRequest)(nil),             // 59: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 60: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 61: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 62: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 63: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 64: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 65: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 66: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 67: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 68: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 69: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 70: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 71: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 72: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 73: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 74: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 75: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 76: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 77: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 78: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 79: dsec.v1.Quota
+	(*CreateTenantRequest)(nil),           // 80: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 81: dsec.v1.CreateTenantResponse
+	nil,                                   // 82: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 83: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 84: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 85: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 86: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 87: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 88: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 89: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	62, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	66, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	66, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	82, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	88, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	88, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	67, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	67, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	89, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	89, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,  // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,  // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -4166,88 +5520,127 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	6,  // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	7,  // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,  // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	83, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,  // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	66, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	66, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	88, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	88, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	14, // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	14, // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	64, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	84, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	6,  // 21: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	28, // 22: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	45, // 23: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	55, // 23: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
 	2,  // 24: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
 	2,  // 25: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	65, // 26: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	85, // 26: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
 	6,  // 27: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
 	43, // 28: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	67, // 29: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	47, // 30: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	45, // 31: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	45, // 32: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	45, // 33: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	45, // 34: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	66, // 35: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	59, // 36: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	3,  // 37: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,  // 38: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,  // 39: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11, // 40: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13, // 41: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13, // 42: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17, // 43: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	19, // 44: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	25, // 45: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	27, // 46: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	21, // 47: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	23, // 48: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	30, // 49: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	32, // 50: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	34, // 51: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	36, // 52: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	38, // 53: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	40, // 54: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	42, // 55: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	42, // 56: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	46, // 57: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	49, // 58: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	51, // 59: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	53, // 60: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	55, // 61: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	57, // 62: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	60, // 63: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	4,  // 64: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,  // 65: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10, // 66: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12, // 67: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15, // 68: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16, // 69: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18, // 70: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	20, // 71: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 72: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	29, // 73: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	22, // 74: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	24, // 75: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	31, // 76: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	33, // 77: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	35, // 78: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	37, // 79: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	39, // 80: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	41, // 81: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	44, // 82: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	44, // 83: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	48, // 84: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	50, // 85: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	52, // 86: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	54, // 87: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	56, // 88: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	58, // 89: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	61, // 90: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	64, // [64:91] is the sub-list for method output_type
-	37, // [37:64] is the sub-list for method input_type
-	37, // [37:37] is the sub-list for extension type_name
-	37, // [37:37] is the sub-list for extension extendee
-	0,  // [0:37] is the sub-list for field type_name
+	1,  // 29: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	7,  // 30: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	13, // 31: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	14, // 32: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	6,  // 33: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	48, // 34: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	34, // 35: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	35, // 36: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	6,  // 37: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	51, // 38: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	28, // 39: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	89, // 40: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	57, // 41: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	55, // 42: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	55, // 43: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	55, // 44: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	55, // 45: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	88, // 46: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,  // 47: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	88, // 48: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,  // 49: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	88, // 50: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	69, // 51: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	69, // 52: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	88, // 53: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	88, // 54: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	86, // 55: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	77, // 56: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	77, // 57: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	87, // 58: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	79, // 59: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	3,  // 60: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	5,  // 61: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	9,  // 62: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	11, // 63: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	13, // 64: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	13, // 65: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	17, // 66: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	19, // 67: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	25, // 68: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	27, // 69: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	21, // 70: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	23, // 71: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	30, // 72: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	32, // 73: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	34, // 74: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	36, // 75: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	38, // 76: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	40, // 77: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	42, // 78: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	42, // 79: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	45, // 80: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	47, // 81: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	50, // 82: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	53, // 83: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	56, // 84: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	59, // 85: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	61, // 86: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	63, // 87: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	65, // 88: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	67, // 89: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	70, // 90: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	72, // 91: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	74, // 92: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	76, // 93: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	80, // 94: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	4,  // 95: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	8,  // 96: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	10, // 97: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	12, // 98: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	15, // 99: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	16, // 100: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	18, // 101: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	20, // 102: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 103: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	29, // 104: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	22, // 105: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	24, // 106: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	31, // 107: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	33, // 108: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	35, // 109: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	37, // 110: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	39, // 111: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	41, // 112: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	44, // 113: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	44, // 114: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	46, // 115: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	49, // 116: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	52, // 117: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	54, // 118: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	58, // 119: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	60, // 120: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	62, // 121: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	64, // 122: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	66, // 123: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	68, // 124: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	71, // 125: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	73, // 126: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	75, // 127: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	78, // 128: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	81, // 129: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	95, // [95:130] is the sub-list for method output_type
+	60, // [60:95] is the sub-list for method input_type
+	60, // [60:60] is the sub-list for extension type_name
+	60, // [60:60] is the sub-list for extension extendee
+	0,  // [0:60] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -4260,7 +5653,7 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ExecStreamResponse_Stderr)(nil),
 		(*ExecStreamResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[46].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[56].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
@@ -4270,9 +5663,9 @@ func file_dsec_v1_dsec_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   66,
+			NumMessages:   88,
 			NumExtensions: 0,
-			NumServices:   3,
+			NumServices:   5,
 		},
 		GoTypes:           file_dsec_v1_dsec_proto_goTypes,
 		DependencyIndexes: file_dsec_v1_dsec_proto_depIdxs,

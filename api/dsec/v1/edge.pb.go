@@ -723,6 +723,285 @@ func (x *EdgeGetTrajectoryRequest) GetRequest() *GetTrajectoryRequest {
 	return nil
 }
 
+type EdgeBatchExecRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *BatchExecRequest      `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeBatchExecRequest) Reset() {
+	*x = EdgeBatchExecRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeBatchExecRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeBatchExecRequest) ProtoMessage() {}
+
+func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeBatchExecRequest.ProtoReflect.Descriptor instead.
+func (*EdgeBatchExecRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *EdgeBatchExecRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeBatchExecRequest) GetRequest() *BatchExecRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type EdgeBatchRollbackRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *BatchRollbackRequest  `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeBatchRollbackRequest) Reset() {
+	*x = EdgeBatchRollbackRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeBatchRollbackRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeBatchRollbackRequest) ProtoMessage() {}
+
+func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeBatchRollbackRequest.ProtoReflect.Descriptor instead.
+func (*EdgeBatchRollbackRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *EdgeBatchRollbackRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeBatchRollbackRequest) GetRequest() *BatchRollbackRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type EdgeCreatePoolRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	// Chosen by the server; names this edge's node.
+	PoolId        string             `protobuf:"bytes,2,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	Request       *CreatePoolRequest `protobuf:"bytes,3,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeCreatePoolRequest) Reset() {
+	*x = EdgeCreatePoolRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeCreatePoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeCreatePoolRequest) ProtoMessage() {}
+
+func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeCreatePoolRequest.ProtoReflect.Descriptor instead.
+func (*EdgeCreatePoolRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *EdgeCreatePoolRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeCreatePoolRequest) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *EdgeCreatePoolRequest) GetRequest() *CreatePoolRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type EdgeDeletePoolRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	PoolId        string                 `protobuf:"bytes,2,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeDeletePoolRequest) Reset() {
+	*x = EdgeDeletePoolRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeDeletePoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeDeletePoolRequest) ProtoMessage() {}
+
+func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeDeletePoolRequest.ProtoReflect.Descriptor instead.
+func (*EdgeDeletePoolRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *EdgeDeletePoolRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeDeletePoolRequest) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+type EdgeRunCodeRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Caller  *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request *RunCodeRequest        `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	// The image to run in (the server's internal name of the language's
+	// image or of request.image).
+	Image         string `protobuf:"bytes,3,opt,name=image,proto3" json:"image,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeRunCodeRequest) Reset() {
+	*x = EdgeRunCodeRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeRunCodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeRunCodeRequest) ProtoMessage() {}
+
+func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeRunCodeRequest.ProtoReflect.Descriptor instead.
+func (*EdgeRunCodeRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *EdgeRunCodeRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeRunCodeRequest) GetRequest() *RunCodeRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *EdgeRunCodeRequest) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
 type BackendCapacity struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Backend kind, e.g. "container".
@@ -741,7 +1020,7 @@ type BackendCapacity struct {
 
 func (x *BackendCapacity) Reset() {
 	*x = BackendCapacity{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -753,7 +1032,7 @@ func (x *BackendCapacity) String() string {
 func (*BackendCapacity) ProtoMessage() {}
 
 func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -766,7 +1045,7 @@ func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackendCapacity.ProtoReflect.Descriptor instead.
 func (*BackendCapacity) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BackendCapacity) GetBackend() string {
@@ -833,7 +1112,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -845,7 +1124,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -858,7 +1137,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -922,14 +1201,18 @@ type HeartbeatRequest struct {
 	Load      float64           `protobuf:"fixed64,5,opt,name=load,proto3" json:"load,omitempty"`
 	Sandboxes []*SandboxSummary `protobuf:"bytes,6,rep,name=sandboxes,proto3" json:"sandboxes,omitempty"`
 	// Changes when the edge process restarts.
-	BootId        string `protobuf:"bytes,7,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	BootId string `protobuf:"bytes,7,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	// Warm pools on this node, so that servers route matching creates here.
+	Pools []*PoolSummary `protobuf:"bytes,8,rep,name=pools,proto3" json:"pools,omitempty"`
+	// Creates and calls waiting for capacity on this node.
+	Queued        int32 `protobuf:"varint,9,opt,name=queued,proto3" json:"queued,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -941,7 +1224,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -954,7 +1237,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -1006,6 +1289,97 @@ func (x *HeartbeatRequest) GetBootId() string {
 	return ""
 }
 
+func (x *HeartbeatRequest) GetPools() []*PoolSummary {
+	if x != nil {
+		return x.Pools
+	}
+	return nil
+}
+
+func (x *HeartbeatRequest) GetQueued() int32 {
+	if x != nil {
+		return x.Queued
+	}
+	return 0
+}
+
+type PoolSummary struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Tenant string                 `protobuf:"bytes,2,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// Canonical key of the pool's spec (what a matching create has too).
+	Key           string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	Ready         int32  `protobuf:"varint,4,opt,name=ready,proto3" json:"ready,omitempty"`
+	Size          int32  `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolSummary) Reset() {
+	*x = PoolSummary{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolSummary) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolSummary) ProtoMessage() {}
+
+func (x *PoolSummary) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolSummary.ProtoReflect.Descriptor instead.
+func (*PoolSummary) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *PoolSummary) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *PoolSummary) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+func (x *PoolSummary) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *PoolSummary) GetReady() int32 {
+	if x != nil {
+		return x.Ready
+	}
+	return 0
+}
+
+func (x *PoolSummary) GetSize() int32 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
 type HeartbeatResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Seconds until the next heartbeat is expected.
@@ -1016,7 +1390,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1028,7 +1402,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1041,7 +1415,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -1101,7 +1475,24 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\arequest\x18\x02 \x01(\v2 .dsec.v1.DeleteCheckpointRequestR\arequest\"|\n" +
 	"\x18EdgeGetTrajectoryRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x127\n" +
-	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.GetTrajectoryRequestR\arequest\"\x82\x02\n" +
+	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.GetTrajectoryRequestR\arequest\"t\n" +
+	"\x14EdgeBatchExecRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x123\n" +
+	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.BatchExecRequestR\arequest\"|\n" +
+	"\x18EdgeBatchRollbackRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x127\n" +
+	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.BatchRollbackRequestR\arequest\"\x8f\x01\n" +
+	"\x15EdgeCreatePoolRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x17\n" +
+	"\apool_id\x18\x02 \x01(\tR\x06poolId\x124\n" +
+	"\arequest\x18\x03 \x01(\v2\x1a.dsec.v1.CreatePoolRequestR\arequest\"Y\n" +
+	"\x15EdgeDeletePoolRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x17\n" +
+	"\apool_id\x18\x02 \x01(\tR\x06poolId\"\x86\x01\n" +
+	"\x12EdgeRunCodeRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x121\n" +
+	"\arequest\x18\x02 \x01(\v2\x17.dsec.v1.RunCodeRequestR\arequest\x12\x14\n" +
+	"\x05image\x18\x03 \x01(\tR\x05image\"\x82\x02\n" +
 	"\x0fBackendCapacity\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
 	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
@@ -1120,7 +1511,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\abackend\x18\a \x01(\tR\abackend\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xef\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb3\x02\n" +
 	"\x10HeartbeatRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x124\n" +
@@ -1128,10 +1519,17 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x06layers\x18\x04 \x03(\tR\x06layers\x12\x12\n" +
 	"\x04load\x18\x05 \x01(\x01R\x04load\x125\n" +
 	"\tsandboxes\x18\x06 \x03(\v2\x17.dsec.v1.SandboxSummaryR\tsandboxes\x12\x17\n" +
-	"\aboot_id\x18\a \x01(\tR\x06bootId\">\n" +
+	"\aboot_id\x18\a \x01(\tR\x06bootId\x12*\n" +
+	"\x05pools\x18\b \x03(\v2\x14.dsec.v1.PoolSummaryR\x05pools\x12\x16\n" +
+	"\x06queued\x18\t \x01(\x05R\x06queued\"q\n" +
+	"\vPoolSummary\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
+	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
+	"\x05ready\x18\x04 \x01(\x05R\x05ready\x12\x12\n" +
+	"\x04size\x18\x05 \x01(\x05R\x04size\">\n" +
 	"\x11HeartbeatResponse\x12)\n" +
-	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xe3\n" +
-	"\n" +
+	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xbe\x0e\n" +
 	"\vEdgeService\x12J\n" +
 	"\fCreateOnEdge\x12\x1a.dsec.v1.EdgeCreateRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12E\n" +
 	"\tGetOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1b.dsec.v1.GetSandboxResponse\x12F\n" +
@@ -1153,7 +1551,13 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\n" +
 	"ThawOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x15.dsec.v1.ThawResponse\x12A\n" +
 	"\x0fFreezeJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse\x12?\n" +
-	"\rThawJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse2Q\n" +
+	"\rThawJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse\x12L\n" +
+	"\x0fBatchExecOnEdge\x12\x1d.dsec.v1.EdgeBatchExecRequest\x1a\x1a.dsec.v1.BatchExecResponse\x12X\n" +
+	"\x13BatchRollbackOnEdge\x12!.dsec.v1.EdgeBatchRollbackRequest\x1a\x1e.dsec.v1.BatchRollbackResponse\x12O\n" +
+	"\x10CreatePoolOnEdge\x12\x1e.dsec.v1.EdgeCreatePoolRequest\x1a\x1b.dsec.v1.CreatePoolResponse\x12G\n" +
+	"\x0fListPoolsOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x1a.dsec.v1.ListPoolsResponse\x12O\n" +
+	"\x10DeletePoolOnEdge\x12\x1e.dsec.v1.EdgeDeletePoolRequest\x1a\x1b.dsec.v1.DeletePoolResponse\x12F\n" +
+	"\rRunCodeOnEdge\x12\x1b.dsec.v1.EdgeRunCodeRequest\x1a\x18.dsec.v1.RunCodeResponse2Q\n" +
 	"\vNodeService\x12B\n" +
 	"\tHeartbeat\x12\x19.dsec.v1.HeartbeatRequest\x1a\x1a.dsec.v1.HeartbeatResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
@@ -1169,7 +1573,7 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_dsec_v1_edge_proto_goTypes = []any{
 	(*Caller)(nil),                      // 0: dsec.v1.Caller
 	(*EdgeCreateRequest)(nil),           // 1: dsec.v1.EdgeCreateRequest
@@ -1184,110 +1588,148 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	(*EdgeRollbackRequest)(nil),         // 10: dsec.v1.EdgeRollbackRequest
 	(*EdgeDeleteCheckpointRequest)(nil), // 11: dsec.v1.EdgeDeleteCheckpointRequest
 	(*EdgeGetTrajectoryRequest)(nil),    // 12: dsec.v1.EdgeGetTrajectoryRequest
-	(*BackendCapacity)(nil),             // 13: dsec.v1.BackendCapacity
-	(*SandboxSummary)(nil),              // 14: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),            // 15: dsec.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),           // 16: dsec.v1.HeartbeatResponse
-	nil,                                 // 17: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                                 // 18: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),                 // 19: dsec.v1.SandboxSpec
-	(*ExecRequest)(nil),                 // 20: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),            // 21: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),             // 22: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),         // 23: dsec.v1.SubmitRewardRequest
-	(*SnapshotRequest)(nil),             // 24: dsec.v1.SnapshotRequest
-	(*CheckpointRequest)(nil),           // 25: dsec.v1.CheckpointRequest
-	(*RollbackRequest)(nil),             // 26: dsec.v1.RollbackRequest
-	(*DeleteCheckpointRequest)(nil),     // 27: dsec.v1.DeleteCheckpointRequest
-	(*GetTrajectoryRequest)(nil),        // 28: dsec.v1.GetTrajectoryRequest
-	(*CreateSandboxResponse)(nil),       // 29: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 30: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 31: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 32: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 33: dsec.v1.ExecStreamResponse
-	(*WriteFileResponse)(nil),           // 34: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 35: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 36: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 37: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 38: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 39: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 40: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 41: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 42: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 43: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 44: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 45: dsec.v1.JobResponse
+	(*EdgeBatchExecRequest)(nil),        // 13: dsec.v1.EdgeBatchExecRequest
+	(*EdgeBatchRollbackRequest)(nil),    // 14: dsec.v1.EdgeBatchRollbackRequest
+	(*EdgeCreatePoolRequest)(nil),       // 15: dsec.v1.EdgeCreatePoolRequest
+	(*EdgeDeletePoolRequest)(nil),       // 16: dsec.v1.EdgeDeletePoolRequest
+	(*EdgeRunCodeRequest)(nil),          // 17: dsec.v1.EdgeRunCodeRequest
+	(*BackendCapacity)(nil),             // 18: dsec.v1.BackendCapacity
+	(*SandboxSummary)(nil),              // 19: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),            // 20: dsec.v1.HeartbeatRequest
+	(*PoolSummary)(nil),                 // 21: dsec.v1.PoolSummary
+	(*HeartbeatResponse)(nil),           // 22: dsec.v1.HeartbeatResponse
+	nil,                                 // 23: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                                 // 24: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),                 // 25: dsec.v1.SandboxSpec
+	(*ExecRequest)(nil),                 // 26: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 27: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 28: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 29: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 30: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 31: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 32: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 33: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 34: dsec.v1.GetTrajectoryRequest
+	(*BatchExecRequest)(nil),            // 35: dsec.v1.BatchExecRequest
+	(*BatchRollbackRequest)(nil),        // 36: dsec.v1.BatchRollbackRequest
+	(*CreatePoolRequest)(nil),           // 37: dsec.v1.CreatePoolRequest
+	(*RunCodeRequest)(nil),              // 38: dsec.v1.RunCodeRequest
+	(*CreateSandboxResponse)(nil),       // 39: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 40: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 41: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 42: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 43: dsec.v1.ExecStreamResponse
+	(*WriteFileResponse)(nil),           // 44: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 45: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 46: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 47: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 48: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 49: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 50: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 51: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 52: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 53: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 54: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 55: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 56: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 57: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 58: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 59: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 60: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 61: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	19, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	25, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
 	0,  // 2: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 3: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	17, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	23, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
 	0,  // 5: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	20, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	26, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
 	0,  // 7: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	21, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	27, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
 	0,  // 9: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	22, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	28, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
 	0,  // 11: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	23, // 12: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	29, // 12: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
 	0,  // 13: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
-	24, // 14: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	30, // 14: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
 	0,  // 15: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	25, // 16: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	31, // 16: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
 	0,  // 17: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
-	26, // 18: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	32, // 18: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
 	0,  // 19: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	27, // 20: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	33, // 20: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
 	0,  // 21: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	28, // 22: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
-	18, // 23: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	13, // 24: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	14, // 25: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	1,  // 26: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 27: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 28: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 29: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 30: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 31: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	6,  // 32: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 33: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	7,  // 34: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	12, // 35: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	8,  // 36: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	9,  // 37: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	10, // 38: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	11, // 39: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 40: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 41: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 42: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 43: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	15, // 44: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	29, // 45: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	30, // 46: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	31, // 47: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	32, // 48: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	33, // 49: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	34, // 50: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	35, // 51: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	36, // 52: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	37, // 53: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	38, // 54: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	39, // 55: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	40, // 56: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	41, // 57: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	42, // 58: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	43, // 59: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	44, // 60: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	45, // 61: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	45, // 62: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	16, // 63: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	45, // [45:64] is the sub-list for method output_type
-	26, // [26:45] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	34, // 22: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	0,  // 23: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
+	35, // 24: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
+	0,  // 25: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
+	36, // 26: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
+	0,  // 27: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
+	37, // 28: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
+	0,  // 29: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 30: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
+	38, // 31: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
+	24, // 32: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	18, // 33: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	19, // 34: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	21, // 35: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	1,  // 36: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 37: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 38: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 39: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 40: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 41: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	6,  // 42: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 43: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	7,  // 44: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	12, // 45: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	8,  // 46: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	9,  // 47: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	10, // 48: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	11, // 49: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 50: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 51: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 52: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 53: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	13, // 54: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	14, // 55: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	15, // 56: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	3,  // 57: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	16, // 58: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	17, // 59: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	20, // 60: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	39, // 61: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	40, // 62: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	41, // 63: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	42, // 64: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	43, // 65: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	44, // 66: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	45, // 67: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	46, // 68: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	47, // 69: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	48, // 70: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	49, // 71: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	50, // 72: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	51, // 73: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	52, // 74: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	53, // 75: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	54, // 76: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	55, // 77: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	55, // 78: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	56, // 79: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	57, // 80: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	58, // 81: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	59, // 82: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	60, // 83: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	61, // 84: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	22, // 85: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	61, // [61:86] is the sub-list for method output_type
+	36, // [36:61] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -1302,7 +1744,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   19,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -29,6 +29,10 @@ const (
 	SandboxServiceName = "dsec.v1.SandboxService"
 	// ImageServiceName is the fully-qualified name of the ImageService service.
 	ImageServiceName = "dsec.v1.ImageService"
+	// PoolServiceName is the fully-qualified name of the PoolService service.
+	PoolServiceName = "dsec.v1.PoolService"
+	// FnServiceName is the fully-qualified name of the FnService service.
+	FnServiceName = "dsec.v1.FnService"
 	// TenantServiceName is the fully-qualified name of the TenantService service.
 	TenantServiceName = "dsec.v1.TenantService"
 )
@@ -90,6 +94,16 @@ const (
 	SandboxServiceFreezeJobProcedure = "/dsec.v1.SandboxService/FreezeJob"
 	// SandboxServiceThawJobProcedure is the fully-qualified name of the SandboxService's ThawJob RPC.
 	SandboxServiceThawJobProcedure = "/dsec.v1.SandboxService/ThawJob"
+	// SandboxServiceAcquireProcedure is the fully-qualified name of the SandboxService's Acquire RPC.
+	SandboxServiceAcquireProcedure = "/dsec.v1.SandboxService/Acquire"
+	// SandboxServiceBatchExecProcedure is the fully-qualified name of the SandboxService's BatchExec
+	// RPC.
+	SandboxServiceBatchExecProcedure = "/dsec.v1.SandboxService/BatchExec"
+	// SandboxServiceBatchRollbackProcedure is the fully-qualified name of the SandboxService's
+	// BatchRollback RPC.
+	SandboxServiceBatchRollbackProcedure = "/dsec.v1.SandboxService/BatchRollback"
+	// SandboxServiceReleaseProcedure is the fully-qualified name of the SandboxService's Release RPC.
+	SandboxServiceReleaseProcedure = "/dsec.v1.SandboxService/Release"
 	// ImageServiceImportProcedure is the fully-qualified name of the ImageService's Import RPC.
 	ImageServiceImportProcedure = "/dsec.v1.ImageService/Import"
 	// ImageServiceListProcedure is the fully-qualified name of the ImageService's List RPC.
@@ -103,6 +117,14 @@ const (
 	// ImageServiceGarbageCollectProcedure is the fully-qualified name of the ImageService's
 	// GarbageCollect RPC.
 	ImageServiceGarbageCollectProcedure = "/dsec.v1.ImageService/GarbageCollect"
+	// PoolServiceCreateProcedure is the fully-qualified name of the PoolService's Create RPC.
+	PoolServiceCreateProcedure = "/dsec.v1.PoolService/Create"
+	// PoolServiceListProcedure is the fully-qualified name of the PoolService's List RPC.
+	PoolServiceListProcedure = "/dsec.v1.PoolService/List"
+	// PoolServiceDeleteProcedure is the fully-qualified name of the PoolService's Delete RPC.
+	PoolServiceDeleteProcedure = "/dsec.v1.PoolService/Delete"
+	// FnServiceRunCodeProcedure is the fully-qualified name of the FnService's RunCode RPC.
+	FnServiceRunCodeProcedure = "/dsec.v1.FnService/RunCode"
 	// TenantServiceCreateProcedure is the fully-qualified name of the TenantService's Create RPC.
 	TenantServiceCreateProcedure = "/dsec.v1.TenantService/Create"
 )
@@ -140,6 +162,22 @@ type SandboxServiceClient interface {
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
+	// Batch API for trainers driving many sandboxes at once. Each returns one
+	// result per item, in request order; one item's failure never fails the
+	// batch.
+	//
+	// Acquire creates count sandboxes of one spec, taking warm ones from a
+	// matching pool first. When the nodes are full it waits (within the
+	// call's deadline) in a bounded queue, like Create.
+	Acquire(context.Context, *connect.Request[v1.AcquireRequest]) (*connect.Response[v1.AcquireResponse], error)
+	// BatchExec runs one command per sandbox (requests may name different
+	// sandboxes; seq numbering is per sandbox as in Exec).
+	BatchExec(context.Context, *connect.Request[v1.BatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error)
+	BatchRollback(context.Context, *connect.Request[v1.BatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error)
+	// Release ends sandboxes: a sandbox whose spec matches a pool that wants
+	// more is reset (processes killed, writable layer wiped) and goes back
+	// to the pool; the others are destroyed. Destroy does the same.
+	Release(context.Context, *connect.Request[v1.ReleaseRequest]) (*connect.Response[v1.ReleaseResponse], error)
 }
 
 // NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
@@ -273,6 +311,30 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("ThawJob")),
 			connect.WithClientOptions(opts...),
 		),
+		acquire: connect.NewClient[v1.AcquireRequest, v1.AcquireResponse](
+			httpClient,
+			baseURL+SandboxServiceAcquireProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Acquire")),
+			connect.WithClientOptions(opts...),
+		),
+		batchExec: connect.NewClient[v1.BatchExecRequest, v1.BatchExecResponse](
+			httpClient,
+			baseURL+SandboxServiceBatchExecProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("BatchExec")),
+			connect.WithClientOptions(opts...),
+		),
+		batchRollback: connect.NewClient[v1.BatchRollbackRequest, v1.BatchRollbackResponse](
+			httpClient,
+			baseURL+SandboxServiceBatchRollbackProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("BatchRollback")),
+			connect.WithClientOptions(opts...),
+		),
+		release: connect.NewClient[v1.ReleaseRequest, v1.ReleaseResponse](
+			httpClient,
+			baseURL+SandboxServiceReleaseProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Release")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -298,6 +360,10 @@ type sandboxServiceClient struct {
 	thaw             *connect.Client[v1.ThawRequest, v1.ThawResponse]
 	freezeJob        *connect.Client[v1.JobRequest, v1.JobResponse]
 	thawJob          *connect.Client[v1.JobRequest, v1.JobResponse]
+	acquire          *connect.Client[v1.AcquireRequest, v1.AcquireResponse]
+	batchExec        *connect.Client[v1.BatchExecRequest, v1.BatchExecResponse]
+	batchRollback    *connect.Client[v1.BatchRollbackRequest, v1.BatchRollbackResponse]
+	release          *connect.Client[v1.ReleaseRequest, v1.ReleaseResponse]
 }
 
 // Create calls dsec.v1.SandboxService.Create.
@@ -400,6 +466,26 @@ func (c *sandboxServiceClient) ThawJob(ctx context.Context, req *connect.Request
 	return c.thawJob.CallUnary(ctx, req)
 }
 
+// Acquire calls dsec.v1.SandboxService.Acquire.
+func (c *sandboxServiceClient) Acquire(ctx context.Context, req *connect.Request[v1.AcquireRequest]) (*connect.Response[v1.AcquireResponse], error) {
+	return c.acquire.CallUnary(ctx, req)
+}
+
+// BatchExec calls dsec.v1.SandboxService.BatchExec.
+func (c *sandboxServiceClient) BatchExec(ctx context.Context, req *connect.Request[v1.BatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error) {
+	return c.batchExec.CallUnary(ctx, req)
+}
+
+// BatchRollback calls dsec.v1.SandboxService.BatchRollback.
+func (c *sandboxServiceClient) BatchRollback(ctx context.Context, req *connect.Request[v1.BatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error) {
+	return c.batchRollback.CallUnary(ctx, req)
+}
+
+// Release calls dsec.v1.SandboxService.Release.
+func (c *sandboxServiceClient) Release(ctx context.Context, req *connect.Request[v1.ReleaseRequest]) (*connect.Response[v1.ReleaseResponse], error) {
+	return c.release.CallUnary(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	Create(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.CreateSandboxResponse], error)
@@ -433,6 +519,22 @@ type SandboxServiceHandler interface {
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
+	// Batch API for trainers driving many sandboxes at once. Each returns one
+	// result per item, in request order; one item's failure never fails the
+	// batch.
+	//
+	// Acquire creates count sandboxes of one spec, taking warm ones from a
+	// matching pool first. When the nodes are full it waits (within the
+	// call's deadline) in a bounded queue, like Create.
+	Acquire(context.Context, *connect.Request[v1.AcquireRequest]) (*connect.Response[v1.AcquireResponse], error)
+	// BatchExec runs one command per sandbox (requests may name different
+	// sandboxes; seq numbering is per sandbox as in Exec).
+	BatchExec(context.Context, *connect.Request[v1.BatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error)
+	BatchRollback(context.Context, *connect.Request[v1.BatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error)
+	// Release ends sandboxes: a sandbox whose spec matches a pool that wants
+	// more is reset (processes killed, writable layer wiped) and goes back
+	// to the pool; the others are destroyed. Destroy does the same.
+	Release(context.Context, *connect.Request[v1.ReleaseRequest]) (*connect.Response[v1.ReleaseResponse], error)
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -562,6 +664,30 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("ThawJob")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceAcquireHandler := connect.NewUnaryHandler(
+		SandboxServiceAcquireProcedure,
+		svc.Acquire,
+		connect.WithSchema(sandboxServiceMethods.ByName("Acquire")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceBatchExecHandler := connect.NewUnaryHandler(
+		SandboxServiceBatchExecProcedure,
+		svc.BatchExec,
+		connect.WithSchema(sandboxServiceMethods.ByName("BatchExec")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceBatchRollbackHandler := connect.NewUnaryHandler(
+		SandboxServiceBatchRollbackProcedure,
+		svc.BatchRollback,
+		connect.WithSchema(sandboxServiceMethods.ByName("BatchRollback")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceReleaseHandler := connect.NewUnaryHandler(
+		SandboxServiceReleaseProcedure,
+		svc.Release,
+		connect.WithSchema(sandboxServiceMethods.ByName("Release")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateProcedure:
@@ -604,6 +730,14 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceFreezeJobHandler.ServeHTTP(w, r)
 		case SandboxServiceThawJobProcedure:
 			sandboxServiceThawJobHandler.ServeHTTP(w, r)
+		case SandboxServiceAcquireProcedure:
+			sandboxServiceAcquireHandler.ServeHTTP(w, r)
+		case SandboxServiceBatchExecProcedure:
+			sandboxServiceBatchExecHandler.ServeHTTP(w, r)
+		case SandboxServiceBatchRollbackProcedure:
+			sandboxServiceBatchRollbackHandler.ServeHTTP(w, r)
+		case SandboxServiceReleaseProcedure:
+			sandboxServiceReleaseHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -691,6 +825,22 @@ func (UnimplementedSandboxServiceHandler) FreezeJob(context.Context, *connect.Re
 
 func (UnimplementedSandboxServiceHandler) ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ThawJob is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Acquire(context.Context, *connect.Request[v1.AcquireRequest]) (*connect.Response[v1.AcquireResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Acquire is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) BatchExec(context.Context, *connect.Request[v1.BatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.BatchExec is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) BatchRollback(context.Context, *connect.Request[v1.BatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.BatchRollback is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Release(context.Context, *connect.Request[v1.ReleaseRequest]) (*connect.Response[v1.ReleaseResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Release is not implemented"))
 }
 
 // ImageServiceClient is a client for the dsec.v1.ImageService service.
@@ -891,6 +1041,198 @@ func (UnimplementedImageServiceHandler) Delete(context.Context, *connect.Request
 
 func (UnimplementedImageServiceHandler) GarbageCollect(context.Context, *connect.Request[v1.GarbageCollectRequest]) (*connect.Response[v1.GarbageCollectResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.GarbageCollect is not implemented"))
+}
+
+// PoolServiceClient is a client for the dsec.v1.PoolService service.
+type PoolServiceClient interface {
+	Create(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
+	List(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
+	Delete(context.Context, *connect.Request[v1.DeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error)
+}
+
+// NewPoolServiceClient constructs a client for the dsec.v1.PoolService service. By default, it uses
+// the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and sends
+// uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC() or
+// connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewPoolServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) PoolServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	poolServiceMethods := v1.File_dsec_v1_dsec_proto.Services().ByName("PoolService").Methods()
+	return &poolServiceClient{
+		create: connect.NewClient[v1.CreatePoolRequest, v1.CreatePoolResponse](
+			httpClient,
+			baseURL+PoolServiceCreateProcedure,
+			connect.WithSchema(poolServiceMethods.ByName("Create")),
+			connect.WithClientOptions(opts...),
+		),
+		list: connect.NewClient[v1.ListPoolsRequest, v1.ListPoolsResponse](
+			httpClient,
+			baseURL+PoolServiceListProcedure,
+			connect.WithSchema(poolServiceMethods.ByName("List")),
+			connect.WithClientOptions(opts...),
+		),
+		delete: connect.NewClient[v1.DeletePoolRequest, v1.DeletePoolResponse](
+			httpClient,
+			baseURL+PoolServiceDeleteProcedure,
+			connect.WithSchema(poolServiceMethods.ByName("Delete")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// poolServiceClient implements PoolServiceClient.
+type poolServiceClient struct {
+	create *connect.Client[v1.CreatePoolRequest, v1.CreatePoolResponse]
+	list   *connect.Client[v1.ListPoolsRequest, v1.ListPoolsResponse]
+	delete *connect.Client[v1.DeletePoolRequest, v1.DeletePoolResponse]
+}
+
+// Create calls dsec.v1.PoolService.Create.
+func (c *poolServiceClient) Create(ctx context.Context, req *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error) {
+	return c.create.CallUnary(ctx, req)
+}
+
+// List calls dsec.v1.PoolService.List.
+func (c *poolServiceClient) List(ctx context.Context, req *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error) {
+	return c.list.CallUnary(ctx, req)
+}
+
+// Delete calls dsec.v1.PoolService.Delete.
+func (c *poolServiceClient) Delete(ctx context.Context, req *connect.Request[v1.DeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error) {
+	return c.delete.CallUnary(ctx, req)
+}
+
+// PoolServiceHandler is an implementation of the dsec.v1.PoolService service.
+type PoolServiceHandler interface {
+	Create(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
+	List(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
+	Delete(context.Context, *connect.Request[v1.DeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error)
+}
+
+// NewPoolServiceHandler builds an HTTP handler from the service implementation. It returns the path
+// on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewPoolServiceHandler(svc PoolServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	poolServiceMethods := v1.File_dsec_v1_dsec_proto.Services().ByName("PoolService").Methods()
+	poolServiceCreateHandler := connect.NewUnaryHandler(
+		PoolServiceCreateProcedure,
+		svc.Create,
+		connect.WithSchema(poolServiceMethods.ByName("Create")),
+		connect.WithHandlerOptions(opts...),
+	)
+	poolServiceListHandler := connect.NewUnaryHandler(
+		PoolServiceListProcedure,
+		svc.List,
+		connect.WithSchema(poolServiceMethods.ByName("List")),
+		connect.WithHandlerOptions(opts...),
+	)
+	poolServiceDeleteHandler := connect.NewUnaryHandler(
+		PoolServiceDeleteProcedure,
+		svc.Delete,
+		connect.WithSchema(poolServiceMethods.ByName("Delete")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.PoolService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case PoolServiceCreateProcedure:
+			poolServiceCreateHandler.ServeHTTP(w, r)
+		case PoolServiceListProcedure:
+			poolServiceListHandler.ServeHTTP(w, r)
+		case PoolServiceDeleteProcedure:
+			poolServiceDeleteHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedPoolServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedPoolServiceHandler struct{}
+
+func (UnimplementedPoolServiceHandler) Create(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.PoolService.Create is not implemented"))
+}
+
+func (UnimplementedPoolServiceHandler) List(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.PoolService.List is not implemented"))
+}
+
+func (UnimplementedPoolServiceHandler) Delete(context.Context, *connect.Request[v1.DeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.PoolService.Delete is not implemented"))
+}
+
+// FnServiceClient is a client for the dsec.v1.FnService service.
+type FnServiceClient interface {
+	RunCode(context.Context, *connect.Request[v1.RunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error)
+}
+
+// NewFnServiceClient constructs a client for the dsec.v1.FnService service. By default, it uses the
+// Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and sends
+// uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC() or
+// connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewFnServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) FnServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	fnServiceMethods := v1.File_dsec_v1_dsec_proto.Services().ByName("FnService").Methods()
+	return &fnServiceClient{
+		runCode: connect.NewClient[v1.RunCodeRequest, v1.RunCodeResponse](
+			httpClient,
+			baseURL+FnServiceRunCodeProcedure,
+			connect.WithSchema(fnServiceMethods.ByName("RunCode")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// fnServiceClient implements FnServiceClient.
+type fnServiceClient struct {
+	runCode *connect.Client[v1.RunCodeRequest, v1.RunCodeResponse]
+}
+
+// RunCode calls dsec.v1.FnService.RunCode.
+func (c *fnServiceClient) RunCode(ctx context.Context, req *connect.Request[v1.RunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error) {
+	return c.runCode.CallUnary(ctx, req)
+}
+
+// FnServiceHandler is an implementation of the dsec.v1.FnService service.
+type FnServiceHandler interface {
+	RunCode(context.Context, *connect.Request[v1.RunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error)
+}
+
+// NewFnServiceHandler builds an HTTP handler from the service implementation. It returns the path
+// on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewFnServiceHandler(svc FnServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	fnServiceMethods := v1.File_dsec_v1_dsec_proto.Services().ByName("FnService").Methods()
+	fnServiceRunCodeHandler := connect.NewUnaryHandler(
+		FnServiceRunCodeProcedure,
+		svc.RunCode,
+		connect.WithSchema(fnServiceMethods.ByName("RunCode")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.FnService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case FnServiceRunCodeProcedure:
+			fnServiceRunCodeHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedFnServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedFnServiceHandler struct{}
+
+func (UnimplementedFnServiceHandler) RunCode(context.Context, *connect.Request[v1.RunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FnService.RunCode is not implemented"))
 }
 
 // TenantServiceClient is a client for the dsec.v1.TenantService service.

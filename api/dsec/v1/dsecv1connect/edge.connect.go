@@ -90,6 +90,24 @@ const (
 	// EdgeServiceThawJobOnEdgeProcedure is the fully-qualified name of the EdgeService's ThawJobOnEdge
 	// RPC.
 	EdgeServiceThawJobOnEdgeProcedure = "/dsec.v1.EdgeService/ThawJobOnEdge"
+	// EdgeServiceBatchExecOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// BatchExecOnEdge RPC.
+	EdgeServiceBatchExecOnEdgeProcedure = "/dsec.v1.EdgeService/BatchExecOnEdge"
+	// EdgeServiceBatchRollbackOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// BatchRollbackOnEdge RPC.
+	EdgeServiceBatchRollbackOnEdgeProcedure = "/dsec.v1.EdgeService/BatchRollbackOnEdge"
+	// EdgeServiceCreatePoolOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// CreatePoolOnEdge RPC.
+	EdgeServiceCreatePoolOnEdgeProcedure = "/dsec.v1.EdgeService/CreatePoolOnEdge"
+	// EdgeServiceListPoolsOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// ListPoolsOnEdge RPC.
+	EdgeServiceListPoolsOnEdgeProcedure = "/dsec.v1.EdgeService/ListPoolsOnEdge"
+	// EdgeServiceDeletePoolOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// DeletePoolOnEdge RPC.
+	EdgeServiceDeletePoolOnEdgeProcedure = "/dsec.v1.EdgeService/DeletePoolOnEdge"
+	// EdgeServiceRunCodeOnEdgeProcedure is the fully-qualified name of the EdgeService's RunCodeOnEdge
+	// RPC.
+	EdgeServiceRunCodeOnEdgeProcedure = "/dsec.v1.EdgeService/RunCodeOnEdge"
 	// NodeServiceHeartbeatProcedure is the fully-qualified name of the NodeService's Heartbeat RPC.
 	NodeServiceHeartbeatProcedure = "/dsec.v1.NodeService/Heartbeat"
 )
@@ -117,6 +135,15 @@ type EdgeServiceClient interface {
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
+	// Batch forms of Exec and Rollback for this node's sandboxes.
+	BatchExecOnEdge(context.Context, *connect.Request[v1.EdgeBatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error)
+	BatchRollbackOnEdge(context.Context, *connect.Request[v1.EdgeBatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error)
+	// Warm pools on this node (pool IDs name the node as sandbox IDs do).
+	CreatePoolOnEdge(context.Context, *connect.Request[v1.EdgeCreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
+	ListPoolsOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.ListPoolsResponse], error)
+	DeletePoolOnEdge(context.Context, *connect.Request[v1.EdgeDeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error)
+	// One fncall (the image is resolved by the server).
+	RunCodeOnEdge(context.Context, *connect.Request[v1.EdgeRunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error)
 }
 
 // NewEdgeServiceClient constructs a client for the dsec.v1.EdgeService service. By default, it uses
@@ -238,6 +265,42 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(edgeServiceMethods.ByName("ThawJobOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
+		batchExecOnEdge: connect.NewClient[v1.EdgeBatchExecRequest, v1.BatchExecResponse](
+			httpClient,
+			baseURL+EdgeServiceBatchExecOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("BatchExecOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		batchRollbackOnEdge: connect.NewClient[v1.EdgeBatchRollbackRequest, v1.BatchRollbackResponse](
+			httpClient,
+			baseURL+EdgeServiceBatchRollbackOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("BatchRollbackOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		createPoolOnEdge: connect.NewClient[v1.EdgeCreatePoolRequest, v1.CreatePoolResponse](
+			httpClient,
+			baseURL+EdgeServiceCreatePoolOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("CreatePoolOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		listPoolsOnEdge: connect.NewClient[v1.EdgeListRequest, v1.ListPoolsResponse](
+			httpClient,
+			baseURL+EdgeServiceListPoolsOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("ListPoolsOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		deletePoolOnEdge: connect.NewClient[v1.EdgeDeletePoolRequest, v1.DeletePoolResponse](
+			httpClient,
+			baseURL+EdgeServiceDeletePoolOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("DeletePoolOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		runCodeOnEdge: connect.NewClient[v1.EdgeRunCodeRequest, v1.RunCodeResponse](
+			httpClient,
+			baseURL+EdgeServiceRunCodeOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("RunCodeOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -261,6 +324,12 @@ type edgeServiceClient struct {
 	thawOnEdge             *connect.Client[v1.EdgeSandboxRequest, v1.ThawResponse]
 	freezeJobOnEdge        *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	thawJobOnEdge          *connect.Client[v1.EdgeListRequest, v1.JobResponse]
+	batchExecOnEdge        *connect.Client[v1.EdgeBatchExecRequest, v1.BatchExecResponse]
+	batchRollbackOnEdge    *connect.Client[v1.EdgeBatchRollbackRequest, v1.BatchRollbackResponse]
+	createPoolOnEdge       *connect.Client[v1.EdgeCreatePoolRequest, v1.CreatePoolResponse]
+	listPoolsOnEdge        *connect.Client[v1.EdgeListRequest, v1.ListPoolsResponse]
+	deletePoolOnEdge       *connect.Client[v1.EdgeDeletePoolRequest, v1.DeletePoolResponse]
+	runCodeOnEdge          *connect.Client[v1.EdgeRunCodeRequest, v1.RunCodeResponse]
 }
 
 // CreateOnEdge calls dsec.v1.EdgeService.CreateOnEdge.
@@ -353,6 +422,36 @@ func (c *edgeServiceClient) ThawJobOnEdge(ctx context.Context, req *connect.Requ
 	return c.thawJobOnEdge.CallUnary(ctx, req)
 }
 
+// BatchExecOnEdge calls dsec.v1.EdgeService.BatchExecOnEdge.
+func (c *edgeServiceClient) BatchExecOnEdge(ctx context.Context, req *connect.Request[v1.EdgeBatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error) {
+	return c.batchExecOnEdge.CallUnary(ctx, req)
+}
+
+// BatchRollbackOnEdge calls dsec.v1.EdgeService.BatchRollbackOnEdge.
+func (c *edgeServiceClient) BatchRollbackOnEdge(ctx context.Context, req *connect.Request[v1.EdgeBatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error) {
+	return c.batchRollbackOnEdge.CallUnary(ctx, req)
+}
+
+// CreatePoolOnEdge calls dsec.v1.EdgeService.CreatePoolOnEdge.
+func (c *edgeServiceClient) CreatePoolOnEdge(ctx context.Context, req *connect.Request[v1.EdgeCreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error) {
+	return c.createPoolOnEdge.CallUnary(ctx, req)
+}
+
+// ListPoolsOnEdge calls dsec.v1.EdgeService.ListPoolsOnEdge.
+func (c *edgeServiceClient) ListPoolsOnEdge(ctx context.Context, req *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.ListPoolsResponse], error) {
+	return c.listPoolsOnEdge.CallUnary(ctx, req)
+}
+
+// DeletePoolOnEdge calls dsec.v1.EdgeService.DeletePoolOnEdge.
+func (c *edgeServiceClient) DeletePoolOnEdge(ctx context.Context, req *connect.Request[v1.EdgeDeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error) {
+	return c.deletePoolOnEdge.CallUnary(ctx, req)
+}
+
+// RunCodeOnEdge calls dsec.v1.EdgeService.RunCodeOnEdge.
+func (c *edgeServiceClient) RunCodeOnEdge(ctx context.Context, req *connect.Request[v1.EdgeRunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error) {
+	return c.runCodeOnEdge.CallUnary(ctx, req)
+}
+
 // EdgeServiceHandler is an implementation of the dsec.v1.EdgeService service.
 type EdgeServiceHandler interface {
 	// Create admits (or refuses with ResourceExhausted) and builds a sandbox.
@@ -376,6 +475,15 @@ type EdgeServiceHandler interface {
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
+	// Batch forms of Exec and Rollback for this node's sandboxes.
+	BatchExecOnEdge(context.Context, *connect.Request[v1.EdgeBatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error)
+	BatchRollbackOnEdge(context.Context, *connect.Request[v1.EdgeBatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error)
+	// Warm pools on this node (pool IDs name the node as sandbox IDs do).
+	CreatePoolOnEdge(context.Context, *connect.Request[v1.EdgeCreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
+	ListPoolsOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.ListPoolsResponse], error)
+	DeletePoolOnEdge(context.Context, *connect.Request[v1.EdgeDeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error)
+	// One fncall (the image is resolved by the server).
+	RunCodeOnEdge(context.Context, *connect.Request[v1.EdgeRunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error)
 }
 
 // NewEdgeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -493,6 +601,42 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(edgeServiceMethods.ByName("ThawJobOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
+	edgeServiceBatchExecOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceBatchExecOnEdgeProcedure,
+		svc.BatchExecOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("BatchExecOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceBatchRollbackOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceBatchRollbackOnEdgeProcedure,
+		svc.BatchRollbackOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("BatchRollbackOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceCreatePoolOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceCreatePoolOnEdgeProcedure,
+		svc.CreatePoolOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("CreatePoolOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceListPoolsOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceListPoolsOnEdgeProcedure,
+		svc.ListPoolsOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("ListPoolsOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceDeletePoolOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceDeletePoolOnEdgeProcedure,
+		svc.DeletePoolOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("DeletePoolOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceRunCodeOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceRunCodeOnEdgeProcedure,
+		svc.RunCodeOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("RunCodeOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.EdgeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case EdgeServiceCreateOnEdgeProcedure:
@@ -531,6 +675,18 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceFreezeJobOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceThawJobOnEdgeProcedure:
 			edgeServiceThawJobOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceBatchExecOnEdgeProcedure:
+			edgeServiceBatchExecOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceBatchRollbackOnEdgeProcedure:
+			edgeServiceBatchRollbackOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceCreatePoolOnEdgeProcedure:
+			edgeServiceCreatePoolOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceListPoolsOnEdgeProcedure:
+			edgeServiceListPoolsOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceDeletePoolOnEdgeProcedure:
+			edgeServiceDeletePoolOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceRunCodeOnEdgeProcedure:
+			edgeServiceRunCodeOnEdgeHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -610,6 +766,30 @@ func (UnimplementedEdgeServiceHandler) FreezeJobOnEdge(context.Context, *connect
 
 func (UnimplementedEdgeServiceHandler) ThawJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ThawJobOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) BatchExecOnEdge(context.Context, *connect.Request[v1.EdgeBatchExecRequest]) (*connect.Response[v1.BatchExecResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.BatchExecOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) BatchRollbackOnEdge(context.Context, *connect.Request[v1.EdgeBatchRollbackRequest]) (*connect.Response[v1.BatchRollbackResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.BatchRollbackOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) CreatePoolOnEdge(context.Context, *connect.Request[v1.EdgeCreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.CreatePoolOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) ListPoolsOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.ListPoolsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ListPoolsOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) DeletePoolOnEdge(context.Context, *connect.Request[v1.EdgeDeletePoolRequest]) (*connect.Response[v1.DeletePoolResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.DeletePoolOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) RunCodeOnEdge(context.Context, *connect.Request[v1.EdgeRunCodeRequest]) (*connect.Response[v1.RunCodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.RunCodeOnEdge is not implemented"))
 }
 
 // NodeServiceClient is a client for the dsec.v1.NodeService service.
