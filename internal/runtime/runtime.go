@@ -121,6 +121,24 @@ type Differ interface {
 	UpperDir() string
 }
 
+// Resetter is implemented by sandboxes that can be put back, in place, into
+// the state Create left them in, for much less than a destroy and a create:
+// warm pools and fncall reuse a sandbox this way between users.
+type Resetter interface {
+	// Reset kills every process the sandbox's users started, discards the
+	// writable layer (so the root file system is the layers' again), and
+	// empties /tmp, /dev/shm and System V IPC. The caller guarantees no
+	// other operation is in flight. On error the sandbox is unusable and
+	// the caller destroys it.
+	Reset(ctx context.Context) error
+}
+
+// Updater is implemented by sandboxes whose resource limits can change
+// while they run (fncall's per-call memory limit).
+type Updater interface {
+	Update(ctx context.Context, r Resources) error
+}
+
 // Backend creates sandboxes of one kind.
 type Backend interface {
 	Kind() Kind
