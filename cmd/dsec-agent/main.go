@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/signal"
 	"runtime"
 	"runtime/debug"
 	"sync"
@@ -46,6 +47,9 @@ func main() {
 		fatal(2, "control channel fd 3 is unusable", err)
 	}
 	conn := os.NewFile(3, "control")
+	if os.Getpid() == 1 {
+		absorbSignals()
+	}
 
 	var fork sandboxinit.Fork
 	if len(os.Args) > 1 && os.Args[1] == "container-init" {
@@ -69,6 +73,25 @@ func main() {
 	if err != nil {
 		fatal(1, "agent stopped", err)
 	}
+}
+
+// absorbSignals keeps PID 1 alive when a sandbox process signals it. The
+// kernel drops signals to a namespace's init only where init has the
+// default action, and the Go runtime installs a handler for every signal,
+// exiting on SIGTERM, SIGHUP, SIGINT, and crashing on SIGQUIT or a SIGSEGV
+// sent with kill(2); any user of the sandbox could end it. Notified
+// signals are only delivered to the channel (real faults still crash), and
+// processes the agent starts get default dispositions back at exec.
+func absorbSignals() {
+	ch := make(chan os.Signal, 16)
+	signal.Notify(ch, unix.SIGHUP, unix.SIGINT, unix.SIGQUIT, unix.SIGILL, unix.SIGTRAP, unix.SIGABRT,
+		unix.SIGBUS, unix.SIGFPE, unix.SIGSEGV, unix.SIGUSR1, unix.SIGUSR2, unix.SIGPIPE, unix.SIGALRM,
+		unix.SIGTERM, unix.SIGSTKFLT, unix.SIGXCPU, unix.SIGXFSZ, unix.SIGVTALRM, unix.SIGIO, unix.SIGPWR,
+		unix.SIGSYS)
+	go func() {
+		for range ch {
+		}
+	}()
 }
 
 // checkControl rejects an fd that cannot be a control channel: closed, or

@@ -30,6 +30,9 @@ type edgeFlags struct {
 	heartbeat    time.Duration
 	oc           placement.Overcommit
 	trajectory   bool
+	fnWarm       int
+	fnMax        int
+	fnQueue      int
 
 	mounts  *layer.Mounts      // set by build
 	backend *container.Backend // set by build
@@ -53,6 +56,9 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
 	fl.Float64Var(&f.oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the servers')")
 	fl.Float64Var(&f.oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the servers')")
+	fl.IntVar(&f.fnWarm, "fn-warm", edge.DefaultFnWarm, "clean sandboxes each fncall pool (one per language image) keeps ready")
+	fl.IntVar(&f.fnMax, "fn-max", edge.DefaultFnMax, "most sandboxes of one fncall pool; calls beyond wait")
+	fl.IntVar(&f.fnQueue, "fn-queue", edge.DefaultFnQueue, "most fncall calls waiting for a sandbox; beyond, Unavailable with a retry-after hint")
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -63,6 +69,9 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 	log *slog.Logger, reg prometheus.Registerer) (*edge.Edge, error) {
 	if err := validNodeFlag(f.nodeID); err != nil {
 		return nil, err
+	}
+	if f.fnWarm < 0 || f.fnMax < 1 || f.fnQueue < 1 || f.fnWarm > f.fnMax {
+		return nil, usagef("--fn-warm %d, --fn-max %d, --fn-queue %d: want 0 <= fn-warm <= fn-max and fn-max, fn-queue >= 1", f.fnWarm, f.fnMax, f.fnQueue)
 	}
 	capacity := placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -106,6 +115,9 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		Logger:            log,
 		Registry:          reg,
 		NoTrajectory:      !f.trajectory,
+		FnWarm:            f.fnWarm,
+		FnMax:             f.fnMax,
+		FnQueue:           f.fnQueue,
 	})
 }
 

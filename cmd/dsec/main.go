@@ -104,6 +104,7 @@ hash chain, "replay" when a step diverged.`,
 		newTrajectoryCmd(g),
 		newReplayCmd(g),
 		newGCCmd(g),
+		newPoolCmd(g), newFnCmd(g),
 	)
 	return root
 }

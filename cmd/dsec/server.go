@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"net"
+	"net/netip"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +17,7 @@ import (
 func newServerCmd() *cobra.Command {
 	var (
 		f           daemonFlags
+		sf          serveFlags
 		nodeTimeout time.Duration
 		oc          placement.Overcommit
 	)
@@ -23,12 +26,15 @@ func newServerCmd() *cobra.Command {
 		Short: "Run a control-plane replica (API, IAM, placement); edges heartbeat to it",
 		Args:  exactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := sf.validate(); err != nil {
+				return err
+			}
 			log, store, token, err := f.open(true)
 			if err != nil {
 				return err
 			}
 			reg := newRegistry()
-			srv, err := controlplane.New(controlplane.Config{
+			srv, err := controlplane.New(sf.apply(controlplane.Config{
 				DataDir:      f.dataDir,
 				Store:        store,
 				ClusterToken: token,
@@ -36,7 +42,7 @@ func newServerCmd() *cobra.Command {
 				Overcommit:   oc,
 				Logger:       log,
 				Registry:     reg,
-			})
+			}))
 			if err != nil {
 				return err
 			}
@@ -66,5 +72,51 @@ func newServerCmd() *cobra.Command {
 	fl.DurationVar(&nodeTimeout, "node-timeout", controlplane.DefaultNodeTimeout, "a node silent this long is lost, and so are its sandboxes")
 	fl.Float64Var(&oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the edges')")
 	fl.Float64Var(&oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the edges')")
+	sf.register(cmd)
 	return cmd
+}
+
+// serveFlags are the API's admission and /run_code settings, shared by
+// server and up.
+type serveFlags struct {
+	queueSize    int
+	queueTimeout time.Duration
+	runCodeOpen  []string
+}
+
+func (f *serveFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	fl.IntVar(&f.queueSize, "queue-size", controlplane.DefaultQueueSize, "creates that may wait for room when every node is full; beyond it they are refused with a retry-after hint")
+	fl.DurationVar(&f.queueTimeout, "queue-timeout", controlplane.DefaultQueueTimeout, "longest wait for room of a create whose caller set no deadline")
+	fl.StringSliceVar(&f.runCodeOpen, "run-code-open", nil, "networks (CIDR, e.g. 10.0.0.0/8) whose callers may POST /run_code without a token, for SandboxFusion clients (default: none)")
+}
+
+// apply validates the flags into cfg.
+func (f *serveFlags) apply(cfg controlplane.Config) controlplane.Config {
+	cfg.QueueSize, cfg.QueueTimeout = f.queueSize, f.queueTimeout
+	for _, c := range f.runCodeOpen {
+		pfx, err := netip.ParsePrefix(strings.TrimSpace(c))
+		if err != nil {
+			// Checked again by validate before the server starts.
+			continue
+		}
+		cfg.RunCodeOpen = append(cfg.RunCodeOpen, pfx.Masked())
+	}
+	return cfg
+}
+
+// validate reports a malformed flag.
+func (f *serveFlags) validate() error {
+	if f.queueSize < 1 {
+		return usagef("--queue-size %d: must be at least 1", f.queueSize)
+	}
+	if f.queueTimeout <= 0 {
+		return usagef("--queue-timeout %s: must be positive", f.queueTimeout)
+	}
+	for _, c := range f.runCodeOpen {
+		if _, err := netip.ParsePrefix(strings.TrimSpace(c)); err != nil {
+			return usagef("--run-code-open %q: %v (want a CIDR such as 10.0.0.0/8)", c, err)
+		}
+	}
+	return nil
 }

@@ -23,6 +23,7 @@ import (
 func newUpCmd() *cobra.Command {
 	var (
 		f       daemonFlags
+		sf      serveFlags
 		ef      edgeFlags
 		imports []string
 	)
@@ -35,6 +36,9 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 		Args: exactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := validNodeFlag(ef.nodeID); err != nil {
+				return err
+			}
+			if err := sf.validate(); err != nil {
 				return err
 			}
 			if err := os.MkdirAll(f.dataDir, 0o755); err != nil {
@@ -54,14 +58,14 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 			defer ln.Close()
 			self := loopbackURL(ln.Addr())
 			reg := newRegistry()
-			srv, err := controlplane.New(controlplane.Config{
+			srv, err := controlplane.New(sf.apply(controlplane.Config{
 				DataDir:      f.dataDir,
 				Store:        store,
 				ClusterToken: token,
 				Overcommit:   ef.oc,
 				Logger:       log,
 				Registry:     reg,
-			})
+			}))
 			if err != nil {
 				return err
 			}
@@ -99,6 +103,7 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fl.StringArrayVar(&imports, "import", nil, "NAME:TAG=PATH: import PATH as a public image before serving, unless NAME:TAG exists (repeatable)")
 	ef.register(cmd)
+	sf.register(cmd)
 	return cmd
 }
 

@@ -14,6 +14,8 @@ type metrics struct {
 	retries    prometheus.Counter
 	execTime   *prometheus.HistogramVec
 	heartbeats prometheus.Counter
+	queueWait  prometheus.Histogram
+	queueFull  prometheus.Counter
 }
 
 func newMetrics(r prometheus.Registerer, reg *registry) (*metrics, error) {
@@ -37,8 +39,15 @@ func newMetrics(r prometheus.Registerer, reg *registry) (*metrics, error) {
 		heartbeats: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "dsec_server_heartbeats_total", Help: "Edge heartbeats received.",
 		}),
+		queueWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "dsec_server_admission_wait_seconds", Help: "How long creates that found every node full waited for room.",
+			Buckets: []float64{.01, .05, .1, .5, 1, 2.5, 5, 10, 30, 60},
+		}),
+		queueFull: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "dsec_server_admission_queue_full_total", Help: "Creates refused because the admission queue was full.",
+		}),
 	}
-	for _, c := range []prometheus.Collector{m.creates, m.destroys, m.failures, m.retries, m.execTime, m.heartbeats, &registryCollector{reg: reg}} {
+	for _, c := range []prometheus.Collector{m.creates, m.destroys, m.failures, m.retries, m.execTime, m.heartbeats, m.queueWait, m.queueFull, &registryCollector{reg: reg}} {
 		if err := r.Register(c); err != nil {
 			return nil, err
 		}

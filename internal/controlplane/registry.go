@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"slices"
+	"sort"
 	"sync"
 	"time"
 
@@ -43,6 +45,9 @@ type registry struct {
 	pending map[string]*pendingCreate
 	// pendingUse is the usage of pending creates per tenant.
 	pendingUse map[string]iam.Usage
+	// room is closed (and replaced) whenever room may have appeared on a
+	// node: creates waiting in the admission queue then try again.
+	room chan struct{}
 }
 
 type node struct {
@@ -61,6 +66,10 @@ type node struct {
 	pendingUse map[runtime.Kind]placement.Capacity
 	// deadLogged records that the node's death has been reported.
 	deadLogged bool
+	// pools are the node's warm pools as last reported.
+	pools []*dsecv1.PoolSummary
+	// queued is how many creates and calls wait on the node.
+	queued int32
 }
 
 type lostSandbox struct {
@@ -86,7 +95,21 @@ func newRegistry(timeout, retention time.Duration) *registry {
 		nodes:        map[string]*node{},
 		pending:      map[string]*pendingCreate{},
 		pendingUse:   map[string]iam.Usage{},
+		room:         make(chan struct{}),
 	}
+}
+
+// roomSignal returns a channel closed the next time room may appear.
+func (r *registry) roomSignal() <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.room
+}
+
+// signalRoomLocked wakes every create waiting for room; the caller holds mu.
+func (r *registry) signalRoomLocked() {
+	close(r.room)
+	r.room = make(chan struct{})
 }
 
 func (r *registry) alive(n *node, now time.Time) bool { return now.Sub(n.lastSeen) <= r.timeout }
@@ -164,6 +187,8 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 	n.sandboxes, n.tenantUse = sandboxes, tenantUse
 	n.lastSeen = now
 	n.deadLogged = false
+	n.pools, n.queued = hb.GetPools(), hb.GetQueued()
+	defer r.signalRoomLocked()
 	// A pending create the node now reports is counted by the heartbeat.
 	// Walk the smaller side: usually a few pending creates against
 	// thousands of reported sandboxes, but a burst can invert that.
@@ -349,6 +374,7 @@ func (r *registry) release(id string) {
 	defer r.mu.Unlock()
 	if p := r.pending[id]; p != nil {
 		r.dropPendingLocked(p)
+		r.signalRoomLocked()
 	}
 }
 
@@ -373,6 +399,77 @@ func (r *registry) forget(id string) {
 		delete(n.sandboxes, id)
 		if countsAgainstQuota(s.GetState()) {
 			n.tenantUse[s.GetTenant()] = n.tenantUse[s.GetTenant()].Sub(iam.Usage{Sandboxes: 1, MilliCPU: s.GetMilliCpu(), MemoryBytes: s.GetMemoryBytes()})
+			// Free the node's room now too, rather than at its next
+			// heartbeat, for creates waiting in the admission queue.
+			k := runtime.Kind(s.GetBackend())
+			if u, ok := n.usage[k]; ok {
+				u.Sandboxes = max(u.Sandboxes-1, 0)
+				u.MilliCPU = max(u.MilliCPU-s.GetMilliCpu(), 0)
+				u.MemoryBytes = max(u.MemoryBytes-s.GetMemoryBytes(), 0)
+				n.usage[k] = u
+			}
+			r.signalRoomLocked()
+		}
+	}
+}
+
+// warmNodes lists the live nodes holding a ready sandbox of a warm pool
+// with key that serves tenant, most ready first.
+func (r *registry) warmNodes(key, tenant string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	type cand struct {
+		id    string
+		ready int32
+	}
+	var cs []cand
+	for _, n := range r.nodes {
+		if !r.alive(n, now) {
+			continue
+		}
+		var ready int32
+		for _, p := range n.pools {
+			if p.GetKey() == key && (p.GetTenant() == tenant || p.GetTenant() == "") {
+				ready += p.GetReady()
+			}
+		}
+		if ready > 0 {
+			cs = append(cs, cand{n.id, ready})
+		}
+	}
+	sort.Slice(cs, func(i, j int) bool { return cs[i].ready > cs[j].ready })
+	out := make([]string, len(cs))
+	for i, c := range cs {
+		out[i] = c.id
+	}
+	return out
+}
+
+// nodesExcept lists every known node but keep.
+func (r *registry) nodesExcept(keep []string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for id := range r.nodes {
+		if !slices.Contains(keep, id) {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// tookWarm counts one ready sandbox of a pool on node as taken until the
+// node's next heartbeat says otherwise, so a burst spreads over pools.
+func (r *registry) tookWarm(nodeID, key string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if n := r.nodes[nodeID]; n != nil {
+		for _, p := range n.pools {
+			if p.GetKey() == key && p.GetReady() > 0 {
+				p.Ready--
+				return
+			}
 		}
 	}
 }

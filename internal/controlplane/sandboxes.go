@@ -13,17 +13,12 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
-	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
-type sandboxService struct {
-	// Embedded until the batch RPCs land (issue 6).
-	dsecv1connect.UnimplementedSandboxServiceHandler
-	s *Server
-}
+type sandboxService struct{ s *Server }
 
 // prepared is a validated create: the spec as the user wrote it (defaults
 // filled), the spec the edge gets (internal image names), and what
@@ -31,6 +26,8 @@ type sandboxService struct {
 type prepared struct {
 	user, edge *dsecv1.SandboxSpec
 	req        placement.Request
+	// key matches warm pools of the same spec (edge.PoolKey).
+	key string
 }
 
 var knownBackends = map[runtime.Kind]bool{
@@ -122,7 +119,12 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, spec *dsecv1.Sand
 			return nil, err
 		}
 	}
+	digests := make([]string, len(layers))
+	for i, l := range layers {
+		digests[i] = l.Digest
+	}
 	return &prepared{
+		key:  poolKeyOf(user.Backend, digests, user.Resources, user.Env),
 		user: user,
 		edge: edge,
 		req: placement.Request{
@@ -163,6 +165,19 @@ func toUser(sb *dsecv1.Sandbox) *dsecv1.Sandbox {
 func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclude []string) (reservation, error) {
 	req := prep.req
 	req.Exclude = exclude
+	if len(exclude) == 0 {
+		// A node with a ready sandbox of a matching warm pool serves the
+		// create in the time of a take: try those nodes first.
+		if warm := s.reg.warmNodes(prep.key, p.Tenant); len(warm) > 0 {
+			req.Exclude = s.reg.nodesExcept(warm)
+			out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
+			if err == nil && out[0].err == nil {
+				s.reg.tookWarm(out[0].node, prep.key)
+				return out[0], nil
+			}
+			req.Exclude = nil
+		}
+	}
 	out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
 	if err != nil {
 		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
@@ -190,6 +205,8 @@ func (s *Server) create(ctx context.Context, p iam.Principal, quota *iam.Quota, 
 		s.metrics.retries.Inc()
 		exclude = append(exclude, res.node)
 		if res, err = s.place(p, quota, prep, exclude); err != nil {
+			// No waiting here: a node refusing what the server's view
+			// says fits may refuse it forever (another overcommit).
 			return nil, toConnect(err)
 		}
 	}
@@ -228,7 +245,9 @@ func (ss *sandboxService) Create(ctx context.Context, req *connect.Request[dsecv
 		}
 		res, err := s.place(p, quota, prep, nil)
 		if err != nil {
-			return nil, toConnect(err)
+			if res, err = s.placeOrWait(ctx, p, quota, prep, err); err != nil {
+				return nil, err
+			}
 		}
 		return s.create(ctx, p, quota, prep, res)
 	}()
@@ -240,16 +259,24 @@ func (ss *sandboxService) Create(ctx context.Context, req *connect.Request[dsecv
 }
 
 func (ss *sandboxService) BatchCreate(ctx context.Context, req *connect.Request[dsecv1.BatchCreateSandboxesRequest]) (*connect.Response[dsecv1.BatchCreateSandboxesResponse], error) {
-	s := ss.s
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
-	n := int(req.Msg.GetCount())
-	if n < 1 || n > maxBatch {
-		return nil, errf(connect.CodeInvalidArgument, "count: %d is outside [1, %d]", req.Msg.GetCount(), maxBatch)
+	results, err := ss.s.batchCreate(ctx, p, req.Msg.GetSpec(), req.Msg.GetCount())
+	if err != nil {
+		return nil, err
 	}
-	prep, err := s.prepare(ctx, p, req.Msg.GetSpec())
+	return connect.NewResponse(&dsecv1.BatchCreateSandboxesResponse{Results: results}), nil
+}
+
+// batchCreate creates count sandboxes of one spec (BatchCreate, Acquire).
+func (s *Server) batchCreate(ctx context.Context, p iam.Principal, spec *dsecv1.SandboxSpec, count int32) ([]*dsecv1.BatchCreateResult, error) {
+	n := int(count)
+	if n < 1 || n > maxBatch {
+		return nil, errf(connect.CodeInvalidArgument, "count: %d is outside [1, %d]", count, maxBatch)
+	}
+	prep, err := s.prepare(ctx, p, spec)
 	if err != nil {
 		return nil, err
 	}
@@ -270,15 +297,20 @@ func (ss *sandboxService) BatchCreate(ctx context.Context, req *connect.Request[
 	sem := make(chan struct{}, fanout)
 	var wg sync.WaitGroup
 	for i, res := range placed {
-		if res.err != nil {
-			s.metrics.fail("create", toConnect(res.err))
-			results[i] = &dsecv1.BatchCreateResult{Error: itemError(res.err)}
-			continue
-		}
 		wg.Add(1)
 		sem <- struct{}{}
 		go func() {
 			defer func() { <-sem; wg.Done() }()
+			if res.err != nil {
+				// Nothing had room at once: wait for room like a single
+				// create (bounded queue, deadline).
+				var err error
+				if res, err = s.placeOrWait(ctx, p, quota, prep, res.err); err != nil {
+					s.metrics.fail("create", err)
+					results[i] = &dsecv1.BatchCreateResult{Error: itemError(err)}
+					return
+				}
+			}
 			sb, err := s.create(ctx, p, quota, prep, res)
 			if err != nil {
 				s.metrics.fail("create", err)
@@ -289,7 +321,7 @@ func (ss *sandboxService) BatchCreate(ctx context.Context, req *connect.Request[
 		}()
 	}
 	wg.Wait()
-	return connect.NewResponse(&dsecv1.BatchCreateSandboxesResponse{Results: results}), nil
+	return results, nil
 }
 
 // visible reports whether p may see a sandbox owned by tenant.
@@ -657,30 +689,13 @@ func (ss *sandboxService) Destroy(ctx context.Context, req *connect.Request[dsec
 }
 
 func (ss *sandboxService) BatchDestroy(ctx context.Context, req *connect.Request[dsecv1.BatchDestroySandboxesRequest]) (*connect.Response[dsecv1.BatchDestroySandboxesResponse], error) {
-	s := ss.s
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
-	ids := req.Msg.GetIds()
-	if len(ids) > maxBatch {
-		return nil, errf(connect.CodeInvalidArgument, "ids: %d given, at most %d allowed", len(ids), maxBatch)
+	results, err := ss.s.batchDestroy(ctx, p, req.Msg.GetIds())
+	if err != nil {
+		return nil, err
 	}
-	results := make([]*dsecv1.BatchDestroyResult, len(ids))
-	sem := make(chan struct{}, fanout)
-	var wg sync.WaitGroup
-	for i, id := range ids {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			results[i] = &dsecv1.BatchDestroyResult{Id: id}
-			if err := s.destroy(ctx, p, id); err != nil {
-				s.metrics.fail("destroy", err)
-				results[i].Error = itemError(err)
-			}
-		}()
-	}
-	wg.Wait()
 	return connect.NewResponse(&dsecv1.BatchDestroySandboxesResponse{Results: results}), nil
 }

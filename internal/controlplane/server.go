@@ -15,7 +15,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"path/filepath"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -35,6 +37,8 @@ const (
 	// turns every rollout on it into an infrastructure failure.
 	DefaultNodeTimeout   = 10 * time.Second
 	DefaultLostRetention = time.Hour
+	DefaultQueueSize     = 1024
+	DefaultQueueTimeout  = time.Minute
 	// maxCreateAttempts bounds how many edges one create tries before
 	// giving up: each refusal excludes that edge.
 	maxCreateAttempts = 3
@@ -68,6 +72,16 @@ type Config struct {
 	Registry prometheus.Registerer
 	// HTTPClient is used for edge calls; nil builds one suited to them.
 	HTTPClient *http.Client
+	// QueueSize bounds the creates waiting for room when every node is
+	// full (default 1024); beyond it a create is Unavailable with a
+	// retry-after hint. QueueTimeout bounds the wait of a create whose
+	// caller set no deadline (default 60s).
+	QueueSize    int
+	QueueTimeout time.Duration
+	// RunCodeOpen lists networks whose callers may use /run_code without a
+	// token (SandboxFusion clients send none); they run as the admin's
+	// tenant-less identity. Empty: a token is always required.
+	RunCodeOpen []netip.Prefix
 }
 
 // Server is one control-plane replica.
@@ -79,6 +93,8 @@ type Server struct {
 	reg     *registry
 	edges   *edgeClients
 	metrics *metrics
+	// queued counts creates waiting in the admission queue.
+	queued atomic.Int64
 	// started is when New ran: the registry knows every live edge's held
 	// layers only a node timeout later (GarbageCollect waits for that).
 	started time.Time
@@ -101,6 +117,12 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.LostRetention == 0 {
 		cfg.LostRetention = DefaultLostRetention
+	}
+	if cfg.QueueSize == 0 {
+		cfg.QueueSize = DefaultQueueSize
+	}
+	if cfg.QueueTimeout == 0 {
+		cfg.QueueTimeout = DefaultQueueTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -146,6 +168,9 @@ func (s *Server) Mount(mux *http.ServeMux) {
 	mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{s: s}, pub))
 	mux.Handle(dsecv1connect.NewImageServiceHandler(&imageService{s: s}, pub))
 	mux.Handle(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, pub))
+	mux.Handle(dsecv1connect.NewPoolServiceHandler(&poolService{s: s}, pub))
+	mux.Handle(dsecv1connect.NewFnServiceHandler(&fnService{s: s}, pub))
+	mux.HandleFunc("/run_code", s.serveRunCode)
 	mux.Handle(dsecv1connect.NewNodeServiceHandler(&nodeService{s: s},
 		connect.WithInterceptors(&clusterAuth{token: s.cfg.ClusterToken})))
 }

@@ -102,6 +102,10 @@ type Config struct {
 	// MaxLayers bounds a snapshot image's layers (default
 	// DefaultMaxLayers); past it the layers are merged into one.
 	MaxLayers int
+	// FnWarm is how many clean sandboxes each fncall pool keeps ready,
+	// FnMax bounds its sandboxes (calls beyond wait) and FnQueue the calls
+	// waiting; defaults DefaultFnWarm, DefaultFnMax, DefaultFnQueue.
+	FnWarm, FnMax, FnQueue int
 }
 
 // Edge is one node's agent. Create it with New, mount its service with
@@ -134,6 +138,10 @@ type Edge struct {
 	ckLayers    map[string]int
 	deadlines   deadlineHeap
 	tombstones  []tombstone
+	// pools are the node's warm pools by ID; fnPools its fncall pools by
+	// key.
+	pools   map[string]*warmPool
+	fnPools map[string]*fnPool
 
 	stop    context.CancelFunc
 	stopCtx context.Context
@@ -175,6 +183,15 @@ func New(cfg Config) (*Edge, error) {
 	}
 	if cfg.ShipInterval <= 0 {
 		cfg.ShipInterval = DefaultShipInterval
+	}
+	if cfg.FnWarm == 0 {
+		cfg.FnWarm = DefaultFnWarm
+	}
+	if cfg.FnMax == 0 {
+		cfg.FnMax = DefaultFnMax
+	}
+	if cfg.FnQueue == 0 {
+		cfg.FnQueue = DefaultFnQueue
 	}
 	if cfg.MaxLayers <= 0 {
 		cfg.MaxLayers = DefaultMaxLayers
@@ -252,6 +269,8 @@ func New(cfg Config) (*Edge, error) {
 		ship:        make(chan string, 1024),
 		ckStore:     ckStore,
 		checkpoints: map[string]*checkpoint{},
+		pools:       map[string]*warmPool{},
+		fnPools:     map[string]*fnPool{},
 		ckLayers:    map[string]int{},
 		stop:        stop,
 		stopCtx:     stopCtx,
@@ -341,6 +360,8 @@ func (e *Edge) Close(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
+	e.closePools(ctx)
+	e.closeFnPools(ctx)
 	if e.traj != nil {
 		if err := e.traj.ShipAll(ctx); err != nil {
 			errs = append(errs, err)

@@ -22,9 +22,14 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 		Load:   loadPerCore(),
 		BootId: e.bootID,
 	}
+	held := map[string]int{}
+	req.Pools = e.poolSummaries(held)
 	e.mu.Lock()
 	for _, kind := range slices.Sorted(maps.Keys(e.cfg.Capacity)) {
-		c, u := e.cfg.Capacity[kind], e.used[kind]
+		c, u, p := e.cfg.Capacity[kind], e.used[kind], e.pooledLocked(kind)
+		u.MilliCPU += p.MilliCPU
+		u.MemoryBytes += p.MemoryBytes
+		u.Sandboxes += p.Sandboxes
 		req.Capacity = append(req.Capacity, &dsecv1.BackendCapacity{
 			Backend:         string(kind),
 			MilliCpu:        c.MilliCPU,
@@ -35,9 +40,13 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 			UsedSandboxes:   u.Sandboxes,
 		})
 	}
-	req.Layers = slices.Sorted(maps.Keys(e.layers))
+	for d := range e.layers {
+		held[d]++
+	}
+	req.Layers = slices.Sorted(maps.Keys(held))
 	e.mu.Unlock()
 	req.Sandboxes = e.summaries()
+	req.Queued = e.fnQueued()
 	return req
 }
 

@@ -14,10 +14,15 @@ type metrics struct {
 	execSeconds *prometheus.HistogramVec
 	live        *prometheus.GaugeVec
 	heartbeats  *prometheus.CounterVec
+	fncalls     *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
+		fncalls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dsec_edge_fncalls_total",
+			Help: "fncall calls run on this node, by language and status (Success, Failed, SandboxError).",
+		}, []string{"language", "status"}),
 		creates: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dsec_edge_sandbox_creates_total",
 			Help: "Sandboxes created on this node.",
@@ -44,7 +49,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Heartbeats sent to servers, by result (ok, error).",
 		}, []string{"result"}),
 	}
-	for _, c := range []prometheus.Collector{m.creates, m.destroys, m.failures, m.execSeconds, m.live, m.heartbeats} {
+	for _, c := range []prometheus.Collector{m.creates, m.destroys, m.failures, m.execSeconds, m.live, m.heartbeats, m.fncalls} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register edge metrics: %w", err)
 		}

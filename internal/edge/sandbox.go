@@ -89,6 +89,9 @@ type sandbox struct {
 	stateMu sync.Mutex
 	// stateReleased is set once releaseState ran.
 	stateReleased bool
+	// pool is the warm pool rt was taken from, while rt is still that
+	// pool's sandbox (a rollback replaces it); destroy hands rt back to it.
+	pool *warmPool
 }
 
 // visibleState is the state Get, List and heartbeats report: a frozen
@@ -214,27 +217,19 @@ func checkDuration(field string, d *durationpb.Duration) error {
 	return nil
 }
 
-// create validates, resolves images, admits and builds one sandbox.
-func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec) (*dsecv1.Sandbox, error) {
-	if caller == nil {
-		return nil, invalid("caller is required")
-	}
-	spec, err := e.validateSpec(id, in)
-	if err != nil {
-		e.metrics.failures.WithLabelValues(backendLabel(in), "invalid").Inc()
-		return nil, err
-	}
-	kind := runtime.Kind(spec.Backend)
+// resolveSpec resolves a validated spec's images into the runtime spec of
+// sandbox id and its layer digests, bottom first.
+func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxSpec) (runtime.Spec, []string, error) {
 	resolved, err := e.images.Resolve(ctx, spec.Image, spec.Workspace, spec.Toolkits...)
 	if err != nil {
 		e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
 		switch {
 		case errors.Is(err, image.ErrNotFound):
-			return nil, connect.NewError(connect.CodeNotFound, err)
+			return runtime.Spec{}, nil, connect.NewError(connect.CodeNotFound, err)
 		case errors.Is(err, image.ErrInvalidRef):
-			return nil, connect.NewError(connect.CodeInvalidArgument, err)
+			return runtime.Spec{}, nil, connect.NewError(connect.CodeInvalidArgument, err)
 		}
-		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
+		return runtime.Spec{}, nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
 	}
 	layers := make([]runtime.Layer, len(resolved.Layers))
 	digests := make([]string, len(resolved.Layers))
@@ -246,7 +241,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 			if errors.Is(err, blobstore.ErrNotFound) {
 				code = connect.CodeNotFound
 			}
-			return nil, connect.NewError(code, fmt.Errorf("layer %s of sandbox %q: %w", l.Digest, id, err))
+			return runtime.Spec{}, nil, connect.NewError(code, fmt.Errorf("layer %s of sandbox %q: %w", l.Digest, id, err))
 		}
 		layers[i] = runtime.Layer{Digest: l.Digest, Path: p}
 		digests[i] = l.Digest
@@ -255,6 +250,32 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	if r := spec.Resources; r != nil {
 		res = runtime.Resources{MilliCPU: r.MilliCpu, MemoryBytes: r.MemoryBytes, Pids: r.Pids}
 	}
+	return runtime.Spec{
+		ID:        id,
+		Layers:    layers,
+		Resources: res,
+		Env:       append(append([]string(nil), resolved.Config.Env...), spec.Env...),
+		Workdir:   resolved.Config.WorkingDir,
+		User:      resolved.Config.User,
+	}, digests, nil
+}
+
+// create validates, resolves images, admits and builds one sandbox.
+func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec) (*dsecv1.Sandbox, error) {
+	if caller == nil {
+		return nil, invalid("caller is required")
+	}
+	spec, err := e.validateSpec(id, in)
+	if err != nil {
+		e.metrics.failures.WithLabelValues(backendLabel(in), "invalid").Inc()
+		return nil, err
+	}
+	kind := runtime.Kind(spec.Backend)
+	rspec, digests, err := e.resolveSpec(ctx, id, spec)
+	if err != nil {
+		return nil, err
+	}
+	res := rspec.Resources
 	now := time.Now()
 	sb := &sandbox{
 		id:         id,
@@ -269,25 +290,30 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		state:      StateCreating,
 		lastActive: now,
 	}
+	// A ready sandbox of a matching warm pool is taken before admission:
+	// the pool's charge for it turns into the sandbox's own.
+	wp, rs := e.takeWarm(caller, spec, digests)
 	if err := e.admit(sb); err != nil {
+		if rs != nil {
+			wp.p.Put(rs)
+		}
 		return nil, err
 	}
-
-	sb.rspec = runtime.Spec{
-		ID:        id,
-		Layers:    layers,
-		Resources: res,
-		Env:       append(append([]string(nil), resolved.Config.Env...), spec.Env...),
-		Workdir:   resolved.Config.WorkingDir,
-		User:      resolved.Config.User,
+	sb.rspec = rspec
+	if rs != nil {
+		// The sandbox keeps its pool's runtime ID: rollback re-creates
+		// under it.
+		sb.rspec.ID = rs.ID()
+		sb.pool = wp
+	} else {
+		rs, err = e.cfg.Backends[kind].Create(ctx, sb.rspec)
 	}
-	rs, err := e.cfg.Backends[kind].Create(ctx, sb.rspec)
 
 	if err == nil && e.traj != nil {
 		// The creation record is durable before anyone learns the
 		// sandbox exists: every later record chains to it.
 		if lerr := e.traj.Create(ctx, id, environment(sb), now, time.Now()); lerr != nil {
-			rs.Destroy(context.WithoutCancel(ctx))
+			dropRuntime(context.WithoutCancel(ctx), sb.pool, rs)
 			err = fmt.Errorf("trajectory: %w", lerr)
 		}
 	}
@@ -314,7 +340,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		e.uncharge(sb)
 		e.setState(sb, StateDestroyed, "")
 		e.mu.Unlock()
-		rs.Destroy(context.WithoutCancel(ctx))
+		dropRuntime(context.WithoutCancel(ctx), sb.pool, rs)
 		e.endTrajectory(sb, trajectory.KindDestroy, "destroyed while being created")
 		return nil, connect.NewError(connect.CodeAborted, fmt.Errorf("sandbox %q was destroyed while being created", id))
 	}
@@ -346,6 +372,12 @@ func (e *Edge) admit(sb *sandbox) error {
 		return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
 	}
 	capa, used := e.cfg.Capacity[sb.kind], e.used[sb.kind]
+	// Pooled sandboxes hold capacity too (a sandbox just taken from a pool
+	// no longer counts there).
+	p := e.pooledLocked(sb.kind)
+	used.MilliCPU += p.MilliCPU
+	used.MemoryBytes += p.MemoryBytes
+	used.Sandboxes += p.Sandboxes
 	var short string
 	switch {
 	case used.Sandboxes+1 > capa.Sandboxes:
@@ -582,12 +614,13 @@ func (e *Edge) loseLocked(sb *sandbox, reason string) runtime.Sandbox {
 func (e *Edge) release(sb *sandbox, rs runtime.Sandbox) {
 	e.mu.Lock()
 	reason := sb.reason
+	wp := sb.pool
 	e.mu.Unlock()
 	e.endTrajectory(sb, trajectory.KindLost, reason)
 	defer e.releaseState(sb)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := rs.Destroy(ctx); err != nil {
+	if err := dropRuntime(ctx, wp, rs); err != nil {
 		e.log.Warn("release lost sandbox", "sandbox", sb.id, "err", err)
 	}
 }
@@ -622,10 +655,17 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	}
 	done := make(chan struct{})
 	sb.destroying = done
-	rs := sb.rt
+	rs, wp, frozen, closing := sb.rt, sb.pool, sb.frozen, e.closed
 	e.mu.Unlock()
 
-	err := rs.Destroy(context.WithoutCancel(ctx))
+	var err error
+	if wp != nil && !frozen && !closing {
+		// Back to its warm pool: reset in place in the background, then
+		// ready for the next create (or destroyed if the pool is full).
+		wp.p.Put(rs)
+	} else {
+		err = dropRuntime(context.WithoutCancel(ctx), wp, rs)
+	}
 	// Counted before the state turns destroyed, so whoever sees the state
 	// also sees the count.
 	e.metrics.destroys.WithLabelValues(string(sb.kind), reason).Inc()

@@ -29,11 +29,7 @@ const (
 )
 
 // service adapts the Edge to the generated EdgeService handler.
-type service struct {
-	// Embedded until the batch, pool and fncall RPCs land (issue 6).
-	dsecv1connect.UnimplementedEdgeServiceHandler
-	e *Edge
-}
+type service struct{ e *Edge }
 
 var _ dsecv1connect.EdgeServiceHandler = (*service)(nil)
 

@@ -272,7 +272,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
 	}
 	sb.rolling = true
-	old := sb.rt
+	old, oldPool := sb.rt, sb.pool
 	oldStack := sb.rspec.Layers
 	spec := sb.rspec
 	spec.Layers = slices.Clone(ck.stack)
@@ -282,13 +282,14 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	e.mu.Unlock()
 
 	ctx = context.WithoutCancel(ctx)
-	if err := old.Destroy(ctx); err != nil {
+	if err := dropRuntime(ctx, oldPool, old); err != nil {
 		e.log.Warn("rollback: destroy the old sandbox", "sandbox", sb.id, "err", err)
 	}
 	rs, err := e.cfg.Backends[sb.kind].Create(ctx, spec)
 
 	e.mu.Lock()
 	sb.rolling = false
+	sb.pool = nil // the pool's sandbox is gone; the new one is the sandbox's own
 	var (
 		unused []string
 		orphan runtime.Sandbox

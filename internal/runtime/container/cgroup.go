@@ -42,6 +42,12 @@ type cgroup interface {
 	spawn(attr *syscall.SysProcAttr, start func() error) error
 	// update applies r (a pre-started agent gets its sandbox's limits).
 	update(r rt.Resources) error
+	// set applies r to a running sandbox: unlike update, a zero CPU or
+	// memory field lifts that limit.
+	set(r rt.Resources) error
+	// userDir is the cgroup directory of the user's processes (with the
+	// pids controller; on v1 the agent's spawner thread lives there too).
+	userDir() string
 	// oomKills is the number of OOM kills in the cgroup so far.
 	oomKills() (uint64, error)
 	// user fills in where the sandbox's user processes are born (see
@@ -125,6 +131,24 @@ func (c *cgroupV1) update(r rt.Resources) error {
 	}
 	return os.WriteFile(filepath.Join(cgroupRoot, "pids", c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
 }
+
+func (c *cgroupV1) set(r rt.Resources) error {
+	res := toSpec(r)
+	if r.MilliCPU == 0 {
+		quota, period := int64(-1), uint64(100000)
+		res.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota}
+	}
+	if r.MemoryBytes == 0 {
+		limit := int64(-1)
+		res.Memory = &specs.LinuxMemory{Limit: &limit}
+	}
+	if err := c.cg.Update(res); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(c.userDir(), "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
+}
+
+func (c *cgroupV1) userDir() string { return filepath.Join(cgroupRoot, "pids", c.group, "user") }
 
 func (c *cgroupV1) user(cfg *sandboxinit.Config) {
 	cfg.UserTasks = filepath.Join(cgroupRoot, "pids", c.group, "user", "tasks")
@@ -275,6 +299,28 @@ func (c *cgroupV2) update(r rt.Resources) error {
 	}
 	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
 }
+
+// set writes "max" for lifted limits: v2 has no -1, and the cgroups
+// library writes numbers as they are.
+func (c *cgroupV2) set(r rt.Resources) error {
+	if err := c.update(r); err != nil {
+		return err
+	}
+	dir := filepath.Join(cgroupRoot, c.group)
+	if r.MilliCPU == 0 {
+		if err := os.WriteFile(filepath.Join(dir, "cpu.max"), []byte("max"), 0); err != nil {
+			return err
+		}
+	}
+	if r.MemoryBytes == 0 {
+		if err := os.WriteFile(filepath.Join(dir, "memory.max"), []byte("max"), 0); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *cgroupV2) userDir() string { return filepath.Join(cgroupRoot, c.group, "user") }
 
 func (c *cgroupV2) user(cfg *sandboxinit.Config) {
 	cfg.UserCgroupDir = filepath.Join(cgroupRoot, c.group, "user")

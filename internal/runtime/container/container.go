@@ -13,6 +13,20 @@
 // Layers are mounted once per node by a shared, reference-counted cache
 // (layer.Mounts); the host mount table holds one mount per layer, never one
 // per sandbox.
+//
+// Reset (runtime.Resetter) recycles a sandbox for its next user in place,
+// for a fraction of a destroy and a create, because the agent's start-up
+// is most of a create. It is done from the edge, not by the agent: the
+// agent has given up the right to mount and must not be trusted after a
+// hostile user anyway. The user's processes are killed through the user
+// cgroup, and the root file system is replaced, not cleaned: the overlay's
+// upper directory must not change while it is mounted, so a new overlay
+// over a fresh upper directory is built detached (new mount API) in the
+// host's namespace, where the layer paths resolve, then moved into the
+// sandbox's mount namespace, with the sandbox's own /proc and /sys and a
+// fresh /dev, and made its root with pivot_root, which moves the agent
+// along. The old overlay goes with the old root; its directories are
+// removed in the background.
 package container
 
 import (
@@ -99,6 +113,10 @@ type Backend struct {
 }
 
 var _ rt.Backend = (*Backend)(nil)
+
+// minMemory is the smallest memory limit a sandbox may have: its agent
+// alone needs a few MiB.
+const minMemory = 8 << 20
 
 // validID keeps IDs safe as path and cgroup components: 1-128 of
 // [A-Za-z0-9_.-], starting with a letter or digit (so never "." or "..").
@@ -223,8 +241,8 @@ func (b *Backend) validate(spec *rt.Spec) error {
 	if r.MilliCPU < 0 || r.MemoryBytes < 0 || r.Pids < 0 {
 		return fmt.Errorf("%w: resources must not be negative", rt.ErrInvalidSpec)
 	}
-	if r.MemoryBytes != 0 && r.MemoryBytes < 8<<20 {
-		return fmt.Errorf("%w: resources.memory %d bytes is below the 8 MiB minimum", rt.ErrInvalidSpec, r.MemoryBytes)
+	if r.MemoryBytes != 0 && r.MemoryBytes < minMemory {
+		return fmt.Errorf("%w: resources.memory %d bytes is below the %d MiB minimum", rt.ErrInvalidSpec, r.MemoryBytes, minMemory>>20)
 	}
 	if spec.UserNamespace {
 		return fmt.Errorf("%w: user_namespace is not supported by the container backend yet", rt.ErrInvalidSpec)
@@ -304,7 +322,12 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	if err := b.initSandbox(ctx, p.conn, &cfg, p.done); err != nil {
 		return nil, err
 	}
-	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn)}
+	attrs, err := captureAgent(p.cmd.Process.Pid)
+	if err != nil {
+		return nil, err
+	}
+	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
+		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1}
 	b.mu.Lock()
 	b.live[spec.ID] = sb
 	b.mu.Unlock()
@@ -316,10 +339,13 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 // slot name of the backend's own, not by the sandbox ID, so that agents can
 // be started before anyone asks for a sandbox.
 type agentProc struct {
-	slot    string
-	dir     string
-	cg      cgroup
-	cmd     *exec.Cmd
+	slot string
+	dir  string
+	cg   cgroup
+	cmd  *exec.Cmd
+	// pidfd names the agent process (-1 if the kernel has no pidfds):
+	// Reset joins its namespaces through it, immune to PID reuse.
+	pidfd   int
 	conn    net.Conn
 	done    chan struct{}
 	waitErr error
@@ -331,8 +357,16 @@ func (p *agentProc) kill() {
 	p.cmd.Process.Kill()
 	<-p.done
 	p.conn.Close()
+	p.closePidfd()
 	p.cg.delete()
 	os.RemoveAll(p.dir)
+}
+
+func (p *agentProc) closePidfd() {
+	if p.pidfd >= 0 {
+		unix.Close(p.pidfd)
+		p.pidfd = -1
+	}
 }
 
 // spawn starts an agent with resources r. One process spawn: the agent is
@@ -377,6 +411,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	}
 	undo = append(undo, func() { conn.Close() })
 
+	pidfd := -1
 	cmd := &exec.Cmd{
 		Path:       b.opts.AgentPath,
 		Args:       []string{"dsec-agent", "container-init"},
@@ -386,6 +421,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 			Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWIPC |
 				syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET | syscall.CLONE_NEWCGROUP,
 			Setsid: true,
+			PidFD:  &pidfd,
 		},
 	}
 	err = cg.spawn(cmd.SysProcAttr, cmd.Start)
@@ -393,7 +429,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("start dsec-agent: %w", err)
 	}
-	p := &agentProc{slot: slot, dir: dir, cg: cg, cmd: cmd, conn: conn, done: make(chan struct{})}
+	p := &agentProc{slot: slot, dir: dir, cg: cg, cmd: cmd, pidfd: pidfd, conn: conn, done: make(chan struct{})}
 	go func() {
 		p.waitErr = cmd.Wait()
 		close(p.done)
@@ -547,6 +583,32 @@ type sandbox struct {
 	// oomSeen is the cgroup's OOM-kill count already reported.
 	oomSeen atomic.Uint64
 
+	// lower are the overlay's layer directories, top first.
+	lower []string
+	// attrs are the agent's inheritable attributes after Create.
+	attrs *agentAttrs
+	// resetMu serialises Reset with itself and with the end of Destroy.
+	resetMu sync.Mutex
+	// fsMu guards the current overlay's directories, which Reset replaces
+	// (generation gen; 0 is Create's "upper" and "work"), the root prepared
+	// for the next Reset, and destroyed.
+	fsMu        sync.Mutex
+	upper, work string
+	gen         int
+	next        *overlayRoot
+	destroyed   bool
+	// bg counts Reset's background work in flight (releasing the old root,
+	// preparing the next); Destroy waits for it.
+	bg sync.WaitGroup
+	// mqueue is a detached mount of the sandbox's mqueue file system (-1
+	// until the first Reset makes it); only Reset uses it.
+	mqueue int
+	// updateMu serialises Update.
+	updateMu sync.Mutex
+	// frozen is set from Freeze until a Thaw succeeds: Reset skips the
+	// thaw of a sandbox that was not frozen.
+	frozen atomic.Bool
+
 	destroyOnce sync.Once
 	destroyErr  error
 }
@@ -612,6 +674,7 @@ func (s *sandbox) Freeze(ctx context.Context) error {
 		return fmt.Errorf("%w: freeze: init has exited", rt.ErrSandboxGone)
 	default:
 	}
+	s.frozen.Store(true)
 	if err := s.cg.freeze(); err != nil {
 		return s.gone(fmt.Errorf("freeze: %w", err))
 	}
@@ -623,13 +686,19 @@ func (s *sandbox) Thaw(ctx context.Context) error {
 	if err := s.cg.thaw(); err != nil {
 		return s.gone(fmt.Errorf("thaw: %w", err))
 	}
+	s.frozen.Store(false)
 	return nil
 }
 
 // UpperDir implements runtime.Differ. The overlay is mounted without
 // redirect_dir, metacopy or index, so the upper directory is self-contained:
 // whiteouts, opaque directories and full copies of changed files.
-func (s *sandbox) UpperDir() string { return filepath.Join(s.dir, "upper") }
+// After a Reset it is the new overlay's.
+func (s *sandbox) UpperDir() string {
+	s.fsMu.Lock()
+	defer s.fsMu.Unlock()
+	return s.upper
+}
 
 func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
 	return s.gone(s.client.WriteFile(ctx, path, data, mode))
@@ -661,6 +730,17 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		<-s.done
 		s.client.Close()
 		s.conn.Close()
+		// A Reset in flight fails quickly now that init is gone; after it,
+		// no new directory can appear, and the removals it started finish.
+		s.resetMu.Lock()
+		s.dropNext() // and no new one is prepared
+		s.bg.Wait()
+		if s.mqueue >= 0 {
+			unix.Close(s.mqueue)
+			s.mqueue = -1
+		}
+		s.closePidfd()
+		s.resetMu.Unlock()
 		var errs []error
 		if err := s.cg.delete(); err != nil {
 			errs = append(errs, fmt.Errorf("delete cgroup: %w", err))

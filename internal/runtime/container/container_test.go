@@ -28,7 +28,7 @@ type env struct {
 	n       atomic.Int64
 }
 
-func newEnv(t *testing.T, warm int) *env {
+func newEnv(t testing.TB, warm int) *env {
 	t.Helper()
 	testutil.RequireRoot(t)
 	agentBin := testutil.BuildBinary(t, "./cmd/dsec-agent")
@@ -78,7 +78,10 @@ func newEnv(t *testing.T, warm int) *env {
 	return &env{backend: b, layer: rt.Layer{Digest: desc.Digest, Path: path}, root: root}
 }
 
-func (e *env) spec(t *testing.T) rt.Spec {
+func (e *env) spec(t *testing.T) rt.Spec { return e.newSpec() }
+
+// newSpec is spec for benchmarks too.
+func (e *env) newSpec() rt.Spec {
 	return rt.Spec{
 		ID:     fmt.Sprintf("t%d", e.n.Add(1)),
 		Layers: []rt.Layer{e.layer},

@@ -108,6 +108,8 @@ func Run(t *testing.T, h Harness) {
 	t.Run("files", s.testFiles)
 	t.Run("concurrency", s.testConcurrency)
 	t.Run("lifecycle", s.testLifecycle)
+	t.Run("reset", s.testReset)
+	t.Run("update", s.testUpdate)
 	t.Run("invalid-spec", s.testInvalidSpec)
 	t.Run("leaks", s.testLeaks)
 	// Whatever the subtests above did (timeouts, OOM kills, fork bombs,

@@ -13,6 +13,17 @@
 // sandbox or node failed is not an error: it returns an ExecResult whose
 // Outcome is OutcomeInfraError, so a trainer can mask it rather than learn
 // from it.
+//
+// Trainers driving many sandboxes at once use the batch calls (Acquire,
+// BatchExec, BatchRollback, Release): one request for the whole batch, one
+// result per item, and one item's failure never fails the others. Warm
+// pools (CreatePool) keep sandboxes of a spec ready ahead of demand, and
+// RunCode is a stateless "run this code in that language" call.
+//
+// When the service is saturated it queues creates within their deadline
+// and, once its queue is full, refuses with Unavailable and a hint of when
+// to come back: RetryAfter(err) reads it. The client never re-sends a
+// create by itself (it cannot know whether the caller still wants it).
 package dsec
 
 import (
@@ -21,6 +32,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -48,6 +60,8 @@ type Client struct {
 	sandboxes dsecv1connect.SandboxServiceClient
 	images    dsecv1connect.ImageServiceClient
 	tenants   dsecv1connect.TenantServiceClient
+	pools     dsecv1connect.PoolServiceClient
+	fn        dsecv1connect.FnServiceClient
 }
 
 type options struct {
@@ -91,6 +105,8 @@ func New(endpoint, token string, opts ...Option) *Client {
 		sandboxes: dsecv1connect.NewSandboxServiceClient(o.httpClient, endpoint, copts...),
 		images:    dsecv1connect.NewImageServiceClient(o.httpClient, endpoint, copts...),
 		tenants:   dsecv1connect.NewTenantServiceClient(o.httpClient, endpoint, copts...),
+		pools:     dsecv1connect.NewPoolServiceClient(o.httpClient, endpoint, copts...),
+		fn:        dsecv1connect.NewFnServiceClient(o.httpClient, endpoint, copts...),
 	}
 }
 
@@ -169,4 +185,38 @@ func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.St
 
 func (b bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return next
+}
+
+// queued prepares a call that the server may hold in its admission queue
+// (creates, Acquire, RunCode) for the caller's deadline. Connect would
+// give the server exactly the caller's deadline, and then the server's
+// answer ("waited 5s for room", or an Acquire's per-item results and the
+// handles of the sandboxes it did create) races the caller's own timeout
+// and usually loses. So the server is told a deadline a little earlier
+// (a tenth of the time left, at most a second), and the call itself ends
+// at the caller's deadline as before. Without a deadline nothing changes.
+func queued(ctx context.Context, h http.Header) (context.Context, context.CancelFunc) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return ctx, func() {}
+	}
+	left := time.Until(deadline)
+	server := left - min(time.Second, left/10)
+	if server <= 0 {
+		return ctx, func() {}
+	}
+	// Both protocols' headers: the server reads the one it speaks.
+	ms := server.Milliseconds()
+	h.Set("Connect-Timeout-Ms", strconv.FormatInt(max(ms, 1), 10))
+	if ms < 1e8 {
+		h.Set("Grpc-Timeout", strconv.FormatInt(max(ms, 1), 10)+"m")
+	} else {
+		h.Set("Grpc-Timeout", strconv.FormatInt(int64(server/time.Second), 10)+"S")
+	}
+	// The call keeps the caller's values and ends when the caller's
+	// context does, but carries no deadline of its own for Connect to
+	// turn into a header.
+	call, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(ctx, cancel)
+	return call, func() { stop(); cancel() }
 }

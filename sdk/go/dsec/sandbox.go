@@ -188,7 +188,10 @@ func (c *Client) Sandbox(id string, opts ...HandleOption) *Sandbox {
 
 // Create creates one sandbox and returns when it is running.
 func (c *Client) Create(ctx context.Context, spec Spec) (*Sandbox, error) {
-	resp, err := c.sandboxes.Create(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: spec.proto()}))
+	req := connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: spec.proto()})
+	ctx, done := queued(ctx, req.Header())
+	defer done()
+	resp, err := c.sandboxes.Create(ctx, req)
 	if err != nil {
 		return nil, fmt.Errorf("create sandbox from %q: %w", spec.Image, err)
 	}
@@ -202,10 +205,10 @@ func (c *Client) CreateMany(ctx context.Context, spec Spec, n int) ([]*Sandbox, 
 	if n <= 0 {
 		return nil, nil
 	}
-	resp, err := c.sandboxes.BatchCreate(ctx, connect.NewRequest(&dsecv1.BatchCreateSandboxesRequest{
-		Spec:  spec.proto(),
-		Count: int32(n),
-	}))
+	req := connect.NewRequest(&dsecv1.BatchCreateSandboxesRequest{Spec: spec.proto(), Count: int32(n)})
+	ctx, done := queued(ctx, req.Header())
+	defer done()
+	resp, err := c.sandboxes.BatchCreate(ctx, req)
 	if err != nil {
 		return nil, fmt.Errorf("create %d sandboxes from %q: %w", n, spec.Image, err)
 	}

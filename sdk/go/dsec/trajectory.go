@@ -143,10 +143,16 @@ func resend(ctx context.Context, seq uint64, call func() error) error {
 		if err == nil || seq == 0 || !retriable(err) || time.Now().After(deadline) {
 			return err
 		}
+		// A saturated service says when to come back; waiting less would
+		// only be refused again.
+		pause := max(wait, RetryAfter(err))
+		if left := time.Until(deadline); pause > left {
+			pause = max(left, 0)
+		}
 		select {
 		case <-ctx.Done():
 			return err
-		case <-time.After(wait):
+		case <-time.After(pause):
 		}
 		wait = min(2*wait, time.Second)
 	}

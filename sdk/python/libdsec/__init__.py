@@ -10,6 +10,12 @@ It speaks the Connect JSON protocol over httpx to a DSec API server::
             out = await sb.run("echo hello", timeout=60)
             print(out.exit_code, out.stdout)
 
+Trainers driving many sandboxes use the batch calls: ``acquire``,
+``batch_exec``, ``batch_rollback`` and ``release`` (one request per step,
+one result per sandbox). ``create_pool`` keeps sandboxes warm ahead of
+demand, and ``run_code`` runs a snippet in a language statelessly. A
+saturated service answers ``UnavailableError`` with ``retry_after`` set.
+
 Only httpx is needed (Debian: python3-httpx).
 """
 
@@ -19,11 +25,14 @@ from .errors import __all__ as _errors_all
 from .models import (
     BackendKind,
     CheckpointResult,
+    CommandResult,
     ExecResult,
     ImageInfo,
     JobResult,
     OpResult,
+    PoolInfo,
     ReadFileResult,
+    RunCodeResult,
     SandboxInfo,
     SandboxSpec,
 )
@@ -40,6 +49,9 @@ __all__ = [
     "CheckpointResult",
     "JobResult",
     "ImageInfo",
+    "PoolInfo",
+    "RunCodeResult",
+    "CommandResult",
     "DEFAULT_ENDPOINT",
     "DEFAULT_TOKEN_FILE",
 ] + list(_errors_all)

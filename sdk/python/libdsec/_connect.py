@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Dict, Optional, Union
 import httpx
 
 from ._http1 import Http1Transport
-from .errors import DSecError, DeadlineExceededError, UnavailableError, error_for
+from .errors import DSecError, DeadlineExceededError, UnavailableError, error_for, parse_retry_after
 
 _UNSET: Any = object()
 _ENVELOPE = struct.Struct(">BI")
@@ -40,6 +40,7 @@ class Transport:
         transport: Optional[httpx.AsyncBaseTransport] = None,
     ):
         self.endpoint = endpoint.rstrip("/")
+        self.default_timeout = timeout
         headers = {"Connect-Protocol-Version": "1", "User-Agent": "libdsec-python"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -74,11 +75,19 @@ class Transport:
         kwargs: Dict[str, Any] = {}
         if timeout is not _UNSET:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=30.0, pool=None)
+        headers = {"Content-Type": "application/json"}
+        # Tell the server when this client gives up, so that a call waiting
+        # in its admission queue (capacity exhausted) waits no longer. A
+        # little before: the server's own answer (what it ran out of) is
+        # worth more than a read timeout that races it.
+        limit = self.default_timeout if timeout is _UNSET else timeout
+        if limit is not None and limit > 0:
+            headers["Connect-Timeout-Ms"] = str(max(1, int((limit - min(1.0, limit / 10)) * 1000)))
         try:
             resp = await self.http.post(
                 url,
                 content=json.dumps(body, separators=(",", ":")).encode(),
-                headers={"Content-Type": "application/json"},
+                headers=headers,
                 **kwargs,
             )
         except httpx.TimeoutException as e:
@@ -86,7 +95,7 @@ class Transport:
         except httpx.TransportError as e:
             raise _in_transit(UnavailableError(f"{method}: cannot reach {self.endpoint}: {e or type(e).__name__}")) from e
         if resp.status_code != 200:
-            raise _error_from_body(method, resp.status_code, resp.content)
+            raise _error_from_body(method, resp.status_code, resp.content, resp.headers)
         try:
             return json.loads(resp.content) if resp.content else {}
         except ValueError as e:
@@ -110,7 +119,7 @@ class Transport:
                 **kwargs,
             ) as resp:
                 if resp.status_code != 200:
-                    raise _error_from_body(method, resp.status_code, await resp.aread())
+                    raise _error_from_body(method, resp.status_code, await resp.aread(), resp.headers)
                 buf = bytearray()
                 ended = False
                 async for chunk in resp.aiter_bytes():
@@ -128,7 +137,12 @@ class Transport:
                             ended = True
                             err = msg.get("error")
                             if err:
-                                raise error_for(err.get("code"), f"{method}: {err.get('message', '')}", 200)
+                                raise error_for(
+                                    err.get("code"),
+                                    f"{method}: {err.get('message', '')}",
+                                    200,
+                                    retry_after=_retry_after_meta(msg.get("metadata")),
+                                )
                             return
                         yield msg
                 if not ended:
@@ -147,7 +161,17 @@ def _in_transit(e: DSecError) -> DSecError:
     return e
 
 
-def _error_from_body(method: str, status: int, content: bytes) -> DSecError:
+def _retry_after_meta(metadata: Any) -> Optional[float]:
+    """The Retry-After hint of a stream's end message (trailers as lists)."""
+    if not isinstance(metadata, dict):
+        return None
+    for key, values in metadata.items():
+        if key.lower() == "retry-after" and values:
+            return parse_retry_after(values[0] if isinstance(values, list) else str(values))
+    return None
+
+
+def _error_from_body(method: str, status: int, content: bytes, headers: Optional[httpx.Headers] = None) -> DSecError:
     code = None
     message = ""
     try:
@@ -159,4 +183,5 @@ def _error_from_body(method: str, status: int, content: bytes) -> DSecError:
         message = content[:200].decode("utf-8", errors="replace")
     if not message:
         message = f"HTTP {status}"
-    return error_for(code, f"{method}: {message}", status)
+    retry_after = parse_retry_after(headers.get("retry-after")) if headers is not None else None
+    return error_for(code, f"{method}: {message}", status, retry_after=retry_after)

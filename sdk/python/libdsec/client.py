@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Opti
 
 import httpx
 
-from ._connect import Transport
+from ._connect import _UNSET, Transport
 from .errors import INFRA_CODES, DSecError, NotFoundError, error_for
 from .models import (
     CheckpointResult,
@@ -21,7 +21,9 @@ from .models import (
     ImageInfo,
     JobResult,
     OpResult,
+    PoolInfo,
     ReadFileResult,
+    RunCodeResult,
     SandboxInfo,
     SandboxSpec,
     b64decode,
@@ -38,6 +40,8 @@ DEFAULT_TOKEN_FILE = "/var/lib/dsec/admin.token"
 _SANDBOX = "dsec.v1.SandboxService"
 _IMAGE = "dsec.v1.ImageService"
 _TENANT = "dsec.v1.TenantService"
+_POOL = "dsec.v1.PoolService"
+_FN = "dsec.v1.FnService"
 
 # How long past the command's own timeout the HTTP request may take: the
 # server needs time to kill the command and send the result back.
@@ -155,20 +159,46 @@ class DSecClient:
         ``return_exceptions=True`` the list holds a Sandbox or a DSecError
         per item, in order (as with ``asyncio.gather``).
         """
+        return await self._create_batch("BatchCreate", spec, n, return_exceptions, _UNSET)
+
+    async def acquire(
+        self, count: int, spec: SandboxSpec, *, return_exceptions: bool = False, timeout: Any = _UNSET
+    ) -> List[Any]:
+        """Gets ``count`` sandboxes of ``spec`` in one request, taking warm
+        ones from a matching pool first (see :meth:`create_pool`); each is a
+        handle numbering its operations from 1.
+
+        When the nodes are full the server queues the creates for as long as
+        the request may last (``timeout`` seconds, by default the client's);
+        what it cannot place in time fails alone (``ResourceExhaustedError``,
+        or ``UnavailableError`` with ``retry_after`` set when the queue
+        itself is full). Nothing is retried by the client.
+
+        By default all or nothing: if any item fails, the sandboxes that
+        were had are released again and the first item's error is raised.
+        With ``return_exceptions=True`` the list holds a Sandbox or a
+        DSecError per item, in order.
+        """
+        return await self._create_batch("Acquire", spec, count, return_exceptions, timeout)
+
+    async def _create_batch(self, method: str, spec: SandboxSpec, n: int, return_exceptions: bool, timeout: Any) -> List[Any]:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"count must be an integer, got {n!r}")
         if n < 0:
-            raise ValueError(f"n must not be negative, got {n}")
+            raise ValueError(f"count must not be negative, got {n}")
         if n == 0:
             return []
-        resp = await self._t.unary(f"{_SANDBOX}/BatchCreate", {"spec": spec.to_json(), "count": n})
+        kwargs = {} if timeout is _UNSET else {"timeout": timeout}
+        resp = await self._t.unary(f"{_SANDBOX}/{method}", {"spec": spec.to_json(), "count": n}, **kwargs)
         items: List[Any] = []
-        for r in resp.get("results") or []:
+        for i, r in enumerate(resp.get("results") or []):
             err = r.get("error")
             if err:
-                items.append(error_for(err.get("code"), err.get("message", "")))
+                items.append(error_for(err.get("code"), f"sandbox {i + 1} of {n}: {err.get('message', '')}"))
             else:
                 items.append(_handle(self, SandboxInfo.from_json(r.get("sandbox") or {})))
         if len(items) != n:
-            missing = error_for("internal", f"BatchCreate returned {len(items)} results for {n} requested")
+            missing = error_for("internal", f"{method} returned {len(items)} results for {n} requested")
             items += [missing] * (n - len(items))
         if return_exceptions:
             return items
@@ -176,7 +206,8 @@ class DSecClient:
         if failed:
             made = [x.id for x in items if isinstance(x, Sandbox)]
             if made:
-                await self.destroy_many(made, return_exceptions=True)
+                end = self.release if method == "Acquire" else self.destroy_many
+                await end(made, return_exceptions=True)
             raise failed[0]
         return items
 
@@ -215,20 +246,35 @@ class DSecClient:
         raised after the whole batch ran; with ``return_exceptions=True``
         the list holds None or a DSecError per id, in order.
         """
+        return await self._end_batch("BatchDestroy", sandboxes, return_exceptions)
+
+    async def release(
+        self, sandboxes: Iterable[Union[str, "Sandbox"]], *, return_exceptions: bool = False
+    ) -> Optional[List[Optional[DSecError]]]:
+        """Ends many sandboxes in one request: one whose spec matches a pool
+        that wants more is reset (processes killed, writable layer wiped)
+        and goes back to the pool for the next acquire; the others are
+        destroyed. Results as :meth:`destroy_many`."""
+        return await self._end_batch("Release", sandboxes, return_exceptions)
+
+    async def _end_batch(
+        self, method: str, sandboxes: Iterable[Union[str, "Sandbox"]], return_exceptions: bool
+    ) -> Optional[List[Optional[DSecError]]]:
         ids = [_id(s) for s in sandboxes]
         if not ids:
             return [] if return_exceptions else None
-        resp = await self._t.unary(f"{_SANDBOX}/BatchDestroy", {"ids": ids})
+        resp = await self._t.unary(f"{_SANDBOX}/{method}", {"ids": ids})
         by_id: Dict[str, Optional[DSecError]] = {}
         for r in resp.get("results") or []:
             err = r.get("error")
-            by_id[r.get("id", "")] = error_for(err.get("code"), err.get("message", "")) if err else None
+            sid = r.get("id", "")
+            by_id[sid] = error_for(err.get("code"), f"{sid}: {err.get('message', '')}") if err else None
         out: List[Optional[DSecError]] = []
         for i in ids:
             if i in by_id:
                 out.append(by_id[i])
             else:
-                out.append(error_for("internal", f"BatchDestroy returned no result for sandbox {i}"))
+                out.append(error_for("internal", f"{method} returned no result for sandbox {i}"))
         if return_exceptions:
             return out
         for e in out:
@@ -263,29 +309,7 @@ class DSecClient:
         request_id: Optional[str] = None,
     ) -> Awaitable[ExecResult]:
         """Runs ``cmd`` in a sandbox; see :meth:`Sandbox.run`."""
-        body: Dict[str, Any] = {"sandboxId": _id(sandbox)}
-        if isinstance(cmd, str):
-            if not cmd:
-                raise ValueError("cmd must not be empty")
-            body["shell"] = cmd
-        else:
-            argv = [str(a) for a in cmd]
-            if not argv:
-                raise ValueError("cmd must not be empty")
-            body["argv"] = argv
-        if timeout is not None:
-            body["timeout"] = format_duration(timeout)
-        envs = env_list(env)
-        if envs:
-            body["env"] = envs
-        if cwd:
-            body["cwd"] = cwd
-        if user:
-            body["user"] = user
-        if stdin:
-            body["stdin"] = b64encode(stdin)
-        if max_output_bytes:
-            body["maxOutputBytes"] = str(_non_negative("max_output_bytes", max_output_bytes))
+        body = _exec_body(sandbox, cmd, timeout, env, cwd, user, stdin, max_output_bytes)
         _number(body, sandbox, seq, request_id)
         http_timeout = None if timeout is None else timeout + _EXEC_GRACE_S
         return self._exec(body, sandbox, http_timeout, on_output)
@@ -512,6 +536,204 @@ class DSecClient:
                     raise r.error
         return results
 
+    # batch_exec and batch_rollback number their items as the single
+    # operations do: each item takes its handle's next number when the
+    # method is called, so a trainer can mix batch and single operations
+    # on the same handles and the numbering stays in step.
+
+    def batch_exec(
+        self,
+        sandboxes: Sequence[Union[str, "Sandbox"]],
+        commands: Union[str, Sequence[Any]],
+        timeout: Optional[float] = None,
+        *,
+        return_exceptions: bool = False,
+    ) -> Awaitable[List[Any]]:
+        """Runs one command in each sandbox, all in one request.
+
+        ``commands`` has one command per sandbox, or a single one (or a
+        plain string) for all of them. A command is a string (run with
+        ``/bin/sh -c``), an argv list, or a mapping with ``cmd`` and any of
+        :meth:`exec`'s keyword arguments (``timeout``, ``env``, ``cwd``,
+        ``user``, ``stdin``, ``max_output_bytes``, ``seq``,
+        ``request_id``). ``timeout`` applies to commands that set none.
+
+        Each command is its sandbox handle's next trajectory step, exactly
+        as :meth:`Sandbox.run` would number it; items that fail in transit
+        are re-sent with their numbers, and a number the server refused
+        without recording goes back to its handle. A sandbox should appear
+        once per batch (its commands would run concurrently).
+
+        Returns one item per sandbox, in order: an ExecResult, or a
+        DSecError for a command that was refused (no such sandbox, frozen,
+        bad argument). As with :meth:`exec`, infrastructure failures are
+        ExecResults with ``outcome == "infra_error"``, never errors. Every
+        item is attempted; by default the first error is then raised, with
+        ``return_exceptions=True`` errors are left in the list.
+        """
+        handles = list(sandboxes)
+        if isinstance(commands, (str, Mapping)):
+            commands = [commands]
+        else:
+            commands = list(commands)
+        if len(commands) not in (1, len(handles)) or not commands:
+            raise ValueError(f"{len(commands)} commands for {len(handles)} sandboxes: give one per sandbox, or one for all")
+        if len(commands) == 1:
+            commands = commands * len(handles)
+        # Every body is built and checked before any number is taken, so a
+        # bad item refuses the whole batch without using up numbers.
+        bodies, numbering, timeouts = [], [], []
+        for i, (sb, c) in enumerate(zip(handles, commands)):
+            opts: Dict[str, Any] = {"timeout": timeout}
+            if isinstance(c, Mapping):
+                unknown = set(c) - _BATCH_EXEC_KEYS
+                if unknown or "cmd" not in c:
+                    raise ValueError(
+                        f"commands[{i}]: want a mapping with 'cmd' and any of {sorted(_BATCH_EXEC_KEYS - {'cmd'})}"
+                        + (f"; unknown: {sorted(unknown)}" if unknown else "")
+                    )
+                opts.update(c)
+            else:
+                opts["cmd"] = c
+            try:
+                bodies.append(
+                    _exec_body(
+                        sb, opts["cmd"], opts["timeout"], opts.get("env"), opts.get("cwd"), opts.get("user"),
+                        opts.get("stdin"), opts.get("max_output_bytes"),
+                    )
+                )
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"commands[{i}]: {e}") from e
+            numbering.append((opts.get("seq"), opts.get("request_id")))
+            timeouts.append(opts["timeout"])
+        for body, sb, (seq, request_id) in zip(bodies, handles, numbering):
+            _number(body, sb, seq, request_id)
+        http_timeout = None if any(t is None for t in timeouts) else max(timeouts, default=0) + _EXEC_GRACE_S
+        return self._batch_exec(bodies, handles, http_timeout, return_exceptions)
+
+    async def _batch_exec(self, bodies, handles, http_timeout, return_exceptions: bool) -> List[Any]:
+        if not bodies:
+            return []
+        start = time.monotonic()
+        items = await self._send_batch("BatchExec", "exec in", bodies, handles, ExecResult.from_json, http_timeout)
+        for i, item in enumerate(items):
+            if isinstance(item, DSecError) and item.code in INFRA_CODES:
+                items[i] = ExecResult.infra_failure(str(item), time.monotonic() - start, seq=int(bodies[i].get("seq", 0)))
+        return _per_item(items, return_exceptions)
+
+    def batch_rollback(
+        self,
+        sandboxes: Sequence[Union[str, "Sandbox"]],
+        checkpoint_ids: Sequence[str],
+        *,
+        return_exceptions: bool = False,
+    ) -> Awaitable[List[Any]]:
+        """Rolls ``sandboxes[i]`` back to ``checkpoint_ids[i]``, all in one
+        request (see :meth:`Sandbox.rollback`). Each rollback is its
+        handle's next trajectory step. Returns an OpResult or a DSecError
+        per sandbox, in order; errors as :meth:`batch_exec`."""
+        handles = list(sandboxes)
+        if isinstance(checkpoint_ids, str):
+            raise ValueError("checkpoint_ids must be a list with one id per sandbox, not a single string")
+        ids = list(checkpoint_ids)
+        if len(ids) != len(handles):
+            raise ValueError(f"{len(ids)} checkpoint ids for {len(handles)} sandboxes: give one per sandbox")
+        bodies = []
+        for i, (sb, ck) in enumerate(zip(handles, ids)):
+            if not isinstance(ck, str) or not ck:
+                raise ValueError(f"checkpoint_ids[{i}] must be a non-empty string, got {ck!r}")
+            bodies.append({"sandboxId": _id(sb), "checkpointId": ck})
+        for body, sb in zip(bodies, handles):
+            _number(body, sb, None, None)
+        return self._batch_rollback(bodies, handles, return_exceptions)
+
+    async def _batch_rollback(self, bodies, handles, return_exceptions: bool) -> List[Any]:
+        if not bodies:
+            return []
+        items = await self._send_batch("BatchRollback", "roll back", bodies, handles, OpResult.from_json, _UNSET)
+        return _per_item(items, return_exceptions)
+
+    async def _send_batch(
+        self,
+        method: str,
+        verb: str,
+        bodies: List[Dict[str, Any]],
+        handles: List[Union[str, "Sandbox"]],
+        decode: Callable[[Dict[str, Any]], Any],
+        http_timeout: Any,
+    ) -> List[Any]:
+        """Sends a batch of numbered requests and returns a decoded result
+        or a DSecError per item. Items are re-sent as :meth:`_send` re-sends
+        a single operation (in transit, ``unavailable``, "beyond the next
+        expected", a node without a trajectory), each with the same budget,
+        counted from the first failure of its kind; unnumbered items are
+        sent once. Then refused numbers go back to their handles."""
+        out: List[Any] = [None] * len(bodies)
+        pending = list(range(len(bodies)))
+        delay = _BACKOFF_FIRST_S
+        give_up: Dict[float, float] = {}
+        kwargs = {} if http_timeout is _UNSET else {"timeout": http_timeout}
+        while pending:
+            call_err: Optional[DSecError] = None
+            results: List[Dict[str, Any]] = []
+            try:
+                resp = await self._t.unary(f"{_SANDBOX}/{method}", {"requests": [bodies[i] for i in pending]}, **kwargs)
+                results = resp.get("results") or []
+            except DSecError as e:
+                call_err = e
+            again: List[int] = []
+            hint = 0.0
+            stop = math.inf
+            now = time.monotonic()
+            for j, i in enumerate(pending):
+                sid = bodies[i]["sandboxId"]
+                if call_err is not None:
+                    err: Optional[DSecError] = call_err
+                elif j >= len(results):
+                    err = error_for("internal", f"{method} returned {len(results)} results for {len(pending)} requests")
+                elif results[j].get("error"):
+                    e = results[j]["error"]
+                    err = error_for(e.get("code"), f"{verb} {sid}: {e.get('message', '')}")
+                elif results[j].get("result") is None and method == "BatchExec":
+                    err = error_for("internal", f"{method} returned neither a result nor an error for {sid}")
+                else:
+                    out[i] = decode(results[j].get("result") or {})
+                    continue
+                out[i] = err
+                if "seq" not in bodies[i]:
+                    continue
+                if err.transport_failure or (err.code == "unavailable" and _RECORDED_MARK not in err.message):
+                    budget = _RESEND_BUDGET_S
+                elif err.code == "failed_precondition" and _AHEAD_MARK in err.message:
+                    budget = _AHEAD_BUDGET_S
+                elif err.code == "failed_precondition" and _NO_TRAJECTORY_MARK in err.message and isinstance(handles[i], Sandbox):
+                    del bodies[i]["seq"]
+                    handles[i]._numbered = False
+                    again.append(i)
+                    continue
+                else:
+                    continue
+                until = give_up.setdefault(budget, now + budget)
+                if now < until:
+                    again.append(i)
+                    stop = min(stop, until)
+                    hint = max(hint, err.retry_after or 0.0)
+            pending = again
+            if pending and stop < math.inf:
+                await asyncio.sleep(min(max(delay * random.uniform(0.5, 1.0), hint), max(0.0, stop - now)))
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+        # Give refused numbers back, a few at a time (each may cost a Get).
+        sem = asyncio.Semaphore(16)
+
+        async def give_back(i: int) -> None:
+            async with sem:
+                await self._give_back(int(bodies[i]["seq"]), handles[i], out[i])
+
+        await asyncio.gather(
+            *(give_back(i) for i, x in enumerate(out) if isinstance(x, DSecError) and "seq" in bodies[i])
+        )
+        return out
+
     async def _op(self, method: str, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], decode: Callable[[Dict[str, Any]], Any]):
         return decode(await self._send(body, sandbox, lambda: self._t.unary(method, body)))
 
@@ -561,9 +783,11 @@ class DSecClient:
                 stop = give_up.setdefault(budget, now + budget)
                 if now >= stop:
                     raise
+                # A saturated server says when to come back.
+                hint = e.retry_after or 0.0
             # Jitter keeps many clients from coming back in lockstep after
             # a server restart.
-            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, stop - now)))
+            await asyncio.sleep(min(max(delay * random.uniform(0.5, 1.0), hint), max(0.0, stop - now)))
             delay = min(delay * 2, _BACKOFF_MAX_S)
 
     async def _give_back(self, seq: int, sandbox: Union[str, "Sandbox"], e: DSecError) -> None:
@@ -612,6 +836,106 @@ class DSecClient:
             token = resp.get("nextPageToken") or ""
             if not token:
                 return records
+
+    # ------------------------------------------------------------ pools, fncall
+
+    async def create_pool(
+        self,
+        spec: SandboxSpec,
+        size: int,
+        *,
+        min_size: int = 0,
+        idle_shrink_s: Optional[float] = None,
+    ) -> PoolInfo:
+        """Creates a warm pool keeping ``size`` sandboxes of ``spec`` created
+        and clean; creates and acquires by this tenant with a matching spec
+        (same backend, images, resources and env) take from it. Returns at
+        once: the pool fills in the background (watch ``ready`` with
+        :meth:`list_pools`). Unused for ``idle_shrink_s`` seconds (server
+        default 10 minutes) it shrinks to ``min_size``."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an integer >= 1, got {size!r}")
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or not 0 <= min_size <= size:
+            raise ValueError(f"min_size must be an integer in [0, size], got {min_size!r}")
+        body: Dict[str, Any] = {"spec": spec.to_json(), "size": size}
+        if min_size:
+            body["minSize"] = min_size
+        if idle_shrink_s is not None:
+            body["idleShrink"] = format_duration(idle_shrink_s)
+        resp = await self._t.unary(f"{_POOL}/Create", body)
+        return PoolInfo.from_json(resp.get("pool") or {})
+
+    async def list_pools(self) -> List[PoolInfo]:
+        """The pools this tenant can see, with their fill and hit counts."""
+        resp = await self._t.unary(f"{_POOL}/List", {})
+        return [PoolInfo.from_json(p) for p in resp.get("pools") or []]
+
+    async def delete_pool(self, pool_id: str) -> None:
+        """Deletes a pool: it stops keeping sandboxes ready."""
+        if not isinstance(pool_id, str) or not pool_id:
+            raise ValueError(f"pool id must be a non-empty string, got {pool_id!r}")
+        await self._t.unary(f"{_POOL}/Delete", {"id": pool_id})
+
+    async def run_code(
+        self,
+        code: str,
+        language: str,
+        *,
+        stdin: Union[bytes, str, None] = None,
+        compile_timeout: Optional[float] = None,
+        run_timeout: Optional[float] = None,
+        memory_limit_mb: Optional[int] = None,
+        files: Optional[Mapping[str, Union[bytes, str]]] = None,
+        fetch_files: Optional[Sequence[str]] = None,
+        args: Optional[Sequence[str]] = None,
+        image: Optional[str] = None,
+        max_output_bytes: Optional[int] = None,
+    ) -> RunCodeResult:
+        """Runs ``code`` in ``language`` (a name from the server's language
+        table: python, bash, c, cpp, go, nodejs, ...) in a clean sandbox
+        from a warm pool and returns its output: a stateless call, as
+        SandboxFusion's ``/run_code``.
+
+        ``compile_timeout`` and ``run_timeout`` are seconds (server default
+        10 each); ``files`` are written before compiling (path -> content),
+        ``fetch_files`` are read back after the run; ``image`` overrides
+        the language's image (NAME:TAG). A program that fails is not an
+        error: look at ``status`` and ``run_result``. A DSecError means the
+        call was refused (unknown language, bad argument, or
+        ``UnavailableError`` with ``retry_after`` when saturated)."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a string, got {type(code).__name__}")
+        if not isinstance(language, str) or not language:
+            raise ValueError(f"language must be a non-empty string, got {language!r}")
+        body: Dict[str, Any] = {"code": code, "language": language}
+        if stdin:
+            body["stdin"] = b64encode(stdin)
+        if compile_timeout is not None:
+            body["compileTimeout"] = format_duration(compile_timeout)
+        if run_timeout is not None:
+            body["runTimeout"] = format_duration(run_timeout)
+        if memory_limit_mb:
+            body["memoryLimitMb"] = str(_non_negative("memory_limit_mb", memory_limit_mb))
+        if files:
+            body["files"] = {_path(str(k)): b64encode(v) for k, v in files.items()}
+        if fetch_files:
+            if isinstance(fetch_files, str):
+                raise TypeError("fetch_files must be a list of paths, not a single string")
+            body["fetchFiles"] = [_path(str(f)) for f in fetch_files]
+        if args:
+            if isinstance(args, str):
+                raise TypeError("args must be a list of strings, not a single string")
+            body["args"] = [str(a) for a in args]
+        if image:
+            body["image"] = _ref(image)
+        if max_output_bytes:
+            body["maxOutputBytes"] = str(_non_negative("max_output_bytes", max_output_bytes))
+        # The call compiles and runs within its own limits; the request may
+        # also wait for a warm sandbox. Allow for both.
+        limit = (compile_timeout or 10.0) + (run_timeout or 10.0) + _EXEC_GRACE_S
+        default = self._t.default_timeout
+        resp = await self._t.unary(f"{_FN}/RunCode", body, timeout=None if default is None else max(default, limit))
+        return RunCodeResult.from_json(resp)
 
     # ------------------------------------------------------------ images, tenants
 
@@ -857,6 +1181,57 @@ def _id(sandbox: Union[str, Sandbox]) -> str:
     if not isinstance(sandbox, str) or not sandbox:
         raise ValueError(f"sandbox id must be a non-empty string, got {sandbox!r}")
     return sandbox
+
+
+# The keys a batch_exec command mapping may have: cmd and exec's options.
+_BATCH_EXEC_KEYS = frozenset({"cmd", "timeout", "env", "cwd", "user", "stdin", "max_output_bytes", "seq", "request_id"})
+
+
+def _per_item(items: List[Any], return_exceptions: bool) -> List[Any]:
+    """The batch convention: every item ran; raise the first error unless
+    the caller takes them in the list."""
+    if not return_exceptions:
+        for x in items:
+            if isinstance(x, DSecError):
+                raise x
+    return items
+
+
+def _exec_body(
+    sandbox: Union[str, Sandbox],
+    cmd: Union[str, Sequence[str]],
+    timeout: Optional[float],
+    env: Union[Mapping[str, str], Sequence[str], None],
+    cwd: Optional[str],
+    user: Optional[str],
+    stdin: Union[bytes, str, None],
+    max_output_bytes: Optional[int],
+) -> Dict[str, Any]:
+    """The ExecRequest JSON of one command, checked, without its number."""
+    body: Dict[str, Any] = {"sandboxId": _id(sandbox)}
+    if isinstance(cmd, str):
+        if not cmd:
+            raise ValueError("cmd must not be empty")
+        body["shell"] = cmd
+    else:
+        argv = [str(a) for a in cmd]
+        if not argv:
+            raise ValueError("cmd must not be empty")
+        body["argv"] = argv
+    if timeout is not None:
+        body["timeout"] = format_duration(timeout)
+    envs = env_list(env)
+    if envs:
+        body["env"] = envs
+    if cwd:
+        body["cwd"] = cwd
+    if user:
+        body["user"] = user
+    if stdin:
+        body["stdin"] = b64encode(stdin)
+    if max_output_bytes:
+        body["maxOutputBytes"] = str(_non_negative("max_output_bytes", max_output_bytes))
+    return body
 
 
 def _number(body: Dict[str, Any], sandbox: Union[str, Sandbox], seq: Optional[int], request_id: Optional[str]) -> Optional[int]:

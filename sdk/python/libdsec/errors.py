@@ -10,6 +10,7 @@ to catch :class:`DSecError`.
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 __all__ = [
@@ -31,11 +32,20 @@ __all__ = [
     "DataLossError",
     "UnauthenticatedError",
     "error_for",
+    "parse_retry_after",
 ]
 
 
 class DSecError(Exception):
-    """A call failed. ``code`` is the Connect code name (e.g. ``"not_found"``)."""
+    """A call failed. ``code`` is the Connect code name (e.g. ``"not_found"``).
+
+    ``retry_after`` is the number of seconds the service asked the caller
+    to wait before trying again, or None. The service sets it with
+    ``unavailable`` when it is saturated (no capacity, and its admission
+    queue is full): the call was not run. libdsec never re-sends a create
+    by itself; the caller decides whether to come back after
+    ``retry_after`` seconds, go elsewhere or give up.
+    """
 
     code = "unknown"
     # True when the request failed in transit (connection refused or reset,
@@ -44,12 +54,20 @@ class DSecError(Exception):
     # re-sent on such failures (see DSecClient.exec).
     transport_failure = False
 
-    def __init__(self, message: str, *, code: Optional[str] = None, http_status: Optional[int] = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: Optional[str] = None,
+        http_status: Optional[int] = None,
+        retry_after: Optional[float] = None,
+    ):
         super().__init__(message)
         if code is not None:
             self.code = code
         self.message = message
         self.http_status = http_status
+        self.retry_after = retry_after if retry_after is not None else parse_retry_after(message, in_text=True)
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -159,9 +177,43 @@ _BY_HTTP_STATUS = {
 INFRA_CODES = frozenset({"unavailable", "deadline_exceeded", "internal", "unknown", "aborted", "data_loss"})
 
 
-def error_for(code: Optional[str], message: str, http_status: Optional[int] = None) -> DSecError:
-    """Returns the exception for a Connect error code (or, lacking one, an HTTP status)."""
+def error_for(
+    code: Optional[str], message: str, http_status: Optional[int] = None, retry_after: Optional[float] = None
+) -> DSecError:
+    """Returns the exception for a Connect error code (or, lacking one, an HTTP status).
+
+    ``retry_after`` (seconds) is the service's hint from the Retry-After
+    header; without one it is looked for in the message, which is all a
+    per-item error of a batch call carries."""
     if not code:
         code = _BY_HTTP_STATUS.get(http_status or 0, "unknown")
     cls = _BY_CODE.get(code, DSecError)
-    return cls(message, code=code, http_status=http_status)
+    return cls(message, code=code, http_status=http_status, retry_after=retry_after)
+
+
+# "retry after 2s", "Retry-After: 1.5", "retry_after=500ms" in a message.
+_RETRY_AFTER_TEXT = re.compile(r"retry[-_ ]?after[:= ]*([0-9]+(?:\.[0-9]+)?)(ms|s)?\b", re.IGNORECASE)
+
+
+def parse_retry_after(value: Optional[str], *, in_text: bool = False) -> Optional[float]:
+    """Seconds from a Retry-After header value ("2", "0.5"), or with
+    ``in_text`` from a message that mentions one; None when there is none.
+    (An HTTP date, which the header may hold in general, is not used by
+    DSec.)"""
+    if not value:
+        return None
+    if in_text:
+        m = _RETRY_AFTER_TEXT.search(value)
+        if not m:
+            return None
+        seconds = float(m.group(1))
+        if m.group(2) == "ms":
+            seconds /= 1000
+    else:
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            return None
+    if not 0 <= seconds <= 86400:
+        return None
+    return seconds

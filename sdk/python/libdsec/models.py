@@ -26,6 +26,9 @@ __all__ = [
     "CheckpointResult",
     "JobResult",
     "ImageInfo",
+    "PoolInfo",
+    "CommandResult",
+    "RunCodeResult",
 ]
 
 
@@ -354,6 +357,120 @@ class JobResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass
+class PoolInfo:
+    """A warm pool: ``size`` sandboxes of ``spec`` kept created and clean
+    ahead of demand on one node. ``ready`` are waiting to be taken,
+    ``in_use`` are handed out, ``resetting`` are on their way back. A
+    create or acquire by the pool's tenant whose spec matches takes a ready
+    one (``hits``); one that finds the pool empty counts as a ``miss``.
+    Unused for ``idle_shrink_s`` seconds, the pool shrinks to
+    ``min_size``."""
+
+    id: str
+    spec: Optional[SandboxSpec] = None
+    size: int = 0
+    ready: int = 0
+    in_use: int = 0
+    resetting: int = 0
+    node: str = ""
+    tenant: str = ""
+    min_size: int = 0
+    idle_shrink_s: Optional[float] = None
+    hits: int = 0
+    misses: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "PoolInfo":
+        return cls(
+            id=d.get("id", ""),
+            spec=SandboxSpec.from_json(d["spec"]) if d.get("spec") is not None else None,
+            size=int(d.get("size", 0)),
+            ready=int(d.get("ready", 0)),
+            in_use=int(d.get("inUse", 0)),
+            resetting=int(d.get("resetting", 0)),
+            node=d.get("node", ""),
+            tenant=d.get("tenant", ""),
+            min_size=int(d.get("minSize", 0)),
+            idle_shrink_s=parse_duration(d["idleShrink"]) if d.get("idleShrink") else None,
+            hits=int(d.get("hits", 0)),
+            misses=int(d.get("misses", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """One step of a run_code call (compiling or running).
+
+    ``status`` is ``"Finished"`` (ran to its end, any return code),
+    ``"TimeLimitExceeded"`` or ``"Error"`` (could not be run).
+    ``execution_time`` is the wall time in seconds. ``stdout``/``stderr``
+    are decoded UTF-8 (invalid bytes replaced); ``stdout_bytes`` and
+    ``stderr_bytes`` are exactly what was captured."""
+
+    status: str = ""
+    execution_time: float = 0.0
+    return_code: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    oom_killed: bool = False
+    signal: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "CommandResult":
+        out = b64decode(d.get("stdout"))
+        err = b64decode(d.get("stderr"))
+        return cls(
+            status=d.get("status", ""),
+            execution_time=float(d.get("executionTime", 0.0)),
+            return_code=int(d.get("returnCode", 0)),
+            stdout=out.decode("utf-8", errors="replace"),
+            stderr=err.decode("utf-8", errors="replace"),
+            stdout_bytes=out,
+            stderr_bytes=err,
+            stdout_truncated=bool(d.get("stdoutTruncated", False)),
+            stderr_truncated=bool(d.get("stderrTruncated", False)),
+            oom_killed=bool(d.get("oomKilled", False)),
+            signal=int(d.get("signal", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class RunCodeResult:
+    """What a run_code call did (SandboxFusion's /run_code response).
+
+    ``status`` is ``"Success"`` (exit 0), ``"Failed"`` (the code failed:
+    compile error, non-zero exit, time or memory limit) or
+    ``"SandboxError"`` (DSec failed, not the code: mask the sample).
+    ``compile_result`` is None when the language is not compiled;
+    ``run_result`` is None when compiling failed. ``files`` holds the
+    requested ``fetch_files`` that existed after the run."""
+
+    status: str = ""
+    message: str = ""
+    compile_result: Optional[CommandResult] = None
+    run_result: Optional[CommandResult] = None
+    files: Dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "Success"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RunCodeResult":
+        return cls(
+            status=d.get("status", ""),
+            message=d.get("message", ""),
+            compile_result=CommandResult.from_json(d["compileResult"]) if d.get("compileResult") is not None else None,
+            run_result=CommandResult.from_json(d["runResult"]) if d.get("runResult") is not None else None,
+            files={str(k): b64decode(v) for k, v in (d.get("files") or {}).items()},
+        )
 
 
 # ------------------------------------------------------------ wire helpers

@@ -6,6 +6,10 @@
 // the hostname and finally locks the process down (capabilities, no_new_privs,
 // seccomp), so that every command the agent forks inherits the restrictions.
 //
+// The container backend's Reset, which builds a sandbox's root file system
+// again from the edge, uses the same pieces (OverlayOptions, PrepareRoot,
+// MountDev), so that a reset sandbox looks exactly like a new one.
+//
 // The package is linked into dsec-agent: keep its imports small, because the
 // agent's memory is paid once per sandbox.
 package sandboxinit
@@ -261,6 +265,16 @@ func setupRoot(cfg *Config) error {
 		!errors.Is(err, os.ErrPermission) {
 		return fmt.Errorf("oom_score_adj: %w", err)
 	}
+	// The agent runs as root like the user's processes, so without this any
+	// of them could ptrace it, write its memory through /proc/1/mem or take
+	// its control socket with pidfd_getfd: forge results, and, since a
+	// reset sandbox keeps its agent, own the next user's sandbox too. A
+	// non-dumpable process needs CAP_SYS_PTRACE for all of that, which
+	// sandboxes never have. Processes it starts are dumpable again after
+	// execve.
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("set non-dumpable: %w", err)
+	}
 	return nil
 }
 
@@ -270,34 +284,39 @@ type mnt struct {
 	data                   string
 }
 
+// OverlayOptions are the overlay mount options besides the directories, as
+// key and value ("" for a flag). index=off, redirect_dir=off and
+// metacopy=off keep the upper directory self-contained, so pack_diff can
+// turn it into a layer on its own. volatile skips syncfs of the upper: a
+// sandbox's writable layer does not outlive a host crash anyway, and agents
+// calling sync must not stall the node's disk. The container backend's
+// Reset mounts its fresh overlays with the same options.
+var OverlayOptions = [][2]string{{"index", "off"}, {"redirect_dir", "off"}, {"metacopy", "off"}, {"volatile", ""}}
+
+// overlayData is OverlayOptions in mount(2)'s data syntax.
+func overlayData(lower []string, upper, work string) string {
+	var b strings.Builder
+	b.WriteString("lowerdir=" + strings.Join(lower, ":") + ",upperdir=" + upper + ",workdir=" + work)
+	for _, o := range OverlayOptions {
+		b.WriteString("," + o[0])
+		if o[1] != "" {
+			b.WriteString("=" + o[1])
+		}
+	}
+	return b.String()
+}
+
 func mountRootfs(cfg *Config) error {
-	// index=off, redirect_dir=off and metacopy=off keep the upper directory
-	// self-contained, so pack_diff can turn it into a layer on its own.
-	// volatile skips syncfs of the upper: a sandbox's writable layer does not
-	// outlive a host crash anyway, and agents calling sync must not stall the
-	// node's disk.
-	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s,index=off,redirect_dir=off,metacopy=off,volatile",
-		strings.Join(cfg.Lower, ":"), cfg.Upper, cfg.Work)
 	r := cfg.Rootfs
-	if err := unix.Mount("overlay", r, "overlay", unix.MS_NODEV, opts); err != nil {
+	if err := unix.Mount("overlay", r, "overlay", unix.MS_NODEV, overlayData(cfg.Lower, cfg.Upper, cfg.Work)); err != nil {
 		return fmt.Errorf("mount overlay (%d layers): %w", len(cfg.Lower), err)
 	}
-	for _, d := range []string{"proc", "dev", "sys", "tmp"} {
-		if err := os.MkdirAll(filepath.Join(r, d), 0o755); err != nil {
-			return fmt.Errorf("mkdir /%s: %w", d, err)
-		}
-	}
-	// Only touch /tmp's mode when the image got it wrong: a chmod copies the
-	// directory up into the sandbox's upper layer.
-	if fi, err := os.Stat(filepath.Join(r, "tmp")); err == nil && fi.Mode()&(os.ModePerm|os.ModeSticky) != 0o777|os.ModeSticky {
-		if err := os.Chmod(filepath.Join(r, "tmp"), 0o777|os.ModeSticky); err != nil {
-			return fmt.Errorf("chmod /tmp: %w", err)
-		}
+	if err := PrepareRoot(r); err != nil {
+		return err
 	}
 	const nsd = unix.MS_NOSUID | unix.MS_NODEV
 	mounts := []mnt{
 		{"proc", "proc", "proc", nsd | unix.MS_NOEXEC, ""},
-		{"tmpfs", "dev", "tmpfs", unix.MS_NOSUID | unix.MS_STRICTATIME, "mode=755,size=65536k"},
 		{"sysfs", "sys", "sysfs", nsd | unix.MS_NOEXEC | unix.MS_RDONLY, ""},
 	}
 	for _, m := range mounts {
@@ -305,10 +324,41 @@ func mountRootfs(cfg *Config) error {
 			return fmt.Errorf("mount /%s: %w", m.target, err)
 		}
 	}
-	if err := populateDev(filepath.Join(r, "dev"), cfg.UserNS); err != nil {
+	if err := MountDev(filepath.Join(r, "dev"), cfg.UserNS); err != nil {
 		return err
 	}
 	return maskProc(filepath.Join(r, "proc"))
+}
+
+// PrepareRoot makes the mount points the sandbox needs in a freshly mounted
+// root file system and fixes /tmp's mode. It is shared by the first set-up
+// and by the container backend's Reset, which mounts a new overlay: both
+// must leave the same upper directory behind.
+func PrepareRoot(root string) error {
+	for _, d := range []string{"proc", "dev", "sys", "tmp"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			return fmt.Errorf("mkdir /%s: %w", d, err)
+		}
+	}
+	// Only touch /tmp's mode when the image got it wrong: a chmod copies the
+	// directory up into the sandbox's upper layer.
+	if fi, err := os.Stat(filepath.Join(root, "tmp")); err == nil && fi.Mode()&(os.ModePerm|os.ModeSticky) != 0o777|os.ModeSticky {
+		if err := os.Chmod(filepath.Join(root, "tmp"), 0o777|os.ModeSticky); err != nil {
+			return fmt.Errorf("chmod /tmp: %w", err)
+		}
+	}
+	return nil
+}
+
+// MountDev mounts the sandbox's /dev at dev: a small tmpfs with the usual
+// device nodes, a new devpts instance and a /dev/shm tmpfs. The container
+// backend's Reset calls it too, for a /dev with nothing of the previous
+// user's left in it.
+func MountDev(dev string, userNS bool) error {
+	if err := unix.Mount("tmpfs", dev, "tmpfs", unix.MS_NOSUID|unix.MS_STRICTATIME, "mode=755,size=65536k"); err != nil {
+		return fmt.Errorf("mount /dev: %w", err)
+	}
+	return populateDev(dev, userNS)
 }
 
 var devices = []struct {

@@ -1,0 +1,87 @@
+package controlplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/placement"
+)
+
+// Admission under load (issue 6). When no node has room for a create, it
+// waits in a bounded queue, within its deadline, for room to appear (a
+// heartbeat, a destroy, a failed create) instead of failing at once; when
+// the queue is full it is Unavailable with a retry-after hint. A create
+// over its tenant's quota never waits: more time does not raise a quota.
+
+// queueable reports whether err says "no room now" (as opposed to "no node
+// could ever take it" or a quota refusal).
+func queueable(err error) bool {
+	var ce *placement.CapacityError
+	return errors.As(err, &ce) && ce.Eligible > 0
+}
+
+// retryAfter estimates when a caller refused for a full queue should come
+// back: a second, plus one per hundred creates already waiting.
+func (s *Server) retryAfter() time.Duration {
+	return time.Second + time.Duration(s.queued.Load()/100)*time.Second
+}
+
+// queueFull is the Unavailable refusal with its hint, in the message and in
+// a Retry-After header (seconds, as HTTP has it).
+func (s *Server) queueFull(what string) error {
+	ra := s.retryAfter()
+	err := connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s: every node is full and %d requests already wait for room; retry after %s",
+		what, s.queued.Load(), ra))
+	err.Meta().Set("Retry-After", strconv.Itoa(int(ra.Round(time.Second)/time.Second)))
+	return err
+}
+
+// placeOrWait places one sandbox of prep after a first attempt failed with
+// first, waiting for room when first says the nodes are full.
+func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, first error) (reservation, error) {
+	if !queueable(first) {
+		return reservation{}, toConnect(first)
+	}
+	if s.queued.Add(1) > int64(s.cfg.QueueSize) {
+		s.queued.Add(-1)
+		s.metrics.queueFull.Inc()
+		return reservation{}, s.queueFull("create")
+	}
+	defer s.queued.Add(-1)
+	start := time.Now()
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.cfg.QueueTimeout)
+		defer cancel()
+	}
+	last := first
+	for {
+		// Take the signal before trying, so room that appears during the
+		// attempt wakes the wait below.
+		room := s.reg.roomSignal()
+		res, err := s.place(p, quota, prep, nil)
+		if err == nil {
+			s.metrics.queueWait.Observe(time.Since(start).Seconds())
+			return res, nil
+		}
+		if !queueable(err) {
+			return reservation{}, toConnect(err)
+		}
+		last = err
+		select {
+		case <-room:
+		case <-ctx.Done():
+			code := connect.CodeResourceExhausted
+			if errors.Is(ctx.Err(), context.Canceled) {
+				code = connect.CodeCanceled
+			}
+			return reservation{}, connect.NewError(code, fmt.Errorf("waited %s in the admission queue for room: %w", time.Since(start).Round(time.Millisecond), last))
+		}
+	}
+}

@@ -1,0 +1,181 @@
+package edge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/pool"
+	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/fncall"
+)
+
+// fncall on the edge (issue 6): each (image, resources) key has a pool of
+// container sandboxes; a call takes a clean one, runs in it (package
+// fncall), and hands it back to be reset. Calls that find the pool at its
+// bound wait in the pool's bounded queue within their deadline.
+
+// Defaults of the fncall pools (Config.FnWarm, FnMax, FnQueue).
+const (
+	DefaultFnWarm  = 2
+	DefaultFnMax   = 16
+	DefaultFnQueue = 1024
+)
+
+// fnBase is what an fncall sandbox gets between calls; a call's own memory
+// limit is set for its duration only.
+var fnBase = runtime.Resources{MemoryBytes: 2 << 30, Pids: 1024}
+
+// fnPool is one fncall pool.
+type fnPool struct {
+	p *pool.Pool
+	n atomic.Int64
+}
+
+// fnPoolFor returns the fncall pool of image's layers, creating it on first
+// use.
+func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) {
+	spec := &dsecv1.SandboxSpec{Backend: string(runtime.KindContainer), Image: imageRef}
+	rspec, digests, err := e.resolveSpec(ctx, e.cfg.NodeID+"-fn", spec)
+	if err != nil {
+		return nil, err
+	}
+	rspec.Resources = fnBase
+	key := PoolKey("fncall", digests, nil, nil)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
+	}
+	if fp := e.fnPools[key]; fp != nil {
+		return fp, nil
+	}
+	backend := e.cfg.Backends[runtime.KindContainer]
+	if backend == nil {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("node %q has no container backend for fncall", e.cfg.NodeID))
+	}
+	fp := &fnPool{}
+	prefix := fmt.Sprintf("%s-fn%s", e.cfg.NodeID, key[:8])
+	fp.p = pool.New(pool.Options{
+		New: func(ctx context.Context) (runtime.Sandbox, error) {
+			s := rspec
+			s.ID = fmt.Sprintf("%s-%d", prefix, fp.n.Add(1))
+			return backend.Create(ctx, s)
+		},
+		Size: e.cfg.FnWarm, Max: e.cfg.FnMax, MaxWaiters: e.cfg.FnQueue,
+		IdleShrink: defaultIdleShrink, Fill: poolFillConcurrent,
+		Logger: e.log.With("fnpool", prefix),
+	})
+	e.fnPools[key] = fp
+	return fp, nil
+}
+
+// closeFnPools closes the fncall pools (node shutdown).
+func (e *Edge) closeFnPools(ctx context.Context) {
+	e.mu.Lock()
+	pools := e.fnPools
+	e.fnPools = map[string]*fnPool{}
+	e.mu.Unlock()
+	for _, fp := range pools {
+		fp.p.Close(ctx)
+	}
+}
+
+// fnQueued is how many calls wait for a sandbox on this node.
+func (e *Edge) fnQueued() int32 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var n int32
+	for _, fp := range e.fnPools {
+		n += int32(fp.p.Stats().Waiting)
+	}
+	return n
+}
+
+func fnRequest(r *dsecv1.RunCodeRequest) fncall.Request {
+	return fncall.Request{
+		Code: r.Code, Language: r.Language,
+		CompileTimeout: r.CompileTimeout.AsDuration(), RunTimeout: r.RunTimeout.AsDuration(),
+		MemoryLimitMB: r.MemoryLimitMb, Stdin: r.Stdin, Files: r.Files, FetchFiles: r.FetchFiles,
+		Args: r.Args, MaxOutputBytes: r.MaxOutputBytes, Image: r.Image,
+	}
+}
+
+func commandProto(c *fncall.CommandResult) *dsecv1.CommandResult {
+	if c == nil {
+		return nil
+	}
+	return &dsecv1.CommandResult{
+		Status: c.Status, ExecutionTime: c.ExecutionTime.Seconds(), ReturnCode: int32(c.ReturnCode),
+		Stdout: c.Stdout, Stderr: c.Stderr, StdoutTruncated: c.StdoutTruncated, StderrTruncated: c.StderrTruncated,
+		OomKilled: c.OOMKilled, Signal: int32(c.Signal),
+	}
+}
+
+// runCode runs one call in a clean sandbox of imageRef's pool.
+func (e *Edge) runCode(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.RunCodeRequest, imageRef string) (*dsecv1.RunCodeResponse, error) {
+	if caller == nil {
+		return nil, invalid("caller is required")
+	}
+	if r == nil {
+		return nil, invalid("request is required")
+	}
+	if err := checkDuration("compile_timeout", r.CompileTimeout); err != nil {
+		return nil, err
+	}
+	if err := checkDuration("run_timeout", r.RunTimeout); err != nil {
+		return nil, err
+	}
+	req := fnRequest(r)
+	if err := req.Validate(); err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	lang, err := fncall.Lookup(r.Language)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	if imageRef == "" {
+		imageRef = lang.Image
+	}
+	fp, err := e.fnPoolFor(ctx, imageRef)
+	if err != nil {
+		return nil, err
+	}
+	sb, err := fp.p.Take(ctx)
+	switch {
+	case errors.Is(err, pool.ErrQueueFull):
+		ra := fp.p.RetryAfter()
+		ce := connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q: every fncall sandbox is busy and the queue is full; retry after %s", e.cfg.NodeID, ra))
+		ce.Meta().Set("Retry-After", strconv.Itoa(max(1, int(ra.Round(time.Second)/time.Second))))
+		return nil, ce
+	case err != nil && ctx.Err() != nil:
+		return nil, connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("waiting for an fncall sandbox on node %q: %w", e.cfg.NodeID, err))
+	case err != nil:
+		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("fncall sandbox on node %q: %w", e.cfg.NodeID, err))
+	}
+	res := fncall.Call(ctx, sb, lang, req, fnBase)
+	if res.Status == fncall.StatusSandboxError {
+		fp.p.Discard(sb)
+	} else {
+		fp.p.Put(sb)
+	}
+	e.metrics.fncalls.WithLabelValues(lang.Name, res.Status).Inc()
+	return &dsecv1.RunCodeResponse{
+		Status: res.Status, Message: res.Message,
+		CompileResult: commandProto(res.Compile), RunResult: commandProto(res.Run), Files: res.Files,
+	}, nil
+}
+
+func (s *service) RunCodeOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeRunCodeRequest]) (*connect.Response[dsecv1.RunCodeResponse], error) {
+	res, err := s.e.runCode(ctx, req.Msg.Caller, req.Msg.Request, req.Msg.Image)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(res), nil
+}

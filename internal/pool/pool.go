@@ -1,0 +1,597 @@
+// Package pool keeps warm pools of pre-created sandboxes, so that a create
+// whose spec matches a pool, or a stateless fncall, gets a clean sandbox at
+// once instead of paying for a create on its own path.
+//
+// A pool has a clean queue (sandboxes ready to take) and a dirty queue
+// (sandboxes handed back, waiting to be reset in place with rt.Resetter).
+// Take hands out a clean one; when there is none it creates one on the
+// caller's path while the pool is below its bound, and otherwise waits in a
+// bounded FIFO queue for a released sandbox (admission under load: never a
+// silent hang, ErrQueueFull at once when the queue is full). Put sends a used
+// sandbox to the dirty queue; once reset it goes to the first waiter, else to
+// the clean queue if the pool wants more, else it is destroyed. Background
+// workers refill the clean queue to its target, back off when creates fail,
+// and shrink it when the pool goes unused.
+//
+// The pool knows nothing of specs, IDs or capacity accounting: Options.New
+// creates one sandbox and the owner (the edge, fncall) decides what it is.
+//
+// Goroutines: Options.Fill workers (resets, destroys and creates, resets
+// first) and one manager (idle shrink, backoff wake-ups, and watching the
+// Done channels of ready sandboxes with one reflect.Select), whatever the
+// number of sandboxes.
+//
+// Locking: one mutex, Pool.mu, guards all state. It is never held while
+// calling into a sandbox or Options.New, so a slow backend never blocks Take,
+// TryTake, Put or Stats.
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+)
+
+var (
+	// ErrQueueFull is returned by Take when nothing can be had now and
+	// Options.MaxWaiters callers already wait. Callers turn it into
+	// Unavailable with RetryAfter as the hint.
+	ErrQueueFull = errors.New("pool: wait queue is full")
+	// ErrClosed is returned by Take once Close has begun.
+	ErrClosed = errors.New("pool: closed")
+)
+
+// Defaults for zero Options fields.
+const (
+	DefaultFill       = 2
+	DefaultMaxWaiters = 1024
+)
+
+// Bounds on background work. A failing New is retried after backoffBase,
+// doubling per consecutive failure up to backoffMax. The timeouts stop one
+// wedged sandbox from holding a worker for ever.
+const (
+	backoffBase    = 50 * time.Millisecond
+	backoffMax     = 10 * time.Second
+	createTimeout  = 2 * time.Minute
+	resetTimeout   = time.Minute
+	destroyTimeout = time.Minute
+	// rebuildEvery bounds how often the manager rebuilds its watch list.
+	rebuildEvery = 10 * time.Millisecond
+)
+
+// RetryAfter clamps its estimate to this range.
+const (
+	minRetryAfter = 50 * time.Millisecond
+	maxRetryAfter = time.Minute
+)
+
+// Options configure a pool. Only New is required.
+type Options struct {
+	// New creates one sandbox for the pool (the caller gives it its ID,
+	// spec and capacity accounting). It must return a sandbox with an ID
+	// no other live sandbox of the pool has.
+	New func(ctx context.Context) (rt.Sandbox, error)
+	// Size is the number of clean sandboxes kept ready (refilled in the
+	// background).
+	Size int
+	// Max bounds the sandboxes alive at once (ready, in use, being reset,
+	// created or destroyed); 0 means no bound. When it is reached, Take
+	// waits for a sandbox to come back. A Size above Max is allowed: the
+	// clean queue then stops at what Max leaves.
+	Max int
+	// After IdleShrink without a Take (or TryTake) the ready target drops
+	// to MinSize; the next Take brings it back to Size. IdleShrink 0 never
+	// shrinks.
+	MinSize    int
+	IdleShrink time.Duration
+	// MaxWaiters bounds the callers waiting in Take; beyond it Take fails
+	// at once with ErrQueueFull. 0 means DefaultMaxWaiters; negative means
+	// no waiting at all.
+	MaxWaiters int
+	// Fill bounds concurrent background work: creates and resets (default
+	// DefaultFill, for the 2-core nodes DSec runs on).
+	Fill int
+	// Logger, default slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate reports the first invalid field, named. New panics on options
+// that fail it, so owners validate user input (a CreatePool request) first.
+func (o Options) Validate() error {
+	switch {
+	case o.New == nil:
+		return errors.New("pool: Options.New is required")
+	case o.Size < 0:
+		return fmt.Errorf("pool: size %d must not be negative", o.Size)
+	case o.Max < 0:
+		return fmt.Errorf("pool: max %d must not be negative", o.Max)
+	case o.MinSize < 0:
+		return fmt.Errorf("pool: min_size %d must not be negative", o.MinSize)
+	case o.MinSize > o.Size:
+		return fmt.Errorf("pool: min_size %d exceeds size %d", o.MinSize, o.Size)
+	case o.IdleShrink < 0:
+		return fmt.Errorf("pool: idle_shrink %v must not be negative", o.IdleShrink)
+	case o.Fill < 0:
+		return fmt.Errorf("pool: fill %d must not be negative", o.Fill)
+	}
+	return nil
+}
+
+// Stats is a consistent picture of a pool.
+type Stats struct {
+	// Size is the configured ready target; Target the current one (MinSize
+	// while shrunk).
+	Size, Target int
+	// Ready sandboxes are clean and can be taken; InUse ones are handed
+	// out; Resetting ones are in the dirty queue or being reset; Creating
+	// and Destroying count creates and destroys in flight.
+	Ready, InUse, Resetting, Creating, Destroying int
+	// Waiting callers in Take.
+	Waiting int
+	// Hits are takes served by a ready sandbox, Misses takes that found
+	// none.
+	Hits, Misses int64
+	// Resets succeeded and failed (a failed one is destroyed).
+	Resets, ResetFailures int64
+	// CreateFailures counts failed creates (on callers' paths too);
+	// Destroyed counts sandboxes destroyed by the pool.
+	CreateFailures, Destroyed int64
+}
+
+// Alive is every sandbox the pool accounts for, as Options.Max bounds it.
+func (s Stats) Alive() int {
+	return s.Ready + s.InUse + s.Resetting + s.Creating + s.Destroying
+}
+
+type state uint8
+
+const (
+	stReady state = iota + 1
+	stInUse
+	stDirty
+	stResetting
+	stDoomed // waiting for a worker to destroy it
+	stDestroying
+)
+
+func (s state) String() string {
+	return [...]string{"?", "ready", "in use", "dirty", "resetting", "doomed", "destroying"}[s]
+}
+
+// entry is one sandbox the pool accounts for.
+type entry struct {
+	sb    rt.Sandbox
+	state state
+}
+
+// waiter is one Take waiting in the FIFO queue.
+type waiter struct {
+	// ch receives exactly one result, sent under Pool.mu (buffered, so the
+	// send never blocks).
+	ch   chan result
+	done bool // a result was sent, or the waiter left (under Pool.mu)
+	// createErr is the error of the waiter's own create, if it tried one.
+	createErr error
+}
+
+type result struct {
+	e   *entry
+	err error
+}
+
+// Pool is a warm pool. All methods are safe for concurrent use.
+type Pool struct {
+	o          Options
+	log        *slog.Logger
+	maxWaiters int
+	ctx        context.Context // cancelled by Close: aborts background creates and resets
+	cancel     context.CancelFunc
+	stop       chan struct{} // closed by Close: stops the manager
+	wake       chan struct{} // cap 1: the manager re-reads the state
+	done       chan struct{} // closed when nothing is left in flight after Close
+
+	mu         sync.Mutex
+	cond       *sync.Cond // workers wait here for work
+	closed     bool
+	doneClosed bool
+	// flight counts the goroutines and calls Close waits for: workers, the
+	// manager, creates on callers' paths and synchronous destroys.
+	flight int
+
+	size     int
+	shrunk   bool
+	lastTake time.Time
+
+	entries map[string]*entry // every sandbox accounted for, by ID
+	ready   []*entry          // clean queue: taken from the back (warmest)
+	dirty   []*entry          // handed back, waiting for a reset
+	doomed  []*entry          // waiting for a destroy
+	waiters []*waiter         // FIFO
+
+	inUse, resetting, destroying int
+	creating, bgCreating         int
+
+	hits, misses, resets, resetFailures, createFailures, destroyed int64
+
+	failStreak   int
+	lastErr      error
+	backoffUntil time.Time
+
+	// Moving averages for RetryAfter.
+	resetAvg, createAvg, putGap time.Duration
+	lastPut                     time.Time
+}
+
+// New starts a pool; its workers begin filling it at once. It panics if
+// o.Validate fails.
+func New(o Options) *Pool {
+	if err := o.Validate(); err != nil {
+		panic(err)
+	}
+	if o.Fill == 0 {
+		o.Fill = DefaultFill
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	p := &Pool{
+		o:        o,
+		log:      o.Logger,
+		stop:     make(chan struct{}),
+		wake:     make(chan struct{}, 1),
+		done:     make(chan struct{}),
+		size:     o.Size,
+		lastTake: time.Now(),
+		entries:  map[string]*entry{},
+	}
+	switch {
+	case o.MaxWaiters == 0:
+		p.maxWaiters = DefaultMaxWaiters
+	case o.MaxWaiters > 0:
+		p.maxWaiters = o.MaxWaiters
+	}
+	p.ctx, p.cancel = context.WithCancel(context.Background())
+	p.cond = sync.NewCond(&p.mu)
+	p.flight = o.Fill + 1
+	for range o.Fill {
+		go p.worker()
+	}
+	go p.manage()
+	return p
+}
+
+// TryTake returns a clean sandbox, or nil when none is ready. It never
+// blocks and never creates.
+func (p *Pool) TryTake() rt.Sandbox {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	p.tookLocked()
+	if e := p.popReadyLocked(); e != nil {
+		p.hits++
+		return e.sb
+	}
+	p.misses++
+	return nil
+}
+
+// Take returns a clean sandbox. When none is ready it creates one on the
+// caller's path if the pool is below Max (and New is not backing off after
+// failures); otherwise, or if that create fails, it waits in a FIFO queue
+// for a sandbox to come back (or a background create) until ctx ends. The
+// error then wraps ctx's, and the last create error if creates are failing.
+// A full queue fails at once with ErrQueueFull.
+func (p *Pool) Take(ctx context.Context) (rt.Sandbox, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("pool: take: %w", err)
+	}
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil, ErrClosed
+	}
+	p.tookLocked()
+	if e := p.popReadyLocked(); e != nil {
+		p.hits++
+		p.mu.Unlock()
+		return e.sb, nil
+	}
+	p.misses++
+	var createErr error
+	if p.canCreateLocked(time.Now()) {
+		sb, err := p.createForCaller(ctx) // unlocks and relocks
+		if sb != nil || errors.Is(err, ErrClosed) {
+			p.mu.Unlock()
+			return sb, err
+		}
+		if ctx.Err() != nil {
+			p.mu.Unlock()
+			return nil, fmt.Errorf("pool: take: %w (create: %w)", ctx.Err(), err)
+		}
+		createErr = err
+		// A sandbox may have come back while we were creating.
+		if e := p.popReadyLocked(); e != nil {
+			p.mu.Unlock()
+			return e.sb, nil
+		}
+	}
+	if len(p.waiters) >= p.maxWaiters {
+		p.mu.Unlock()
+		if createErr != nil {
+			return nil, fmt.Errorf("%w (create: %w)", ErrQueueFull, createErr)
+		}
+		return nil, ErrQueueFull
+	}
+	w := &waiter{ch: make(chan result, 1), createErr: createErr}
+	p.waiters = append(p.waiters, w)
+	p.cond.Broadcast() // a worker may create for it
+	p.mu.Unlock()
+
+	select {
+	case r := <-w.ch:
+		if r.err != nil {
+			return nil, r.err
+		}
+		return r.e.sb, nil
+	case <-ctx.Done():
+	}
+	p.mu.Lock()
+	if !w.done {
+		w.done = true
+		p.waiters = slices.DeleteFunc(p.waiters, func(x *waiter) bool { return x == w })
+		lastErr := w.createErr
+		if lastErr == nil && p.failStreak > 0 {
+			lastErr = p.lastErr
+		}
+		p.mu.Unlock()
+		if lastErr != nil {
+			return nil, fmt.Errorf("pool: take: waited for a sandbox: %w (last create error: %w)", ctx.Err(), lastErr)
+		}
+		return nil, fmt.Errorf("pool: take: waited for a sandbox: %w", ctx.Err())
+	}
+	p.mu.Unlock()
+	// Served at the moment ctx ended: the caller is gone, so the clean
+	// sandbox goes on to the next waiter or back to the clean queue.
+	r := <-w.ch
+	if r.err != nil {
+		return nil, r.err
+	}
+	p.mu.Lock()
+	p.inUse-- // never used: it skips the reset
+	if !p.placeCleanLocked(r.e) {
+		p.flight++
+		p.mu.Unlock()
+		p.destroyEntry(r.e)
+		p.mu.Lock()
+		p.leaveLocked()
+	}
+	p.mu.Unlock()
+	return nil, fmt.Errorf("pool: take: %w", ctx.Err())
+}
+
+// createForCaller creates a sandbox on Take's path. Called and returns with
+// p.mu held. It returns the sandbox, or the create's error, or ErrClosed.
+func (p *Pool) createForCaller(ctx context.Context) (rt.Sandbox, error) {
+	p.creating++
+	p.flight++
+	p.mu.Unlock()
+	// Close aborts the create too, so that it does not wait for it.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(p.ctx, cancel)()
+	start := time.Now()
+	sb, err := p.o.New(ctx)
+	if err == nil && sb == nil {
+		err = errors.New("pool: New returned no sandbox")
+	}
+	p.mu.Lock()
+	p.creating--
+	defer p.leaveLocked()
+	if err != nil && p.closed {
+		return nil, ErrClosed // the queue it would wait in is gone
+	}
+	if err != nil {
+		p.createFailedLocked(ctx.Err() != nil, err)
+		return nil, err
+	}
+	if p.closed {
+		p.mu.Unlock()
+		p.destroySandbox(sb)
+		p.mu.Lock()
+		return nil, ErrClosed
+	}
+	e, err := p.registerLocked(sb, time.Since(start))
+	if err != nil {
+		p.mu.Unlock()
+		p.destroySandbox(sb)
+		p.mu.Lock()
+		p.createFailedLocked(false, err)
+		return nil, err
+	}
+	e.state = stInUse
+	p.inUse++
+	return sb, nil
+}
+
+// Put hands back a sandbox taken from the pool. It is reset in the
+// background and then goes to the first waiter, else to the clean queue if
+// the pool wants more, else it is destroyed; a sandbox that is not an
+// rt.Resetter, or whose Reset fails, is destroyed (and replaced if wanted).
+// A sandbox the pool did not hand out is adopted the same way (destroyed if
+// that would exceed Max). After Close, Put destroys the sandbox before it
+// returns. The caller must not use sb after Put.
+func (p *Pool) Put(sb rt.Sandbox) {
+	if sb == nil {
+		return
+	}
+	id := sb.ID()
+	p.mu.Lock()
+	e := p.entries[id]
+	switch {
+	case e == nil:
+		if p.closed {
+			p.mu.Unlock()
+			p.destroySandbox(sb)
+			return
+		}
+		e = &entry{sb: sb}
+		p.entries[id] = e
+	case e.state != stInUse:
+		p.mu.Unlock()
+		p.log.Error("pool: Put of a sandbox that is not in use (put twice?); ignored", "sandbox", id, "state", e.state.String())
+		return
+	default:
+		p.inUse--
+	}
+	now := time.Now()
+	if !p.lastPut.IsZero() {
+		p.putGap = ewma(p.putGap, now.Sub(p.lastPut))
+	}
+	p.lastPut = now
+	if p.closed {
+		p.destroyNowLocked(e)
+		p.mu.Unlock()
+		return
+	}
+	e.state = stDirty
+	p.dirty = append(p.dirty, e)
+	p.cond.Broadcast()
+	p.mu.Unlock()
+}
+
+// Discard destroys a taken sandbox that must not come back (its sandbox is
+// lost or broken) and frees its place; it returns once it is destroyed.
+// A sandbox the pool does not know is destroyed too.
+func (p *Pool) Discard(sb rt.Sandbox) {
+	if sb == nil {
+		return
+	}
+	id := sb.ID()
+	p.mu.Lock()
+	e := p.entries[id]
+	if e == nil {
+		p.mu.Unlock()
+		p.destroySandbox(sb)
+		return
+	}
+	if e.state != stInUse {
+		p.mu.Unlock()
+		p.log.Error("pool: Discard of a sandbox that is not in use; ignored", "sandbox", id, "state", e.state.String())
+		return
+	}
+	p.inUse--
+	p.destroyNowLocked(e)
+	p.mu.Unlock()
+}
+
+// destroyNowLocked destroys e on the caller's goroutine (p.mu is released
+// meanwhile), counted in flight so that Close waits for it.
+func (p *Pool) destroyNowLocked(e *entry) {
+	e.state = stDestroying
+	p.destroying++
+	p.flight++
+	p.mu.Unlock()
+	p.destroyEntry(e)
+	p.mu.Lock()
+	p.leaveLocked()
+}
+
+// Resize sets the ready target (negative counts as 0). Extra ready
+// sandboxes are destroyed; missing ones are created in the background.
+// MinSize still applies while the pool is shrunk.
+func (p *Pool) Resize(size int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.size = max(size, 0)
+	p.trimLocked()
+	p.cond.Broadcast()
+}
+
+// Stats returns the pool's counters.
+func (p *Pool) Stats() Stats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return Stats{
+		Size:           p.size,
+		Target:         p.targetLocked(),
+		Ready:          len(p.ready),
+		InUse:          p.inUse,
+		Resetting:      len(p.dirty) + p.resetting,
+		Creating:       p.creating,
+		Destroying:     len(p.doomed) + p.destroying,
+		Waiting:        len(p.waiters),
+		Hits:           p.hits,
+		Misses:         p.misses,
+		Resets:         p.resets,
+		ResetFailures:  p.resetFailures,
+		CreateFailures: p.createFailures,
+		Destroyed:      p.destroyed,
+	}
+}
+
+// RetryAfter estimates how long a caller refused with ErrQueueFull should
+// wait before trying again, for the retry-after hint of the Unavailable
+// status it becomes. A queued caller is served when a sandbox comes back,
+// so the estimate is the queue length plus one times the recent interval
+// between Puts (or, before any Put, the recent create time), plus one
+// reset; at least the rest of a create backoff. Clamped to [50ms, 1m].
+func (p *Pool) RetryAfter() time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	gap := p.putGap
+	if !p.lastPut.IsZero() && now.Sub(p.lastPut) > gap {
+		// Puts have slowed down: the average is stale.
+		gap = now.Sub(p.lastPut)
+	}
+	if gap == 0 {
+		gap = p.createAvg
+	}
+	d := time.Duration(len(p.waiters)+1)*gap + p.resetAvg
+	if now.Before(p.backoffUntil) {
+		d = max(d, p.backoffUntil.Sub(now))
+	}
+	return min(max(d, minRetryAfter), maxRetryAfter)
+}
+
+// Close fails waiting Takes with ErrClosed, destroys the ready and dirty
+// sandboxes, aborts background creates and stops the workers. Sandboxes in
+// use are not waited for: Put or Discard destroys them later. Close returns
+// when nothing else is in flight, or with ctx's error if ctx ends first (the
+// workers still finish the destroys).
+func (p *Pool) Close(ctx context.Context) error {
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		p.cancel()
+		close(p.stop)
+		for _, w := range p.waiters {
+			w.done = true
+			w.ch <- result{err: ErrClosed}
+		}
+		p.waiters = nil
+		for _, e := range p.ready {
+			e.state = stDoomed
+		}
+		p.doomed = append(p.doomed, p.ready...)
+		p.ready = nil
+		p.cond.Broadcast()
+		p.checkDoneLocked()
+	}
+	p.mu.Unlock()
+	select {
+	case <-p.done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("pool: close: %w", ctx.Err())
+	}
+}

@@ -1,0 +1,758 @@
+package container
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"github.com/containerd/cgroups/v3"
+	"golang.org/x/sys/unix"
+
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
+)
+
+// killTimeout bounds how long Reset waits for the user's processes to die
+// and be reaped after SIGKILL (a process in uninterruptible sleep cannot
+// die before the kernel lets it); past it the reset fails and the caller
+// destroys the sandbox.
+const killTimeout = 10 * time.Second
+
+var (
+	_ rt.Resetter = (*sandbox)(nil)
+	_ rt.Updater  = (*sandbox)(nil)
+)
+
+// Reset implements runtime.Resetter: the sandbox keeps its agent, its
+// namespaces and its cgroup, and gets back the state Create left it in.
+//
+//  1. Every process in the user cgroup (where every process the agent
+//     starts is born, and which nothing inside can leave) is SIGKILLed
+//     until the cgroup holds none, and Reset waits until the agent, PID 1,
+//     has reaped them all. What the previous user may have changed about
+//     the agent (rlimits, nice, scheduling policy, CPU affinity and I/O
+//     priority, which every process it forks inherits, and its OOM score:
+//     a process of the same user may change them) is put back as it was
+//     after Create.
+//  2. On a throw-away OS thread of the edge: System V IPC objects and POSIX
+//     message queues of the sandbox's IPC namespace are removed; the thread
+//     joins the sandbox's mount namespace, stacks a new overlay with a fresh
+//     upper and work directory on the old root, moves the existing /proc and
+//     /sys over (they belong to the sandbox's PID and network namespaces),
+//     mounts a fresh /dev as the agent's set-up does, pivots into the new
+//     root (which moves the root and working directory of the agent with
+//     it) and detaches the old root with everything the previous user left
+//     mounted under it. The overlay is built detached, in the host's mount
+//     namespace where the layer paths resolve (new mount API), usually
+//     ahead of time (step 3).
+//  3. In the background: the old overlay is released, its upper and work
+//     directories are removed, and the next Reset's overlay is built.
+//     Destroy waits for that.
+//
+// The old overlay is never modified while mounted (overlayfs does not
+// allow changing its upper directory underneath it), and the host's mount
+// table is never touched.
+func (s *sandbox) Reset(ctx context.Context) error {
+	s.resetMu.Lock()
+	defer s.resetMu.Unlock()
+	select {
+	case <-s.done:
+		return fmt.Errorf("%w: reset: init has exited", rt.ErrSandboxGone)
+	default:
+	}
+	if err := s.killUser(ctx); err != nil {
+		return s.gone(fmt.Errorf("reset: %w", err))
+	}
+	if err := s.attrs.restore(s.cmd.Process.Pid); err != nil {
+		return s.gone(fmt.Errorf("reset: %w", err))
+	}
+	root := s.takeNext()
+	if root == nil {
+		var err error
+		if root, err = s.newRoot(); err != nil {
+			return s.gone(fmt.Errorf("reset: %w", err))
+		}
+	}
+	oldRoot, err := s.swapRoot(root.fd)
+	unix.Close(root.fd)
+	if err != nil {
+		// The sandbox is unusable; Destroy removes the directories with the
+		// rest of the sandbox's directory.
+		return s.gone(fmt.Errorf("reset: %w", err))
+	}
+	s.fsMu.Lock()
+	oldUpper, oldWork := s.upper, s.work
+	s.upper, s.work = root.upper, root.work
+	s.fsMu.Unlock()
+
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		// The last reference to the old root: closing it unmounts the old
+		// overlay, here rather than on Reset's path. Then its directories
+		// are the edge's again, and removing them costs as much as the user
+		// wrote.
+		unix.Close(oldRoot)
+		for _, d := range []string{oldUpper, oldWork} {
+			if err := os.RemoveAll(d); err != nil {
+				s.b.log.Warn("remove old overlay directory", "sandbox", s.id, "dir", d, "err", err)
+			}
+		}
+		s.prepareNext()
+	}()
+	return nil
+}
+
+// overlayRoot is a detached overlay mount over its own fresh upper and
+// work directories.
+type overlayRoot struct {
+	fd          int
+	upper, work string
+}
+
+// newRoot makes a new generation of upper and work directories and a
+// detached overlay over them and the sandbox's layers.
+func (s *sandbox) newRoot() (*overlayRoot, error) {
+	s.fsMu.Lock()
+	if s.destroyed {
+		s.fsMu.Unlock()
+		return nil, errors.New("sandbox destroyed")
+	}
+	s.gen++
+	gen := strconv.Itoa(s.gen)
+	s.fsMu.Unlock()
+	r := &overlayRoot{upper: filepath.Join(s.dir, "upper."+gen), work: filepath.Join(s.dir, "work."+gen)}
+	// Mkdir, not MkdirAll: after Destroy removed the sandbox directory,
+	// nothing may be created under it again.
+	if err := os.Mkdir(r.upper, 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.Mkdir(r.work, 0o755); err != nil {
+		os.Remove(r.upper)
+		return nil, err
+	}
+	fd, err := newOverlay(s.lower, r.upper, r.work)
+	if err != nil {
+		os.Remove(r.upper)
+		os.RemoveAll(r.work)
+		return nil, err
+	}
+	r.fd = fd
+	return r, nil
+}
+
+// prepareNext builds the next Reset's root ahead of time (most of a
+// Reset's cost on file systems where creating inodes is slow). Only
+// sandboxes that were reset once do: they are the pooled ones.
+func (s *sandbox) prepareNext() {
+	s.fsMu.Lock()
+	busy := s.next != nil || s.destroyed
+	s.fsMu.Unlock()
+	if busy {
+		return
+	}
+	r, err := s.newRoot()
+	if err != nil {
+		// The next Reset builds its own and reports the error if it recurs.
+		s.b.log.Debug("prepare next root", "sandbox", s.id, "err", err)
+		return
+	}
+	s.fsMu.Lock()
+	if s.next == nil && !s.destroyed {
+		s.next, r = r, nil
+	}
+	s.fsMu.Unlock()
+	if r != nil { // raced with another preparation or with Destroy
+		unix.Close(r.fd)
+		os.RemoveAll(r.upper)
+		os.RemoveAll(r.work)
+	}
+}
+
+// takeNext returns the prepared root, or nil.
+func (s *sandbox) takeNext() *overlayRoot {
+	s.fsMu.Lock()
+	defer s.fsMu.Unlock()
+	r := s.next
+	s.next = nil
+	return r
+}
+
+// dropNext releases a prepared root that will not be used (Destroy).
+func (s *sandbox) dropNext() {
+	s.fsMu.Lock()
+	s.destroyed = true
+	r := s.next
+	s.next = nil
+	s.fsMu.Unlock()
+	if r != nil {
+		unix.Close(r.fd)
+	}
+}
+
+// killUser SIGKILLs every process of the user cgroup but the agent (on
+// cgroup v1 the agent's spawner thread lives there) and returns once they
+// are all gone and reaped. SIGKILL works on stopped processes; processes
+// of a frozen sandbox are signalled first and then thawed, so they die
+// without running another instruction. Killing repeats until a pass finds
+// nobody: a process forked between two passes is caught by the next, and a
+// killed process cannot fork any more. Reaped is when the cgroup's pids
+// count (which holds a task until its parent, the agent by then, waits for
+// it) equals the agent's own threads there.
+//
+// PIDs read from cgroup.procs are signalled by number. The kernel hands
+// PIDs out cyclically, so one freed between the read and the kill would
+// have to be reused by the time the whole PID range wrapped around, within
+// microseconds: not a practical risk (pidfds would close it at a cost per
+// process).
+func (s *sandbox) killUser(ctx context.Context) error {
+	dir := s.cg.userDir()
+	agentPid := s.cmd.Process.Pid
+	threadsFile := "tasks"
+	if cgroupMode() == cgroups.Unified {
+		threadsFile = "cgroup.threads"
+		// v2 kills the whole cgroup in one write (Linux 5.14+); the loop
+		// below still waits for the reaping, and kills by hand if the file
+		// does not exist.
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("kill user cgroup: %w", err)
+		}
+	}
+	kill := func() (int, error) {
+		b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+		if err != nil {
+			return 0, fmt.Errorf("list user processes: %w", err)
+		}
+		n := 0
+		for _, f := range strings.Fields(string(b)) {
+			pid, err := strconv.Atoi(f)
+			if err != nil || pid == agentPid {
+				continue
+			}
+			n++
+			if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && err != syscall.ESRCH {
+				return 0, fmt.Errorf("kill %d: %w", pid, err)
+			}
+		}
+		return n, nil
+	}
+	// Signal first, thaw second: a frozen process keeps the SIGKILL pending
+	// and dies as soon as it is thawed. A sandbox not known to be frozen is
+	// thawed too if its processes do not die at once.
+	thawed := false
+	thaw := func() error {
+		if err := s.cg.thaw(); err != nil {
+			return fmt.Errorf("thaw: %w", err)
+		}
+		thawed = true
+		s.frozen.Store(false)
+		return nil
+	}
+	n, err := kill()
+	if err != nil {
+		return err
+	}
+	if s.frozen.Load() {
+		if err := thaw(); err != nil {
+			return err
+		}
+	}
+	deadline := time.Now().Add(killTimeout)
+	wait := 20 * time.Microsecond
+	for {
+		if n == 0 {
+			reaped, err := allReaped(dir, threadsFile)
+			if err != nil {
+				return err
+			}
+			if reaped {
+				return nil
+			}
+		}
+		select {
+		case <-s.done:
+			return errors.New("init exited while its processes were being killed")
+		case <-ctx.Done():
+			return fmt.Errorf("killing the user's processes: %w", ctx.Err())
+		default:
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("user processes survive SIGKILL for %v (%d still running)", killTimeout, n)
+		}
+		// Dying and reaping take from microseconds to a few milliseconds;
+		// the cgroup gives no notification on v1, so poll with a backoff.
+		time.Sleep(wait)
+		wait = min(2*wait, 5*time.Millisecond)
+		if n, err = kill(); err != nil {
+			return err
+		}
+		if n > 0 && !thawed {
+			if err := thaw(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// allReaped reports whether the user cgroup's pids count (tasks, zombies
+// included until reaped) is down to the threads listed in it (the agent's
+// spawner thread on v1, none on v2).
+func allReaped(dir, threadsFile string) (bool, error) {
+	cur, err := os.ReadFile(filepath.Join(dir, "pids.current"))
+	if err != nil {
+		return false, fmt.Errorf("read user pids count: %w", err)
+	}
+	n, err := strconv.Atoi(string(bytes.TrimSpace(cur)))
+	if err != nil {
+		return false, fmt.Errorf("user pids count %q: %w", cur, err)
+	}
+	threads, err := os.ReadFile(filepath.Join(dir, threadsFile))
+	if err != nil {
+		return false, fmt.Errorf("list user threads: %w", err)
+	}
+	return n == len(strings.Fields(string(threads))), nil
+}
+
+// swapRoot makes the detached overlay root the sandbox's root (see Reset)
+// and returns an O_PATH descriptor of the old, detached root: the last
+// reference to it, so that closing it releases the old overlay. It runs on
+// an OS thread that joins the sandbox's namespaces and is never handed back
+// to the Go scheduler.
+func (s *sandbox) swapRoot(root int) (int, error) {
+	var old int
+	err := onThrowawayThread(func() error {
+		var err error
+		old, err = s.swapRootLocked(root)
+		return err
+	})
+	return old, err
+}
+
+// onThrowawayThread runs f on an OS thread that f may leave in other
+// namespaces or with other file system context: the goroutine stays locked
+// to it and exits, so the Go runtime ends the thread instead of running
+// other goroutines on it. (Threads the runtime needs meanwhile are cloned
+// by its template thread, not by this one.) The main thread is the
+// exception: the runtime never ends it, only parks it, and /proc/self
+// reads the main thread's namespaces. So f never runs there: landing on it,
+// the goroutine keeps it locked, and so out of the scheduler's hands,
+// while a second goroutine, which cannot land there, runs f.
+func onThrowawayThread(f func() error) error {
+	ch := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			ch <- onThrowawayThread(f)
+			runtime.UnlockOSThread()
+			return
+		}
+		ch <- f()
+	}()
+	return <-ch
+}
+
+func (s *sandbox) swapRootLocked(root int) (int, error) {
+	// setns into a mount namespace refuses a thread that shares its
+	// fs_struct (root, cwd) with others, as every Go thread does.
+	if err := unix.Unshare(unix.CLONE_FS); err != nil {
+		return -1, fmt.Errorf("unshare fs: %w", err)
+	}
+	if err := s.setns(unix.CLONE_NEWIPC, "ipc"); err != nil {
+		return -1, err
+	}
+	if err := s.clearIPC(); err != nil {
+		return -1, err
+	}
+	if err := s.setns(unix.CLONE_NEWNS, "mnt"); err != nil {
+		return -1, err
+	}
+	// The thread's root and working directory are now the sandbox's root.
+	old, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open old root: %w", err)
+	}
+	if err := swapMounts(root); err != nil {
+		unix.Close(old)
+		return -1, err
+	}
+	return old, nil
+}
+
+// swapMounts runs in the sandbox's mount namespace, with the old root as
+// the calling thread's root and working directory.
+func swapMounts(root int) error {
+	// The new overlay goes on top of the old root: processes keep seeing the
+	// old root (a root is not crossed into a mount stacked on it) until
+	// pivot_root moves them, and no directory of the user's is used as a
+	// mount point.
+	if err := unix.MoveMount(root, "", unix.AT_FDCWD, "/", unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attach new root: %w", err)
+	}
+	if err := unix.Fchdir(root); err != nil {
+		return fmt.Errorf("enter new root: %w", err)
+	}
+	if err := sandboxinit.PrepareRoot("."); err != nil {
+		return err
+	}
+	for _, m := range []struct {
+		dir   string
+		magic int64
+	}{{"proc", unix.PROC_SUPER_MAGIC}, {"sys", unix.SYSFS_MAGIC}} {
+		if err := moveMount("/"+m.dir, m.dir, m.magic); err != nil {
+			return err
+		}
+	}
+	if err := sandboxinit.MountDev("dev", false); err != nil {
+		return err
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("pivot_root: %w", err)
+	}
+	// The old root now sits on top of the new one; detaching it drops the
+	// old /dev, /dev/pts and /dev/shm, and the old overlay once its last
+	// reference is closed.
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("detach old root: %w", err)
+	}
+	return nil
+}
+
+// setns moves the calling thread into the agent's namespace of type nstype
+// (a CLONE_NEW* flag; name is its /proc/PID/ns name). The agent's pidfd
+// names the agent for sure; a PID could have been reused.
+func (s *sandbox) setns(nstype int, name string) error {
+	fd := s.pidfd
+	if fd < 0 {
+		var err error
+		fd, err = unix.Open(fmt.Sprintf("/proc/%d/ns/%s", s.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("open %s namespace: %w", name, err)
+		}
+		defer unix.Close(fd)
+	}
+	if err := unix.Setns(fd, nstype); err != nil {
+		return fmt.Errorf("join the sandbox's %s namespace: %w", name, err)
+	}
+	return nil
+}
+
+// moveMount moves the mount at from (in the old root) onto to (relative to
+// the working directory, the new root), after checking it is the file
+// system it should be: the only mounts Reset keeps are /proc and /sys.
+func moveMount(from, to string, magic int64) error {
+	fd, err := unix.Open(from, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", from, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", from, err)
+	}
+	if st.Type != magic {
+		return fmt.Errorf("%s is not the sandbox's own mount (file system type %#x)", from, st.Type)
+	}
+	// move_mount refuses anything but the root of a mount, so this moves
+	// the whole /proc or /sys tree, masks included.
+	if err := unix.MoveMount(fd, "", unix.AT_FDCWD, to, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("move %s to the new root: %w", from, err)
+	}
+	return nil
+}
+
+// newOverlay builds the sandbox's overlay as a detached mount (new mount
+// API) and returns its file descriptor: mounted nowhere, so the host's
+// mount table never sees it, yet resolved in the host's namespace.
+func newOverlay(lower []string, upper, work string) (int, error) {
+	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("fsopen overlay: %w", err)
+	}
+	defer unix.Close(fsfd)
+	fail := func(what string, err error) (int, error) {
+		return -1, fmt.Errorf("new overlay (%d layers): %s: %w%s", len(lower), what, err, fsMessages(fsfd))
+	}
+	for _, kv := range [][2]string{{"source", "overlay"}, {"lowerdir", strings.Join(lower, ":")}, {"upperdir", upper}, {"workdir", work}} {
+		if err := unix.FsconfigSetString(fsfd, kv[0], kv[1]); err != nil {
+			return fail(kv[0], err)
+		}
+	}
+	for _, o := range sandboxinit.OverlayOptions {
+		var err error
+		if o[1] == "" {
+			err = unix.FsconfigSetFlag(fsfd, o[0])
+		} else {
+			err = unix.FsconfigSetString(fsfd, o[0], o[1])
+		}
+		if err != nil {
+			return fail(o[0], err)
+		}
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return fail("create", err)
+	}
+	// nodev as the agent's own overlay mount has: device nodes only in /dev.
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NODEV)
+	if err != nil {
+		return fail("fsmount", err)
+	}
+	return mfd, nil
+}
+
+// fsMessages reads the kernel's explanation of a failed fsconfig from the
+// file system context ("e overlayfs: ..."), for the error message.
+func fsMessages(fsfd int) string {
+	var msgs []string
+	buf := make([]byte, 1024)
+	for range 8 {
+		n, err := unix.Read(fsfd, buf)
+		if err != nil || n <= 0 {
+			break
+		}
+		msgs = append(msgs, strings.TrimSpace(string(buf[:n])))
+	}
+	if len(msgs) == 0 {
+		return ""
+	}
+	return " (" + strings.Join(msgs, "; ") + ")"
+}
+
+// IPC_INFO-family commands of shmctl, semctl and msgctl: they report how
+// many objects of the kind exist in the caller's IPC namespace.
+const (
+	shmInfo = 14 // SHM_INFO: struct shm_info, used_ids first
+	semInfo = 19 // SEM_INFO: struct seminfo, semusz (sets in use) 8th
+	msgInfo = 12 // MSG_INFO: struct msginfo, msgpool (queues in use) first
+)
+
+// clearIPC removes every System V shared memory segment, semaphore set and
+// message queue, and every POSIX message queue, of the calling thread's IPC
+// namespace (the sandbox's). Every user process is dead by now, so removed
+// segments are freed at once.
+func (s *sandbox) clearIPC() error {
+	for _, k := range []struct {
+		file  string
+		count func() (int, error)
+		rm    func(id int) error
+	}{
+		{"shm", func() (int, error) { return ipcCount(unix.SYS_SHMCTL, 0, shmInfo, 0, 0) },
+			func(id int) error { return ipcCall(unix.SYS_SHMCTL, uintptr(id), unix.IPC_RMID, 0) }},
+		{"sem", func() (int, error) { return ipcCount(unix.SYS_SEMCTL, 0, 0, semInfo, 7) },
+			func(id int) error { return ipcCall(unix.SYS_SEMCTL, uintptr(id), 0, unix.IPC_RMID) }},
+		{"msg", func() (int, error) { return ipcCount(unix.SYS_MSGCTL, 0, msgInfo, 0, 0) },
+			func(id int) error { return ipcCall(unix.SYS_MSGCTL, uintptr(id), unix.IPC_RMID, 0) }},
+	} {
+		// One system call tells whether there is anything to remove; the
+		// listing, which names the objects, costs a /proc read.
+		n, err := k.count()
+		if err != nil {
+			return fmt.Errorf("count System V %s: %w", k.file, err)
+		}
+		if n == 0 {
+			continue
+		}
+		// The files list the reader's IPC namespace; the host's /proc is
+		// still this thread's /proc.
+		b, err := os.ReadFile("/proc/sysvipc/" + k.file)
+		if err != nil {
+			return fmt.Errorf("list System V IPC: %w", err)
+		}
+		lines := strings.Split(string(b), "\n")
+		for _, line := range lines[1:] { // header first
+			f := strings.Fields(line)
+			if len(f) < 2 {
+				continue
+			}
+			id, err := strconv.Atoi(f[1])
+			if err != nil {
+				return fmt.Errorf("System V IPC listing: bad line %q", line)
+			}
+			if err := k.rm(id); err != nil && err != unix.EINVAL && err != unix.EIDRM {
+				return fmt.Errorf("remove System V %s %d: %w", k.file, id, err)
+			}
+		}
+	}
+	return s.clearMqueues()
+}
+
+// ipcCount calls an *_INFO command (the buffer is the last argument, after
+// a1 and a2) and returns the int32 at index idx of the struct it fills.
+func ipcCount(trap, a0, a1, a2 uintptr, idx int) (int, error) {
+	var buf [32]int32 // larger than shm_info, seminfo and msginfo
+	p := uintptr(unsafe.Pointer(&buf[0]))
+	var e syscall.Errno
+	if trap == unix.SYS_SEMCTL {
+		_, _, e = unix.Syscall6(trap, a0, a1, a2, p, 0, 0)
+	} else {
+		_, _, e = unix.Syscall(trap, a0, a1, p)
+	}
+	if e != 0 {
+		return 0, e
+	}
+	return int(buf[idx]), nil
+}
+
+func ipcCall(trap, a0, a1, a2 uintptr) error {
+	if _, _, e := unix.Syscall(trap, a0, a1, a2); e != 0 {
+		return e
+	}
+	return nil
+}
+
+// clearMqueues unlinks every POSIX message queue of the sandbox's IPC
+// namespace through a detached mount of its mqueue file system, made on
+// the first Reset (a mqueue mount shows the IPC namespace of whoever
+// created it, the sandbox's here) and kept until Destroy.
+func (s *sandbox) clearMqueues() error {
+	if s.mqueue < 0 {
+		fsfd, err := unix.Fsopen("mqueue", unix.FSOPEN_CLOEXEC)
+		if err != nil {
+			return fmt.Errorf("fsopen mqueue: %w", err)
+		}
+		defer unix.Close(fsfd)
+		if err := unix.FsconfigCreate(fsfd); err != nil {
+			return fmt.Errorf("mqueue: %w%s", err, fsMessages(fsfd))
+		}
+		if s.mqueue, err = unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, 0); err != nil {
+			return fmt.Errorf("mount mqueue: %w", err)
+		}
+	}
+	dfd, err := unix.Openat(s.mqueue, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open mqueue: %w", err)
+	}
+	d := os.NewFile(uintptr(dfd), "mqueue")
+	defer d.Close()
+	names, err := d.Readdirnames(-1)
+	if err != nil {
+		return fmt.Errorf("list message queues: %w", err)
+	}
+	for _, n := range names {
+		if err := unix.Unlinkat(s.mqueue, n, 0); err != nil && err != unix.ENOENT {
+			return fmt.Errorf("remove message queue %q: %w", n, err)
+		}
+	}
+	return nil
+}
+
+// Update implements runtime.Updater: the sandbox's CPU, memory and pids
+// limits change in place. A zero field means no limit (Pids: the backend's
+// default), as at Create. Lowering the memory limit below what the sandbox
+// uses makes the kernel reclaim, and fails if it cannot.
+func (s *sandbox) Update(ctx context.Context, r rt.Resources) error {
+	if r.MilliCPU < 0 || r.MemoryBytes < 0 || r.Pids < 0 {
+		return fmt.Errorf("%w: resources must not be negative", rt.ErrInvalidSpec)
+	}
+	if r.MemoryBytes != 0 && r.MemoryBytes < minMemory {
+		return fmt.Errorf("%w: resources.memory %d bytes is below the %d MiB minimum", rt.ErrInvalidSpec, r.MemoryBytes, minMemory>>20)
+	}
+	if r.Pids == 0 {
+		r.Pids = s.b.opts.DefaultPids
+	}
+	select {
+	case <-s.done:
+		return fmt.Errorf("%w: update: init has exited", rt.ErrSandboxGone)
+	default:
+	}
+	s.updateMu.Lock()
+	defer s.updateMu.Unlock()
+	if err := s.cg.set(r); err != nil {
+		return s.gone(fmt.Errorf("update resources: %w", err))
+	}
+	return nil
+}
+
+// agentAttrs are the agent's attributes that a process running as the same
+// user (root in the sandbox, without CAP_SYS_ADMIN) can still change: its
+// resource limits (prlimit), and per thread its nice value and scheduling
+// policy, CPU affinity and I/O priority, which every process it starts
+// inherits (the agent's spawner thread forks them all), and its OOM score
+// (a previous user could make the agent the OOM killer's first choice).
+type agentAttrs struct {
+	rlimits  [unix.RLIMIT_RTTIME + 1]unix.Rlimit
+	sched    unix.SchedAttr
+	affinity unix.CPUSet
+	ioprio   int
+	oomScore []byte
+}
+
+// ioprioWhoProcess is IOPRIO_WHO_PROCESS: ioprio_get/set of one thread.
+const ioprioWhoProcess = 1
+
+// captureAgent records the attributes of the agent's main thread.
+func captureAgent(pid int) (*agentAttrs, error) {
+	a := &agentAttrs{}
+	for r := range a.rlimits {
+		if err := unix.Prlimit(pid, r, nil, &a.rlimits[r]); err != nil {
+			return nil, fmt.Errorf("read agent rlimit %d: %w", r, err)
+		}
+	}
+	sa, err := unix.SchedGetAttr(pid, 0)
+	if err != nil {
+		return nil, fmt.Errorf("read agent scheduling: %w", err)
+	}
+	a.sched = unix.SchedAttr{Policy: sa.Policy, Nice: sa.Nice, Priority: sa.Priority}
+	if err := unix.SchedGetaffinity(pid, &a.affinity); err != nil {
+		return nil, fmt.Errorf("read agent CPU affinity: %w", err)
+	}
+	prio, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(pid), 0)
+	if e != 0 {
+		return nil, fmt.Errorf("read agent I/O priority: %w", e)
+	}
+	a.ioprio = int(prio)
+	if a.oomScore, err = os.ReadFile(fmt.Sprintf("/proc/%d/oom_score_adj", pid)); err != nil {
+		return nil, fmt.Errorf("read agent OOM score: %w", err)
+	}
+	return a, nil
+}
+
+// restore puts the recorded attributes back on the agent and on each of
+// its threads. Threads that exit meanwhile are skipped.
+func (a *agentAttrs) restore(pid int) error {
+	for r := range a.rlimits {
+		if err := unix.Prlimit(pid, r, &a.rlimits[r], nil); err != nil {
+			return fmt.Errorf("restore agent rlimit %d: %w", r, err)
+		}
+	}
+	if err := os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", pid), a.oomScore, 0); err != nil {
+		return fmt.Errorf("restore agent OOM score: %w", err)
+	}
+	d, err := os.Open(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return fmt.Errorf("list agent threads: %w", err)
+	}
+	tids, err := d.Readdirnames(-1)
+	d.Close()
+	if err != nil {
+		return fmt.Errorf("list agent threads: %w", err)
+	}
+	for _, t := range tids {
+		tid, err := strconv.Atoi(t)
+		if err != nil {
+			continue
+		}
+		sched := a.sched
+		err = unix.SchedSetAttr(tid, &sched, 0)
+		if err == nil {
+			err = unix.SchedSetaffinity(tid, &a.affinity)
+		}
+		if err == nil {
+			if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(tid), uintptr(a.ioprio)); e != 0 {
+				err = e
+			}
+		}
+		if err != nil && err != unix.ESRCH {
+			return fmt.Errorf("restore agent thread %d scheduling: %w", tid, err)
+		}
+	}
+	return nil
+}

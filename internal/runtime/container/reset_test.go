@@ -1,0 +1,96 @@
+package container_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// TestResetUpperDir checks what snapshots rely on after a Reset: UpperDir
+// names the new overlay's upper directory, which holds what the sandbox
+// writes from then on and nothing from before.
+func TestResetUpperDir(t *testing.T) {
+	e := newEnv(t, 0)
+	ctx := context.Background()
+	sb, err := e.backend.Create(ctx, e.spec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Destroy(ctx)
+	d := sb.(rt.Differ)
+	old := d.UpperDir()
+	if err := sb.WriteFile(ctx, "/before", []byte("1"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(old, "before")); err != nil {
+		t.Fatalf("write before Reset not in the upper dir %s: %v", old, err)
+	}
+	if err := sb.(rt.Resetter).Reset(ctx); err != nil {
+		t.Fatal(err)
+	}
+	upper := d.UpperDir()
+	if upper == old {
+		t.Fatalf("UpperDir after Reset is still %s", old)
+	}
+	if err := sb.WriteFile(ctx, "/after", []byte("2"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(upper, "after")); err != nil || string(b) != "2" {
+		t.Errorf("write after Reset: %s/after = %q, %v", upper, b, err)
+	}
+	if _, err := os.Stat(filepath.Join(upper, "before")); !os.IsNotExist(err) {
+		t.Errorf("the new upper dir holds the previous user's file: %v", err)
+	}
+}
+
+// TestResetDestroyRemovesAll checks that the overlay directories a Reset
+// discards are gone by the time Destroy returns (the conformance suite
+// allows asynchronous teardown; this backend promises more), and that the
+// host's mount table never sees the sandboxes' overlays.
+func TestResetDestroyRemovesAll(t *testing.T) {
+	e := newEnv(t, 0)
+	ctx := context.Background()
+	hostMounts := func() int {
+		b, err := os.ReadFile("/proc/self/mountinfo")
+		if err != nil {
+			t.Fatal(err)
+		}
+		// An overlay on the host would name its upper directory there.
+		return strings.Count(string(b), e.backend.StateDir())
+	}
+	before := hostMounts()
+	sb, err := e.backend.Create(ctx, e.spec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		// Enough files that removing the old upper takes a while.
+		res, err := sb.Exec(ctx, rt.ExecRequest{Shell: `mkdir /many && cd /many && for i in $(seq 1 2000); do echo $i > f$i; done`}, nil)
+		if err != nil || res.ExitCode != 0 {
+			t.Fatalf("write files: %v %s", err, res.Stderr)
+		}
+		if err := sb.(rt.Resetter).Reset(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := hostMounts(); got != before {
+			t.Fatalf("host mount table: %d mounts naming the state dir after Reset, %d before", got, before)
+		}
+	}
+	if err := sb.Destroy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	entries, err := os.ReadDir(e.backend.StateDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != 0 {
+		t.Errorf("state dir holds %d entries right after Destroy: %v", len(entries), entries)
+	}
+	if err := sb.(rt.Updater).Update(ctx, rt.Resources{}); err == nil {
+		t.Error("Update of a destroyed sandbox succeeded")
+	}
+}
