@@ -67,6 +67,7 @@ func TestResetDestroyRemovesAll(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { sb.Destroy(ctx) }) // on failure; Destroy is idempotent
 	for range 3 {
 		// Enough files that removing the old upper takes a while.
 		res, err := sb.Exec(ctx, rt.ExecRequest{Shell: `mkdir /many && cd /many && for i in $(seq 1 2000); do echo $i > f$i; done`}, nil)

@@ -29,7 +29,7 @@ import (
 )
 
 // WorkDir is the working directory of every call. It lives on the
-// sandbox's /tmp, a tmpfs that a reset empties.
+// sandbox's /tmp, which a reset empties with the rest of the writable layer.
 const WorkDir = "/tmp/fncall"
 
 // binaryName is what compilers write in WorkDir ({binary}).
