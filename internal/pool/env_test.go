@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -14,11 +13,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dsec-dev/dsec/internal/blobstore"
-	"github.com/dsec-dev/dsec/internal/layer"
 	"github.com/dsec-dev/dsec/internal/pool"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/runtime/container/containertest"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
@@ -64,46 +62,13 @@ func newEnv(t testing.TB) *env {
 }
 
 func buildEnv(t testing.TB) (*env, error) {
-	agentBin := testutil.BuildBinary(t, "./cmd/dsec-agent")
-	// Not t.TempDir: the env outlives the first test.
-	root, err := os.MkdirTemp("", "dsec-pool-test-")
+	ce, err := containertest.New(t, "dsec-pool-test-", testsuite.BusyboxRootfs(t))
+	cleanups = append(cleanups, ce.Close)
 	if err != nil {
 		return nil, err
 	}
-	cleanups = append(cleanups, func() { os.RemoveAll(root) })
-	store, err := blobstore.NewDir(filepath.Join(root, "blobs"))
-	if err != nil {
-		return nil, err
-	}
-	desc, err := layer.Build(context.Background(), store, testsuite.BusyboxRootfs(t))
-	if err != nil {
-		return nil, err
-	}
-	path, err := store.Path(desc.Digest)
-	if err != nil {
-		return nil, err
-	}
-	mounts, err := layer.NewMounts(filepath.Join(root, "layers"), layer.WithLinger(time.Minute))
-	if err != nil {
-		return nil, err
-	}
-	cleanups = append(cleanups, func() { mounts.Close() })
-	b, err := container.New(container.Options{
-		StateDir:     filepath.Join(root, "sandboxes"),
-		AgentPath:    agentBin,
-		Layers:       mounts,
-		CgroupParent: "dsec-test-" + filepath.Base(root),
-	})
-	if err != nil {
-		return nil, err
-	}
-	cleanups = append(cleanups, func() {
-		b.Close()
-		for _, d := range b.CgroupDirs() {
-			os.Remove(d)
-		}
-	})
-	e := &env{backend: b, layer: rt.Layer{Digest: desc.Digest, Path: path}}
+	b := ce.Backend
+	e := &env{backend: b, layer: ce.Layer}
 	probe, err := b.Create(context.Background(), e.spec("probe"))
 	if err != nil {
 		return nil, fmt.Errorf("probe sandbox: %w", err)

@@ -13,10 +13,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dsec-dev/dsec/internal/blobstore"
-	"github.com/dsec-dev/dsec/internal/layer"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/runtime/container/containertest"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -73,48 +72,14 @@ func buildEnv(t testing.TB) (*env, error) {
 		return nil, fmt.Errorf("%s %s: %v\n%s", script, rootfs, err, out)
 	}
 	t.Logf("language rootfs %s ready in %v", rootfs, time.Since(start).Round(time.Millisecond))
-	agentBin := testutil.BuildBinary(t, "./cmd/dsec-agent")
-
-	root, err := os.MkdirTemp("", "dsec-fncall-test-")
-	if err != nil {
-		return nil, err
-	}
-	cleanups = append(cleanups, func() { os.RemoveAll(root) })
-	store, err := blobstore.NewDir(filepath.Join(root, "blobs"))
-	if err != nil {
-		return nil, err
-	}
 	start = time.Now()
-	desc, err := layer.Build(context.Background(), store, rootfs)
+	ce, err := containertest.New(t, "dsec-fncall-test-", rootfs)
+	cleanups = append(cleanups, ce.Close)
 	if err != nil {
 		return nil, err
 	}
-	t.Logf("language layer built in %v (%d MB)", time.Since(start).Round(time.Millisecond), desc.Size>>20)
-	path, err := store.Path(desc.Digest)
-	if err != nil {
-		return nil, err
-	}
-	mounts, err := layer.NewMounts(filepath.Join(root, "layers"), layer.WithLinger(time.Minute))
-	if err != nil {
-		return nil, err
-	}
-	cleanups = append(cleanups, func() { mounts.Close() })
-	b, err := container.New(container.Options{
-		StateDir:     filepath.Join(root, "sandboxes"),
-		AgentPath:    agentBin,
-		Layers:       mounts,
-		CgroupParent: "dsec-test-" + filepath.Base(root),
-	})
-	if err != nil {
-		return nil, err
-	}
-	cleanups = append(cleanups, func() {
-		b.Close()
-		for _, d := range b.CgroupDirs() {
-			os.Remove(d)
-		}
-	})
-	return &env{backend: b, layer: rt.Layer{Digest: desc.Digest, Path: path}}, nil
+	t.Logf("language layer built in %v", time.Since(start).Round(time.Millisecond))
+	return &env{backend: ce.Backend, layer: ce.Layer}, nil
 }
 
 // sandbox creates a fresh sandbox of the language image, destroyed when t
