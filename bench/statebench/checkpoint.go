@@ -70,7 +70,7 @@ func (h *harness) checkpointPhase(ctx context.Context) (err error) {
 	// What was measured is reported also when the phase stops early.
 	defer func() {
 		h.rep.addRow(figCkpt, "dsec Checkpoint", true, ckTimes, 0,
-			"API round trip: freeze, pack the upper into a node-local EROFS layer (not fsynced: checkpoints do not outlive the edge), thaw")
+			"API round trip: freeze, copy the upper into a node-local checkpoint directory (not fsynced: checkpoints do not outlive the edge), thaw")
 		h.rep.addRow(figCkpt, "cp -a", false, cpTimes, 0, "naive copy snapshot of the same bytes on the host (page cache)")
 		h.rep.addRow(figCkpt, "cp -a + fsync", false, cpSyncTimes, 0, "as cp -a, then fsync of every copied file and directory")
 		h.rep.addRow(figRollback, "dsec Rollback", true, rbTimes, 0,

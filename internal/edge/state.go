@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -23,8 +22,10 @@ import (
 )
 
 // checkpoint is a sandbox's file system at one moment: the layer stack it
-// ran on plus a layer packed from its writable layer. Its layers live in the
-// node's checkpoint store while a checkpoint or a sandbox uses them.
+// ran on plus a copy of its writable layer. That copy is a directory layer
+// (layer.DirLayers) in the node's checkpoint area, stacked by the overlay as
+// is: it never leaves the node, so it needs no EROFS image. The directory
+// stays while a checkpoint or a sandbox uses it.
 type checkpoint struct {
 	id      string
 	sandbox string
@@ -35,42 +36,57 @@ type checkpoint struct {
 	deleted bool
 }
 
-// localLayers are the checkpoint layers in stack: those whose file is in
-// the node's checkpoint store, not the shared blob store.
+// ckDirs is the node's store of checkpoint layers, under the checkpoint
+// area that New empties (checkpoints do not outlive the edge).
+func (e *Edge) ckDirs() *layer.DirLayers {
+	return layer.DirLayersAt(filepath.Join(e.ckStore.Root(), "dirs"))
+}
+
+// localLayers are the checkpoint layers in stack: those that are
+// directories of the node's checkpoint store, not files of the shared blob
+// store.
 func (e *Edge) localLayers(stack []runtime.Layer) []string {
-	root := e.ckStore.Root() + string(filepath.Separator)
+	dirs := e.ckDirs()
 	var out []string
 	for _, l := range stack {
-		if strings.HasPrefix(l.Path, root) {
+		if dirs.Contains(l.Path) {
 			out = append(out, l.Digest)
 		}
 	}
 	return out
 }
 
-// holdLayers and dropLayers count users of checkpoint-store layers; a
-// layer no checkpoint and no sandbox uses is deleted. The caller holds mu;
-// deletion happens outside it (dropLayers returns what to delete).
+// holdLayers and dropLayers count users of checkpoint layers; a layer no
+// checkpoint and no sandbox uses is retired at once (renamed away, under
+// mu, so that a checkpoint of the same tree committed afterwards gets a
+// directory of its own) and its files are removed outside mu, by
+// removeLayers with what dropLayers returns. The caller holds mu.
 func (e *Edge) holdLayers(digests []string) {
 	for _, d := range digests {
 		e.ckLayers[d]++
 	}
 }
 
-func (e *Edge) dropLayers(digests []string) (unused []string) {
+func (e *Edge) dropLayers(digests []string) (removals []func() error) {
 	for _, d := range digests {
-		if e.ckLayers[d]--; e.ckLayers[d] <= 0 {
-			delete(e.ckLayers, d)
-			unused = append(unused, d)
+		if e.ckLayers[d]--; e.ckLayers[d] > 0 {
+			continue
 		}
+		delete(e.ckLayers, d)
+		rm, err := e.ckDirs().Retire(d)
+		if err != nil {
+			e.log.Warn("delete checkpoint layer", "layer", d, "err", err)
+			continue
+		}
+		removals = append(removals, rm)
 	}
-	return unused
+	return removals
 }
 
-func (e *Edge) deleteLocalLayers(digests []string) {
-	for _, d := range digests {
-		if err := e.ckStore.Delete(context.Background(), d); err != nil && !errors.Is(err, blobstore.ErrNotFound) {
-			e.log.Warn("delete checkpoint layer", "layer", d, "err", err)
+func (e *Edge) removeLayers(removals []func() error) {
+	for _, rm := range removals {
+		if err := rm(); err != nil {
+			e.log.Warn("delete checkpoint layer", "err", err)
 		}
 	}
 }
@@ -138,17 +154,17 @@ func (e *Edge) event(sb *sandbox, kind, reason string) {
 	}
 }
 
-// packUpper freezes sb (unless it is frozen already), packs its writable
-// layer into store and thaws it.
-func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, frozen bool, store blobstore.Store) (blobstore.Descriptor, error) {
+// packUpper freezes sb (unless it is frozen already), runs pack on its
+// writable layer (the overlay upper directory) and thaws it.
+func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, frozen bool, pack func(upper string) error) error {
 	d, ok := rs.(runtime.Differ)
 	if !ok {
-		return blobstore.Descriptor{}, connect.NewError(connect.CodeUnimplemented,
+		return connect.NewError(connect.CodeUnimplemented,
 			fmt.Errorf("the %s backend cannot snapshot sandbox %q", sb.kind, sb.id))
 	}
 	if !frozen {
 		if err := rs.Freeze(ctx); err != nil {
-			return blobstore.Descriptor{}, connect.NewError(connect.CodeInternal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
+			return connect.NewError(connect.CodeInternal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
 		}
 		defer func() {
 			if err := rs.Thaw(context.WithoutCancel(ctx)); err != nil {
@@ -156,14 +172,17 @@ func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, f
 			}
 		}()
 	}
-	desc, err := layer.Build(ctx, store, d.UpperDir())
+	err := pack(d.UpperDir())
 	if err != nil {
-		return blobstore.Descriptor{}, connect.NewError(connect.CodeInternal, fmt.Errorf("pack sandbox %q: %w", sb.id, err))
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("pack sandbox %q: %w", sb.id, err))
 	}
-	return desc, nil
+	return nil
 }
 
-// doCheckpoint packs sb's writable layer and records a checkpoint.
+// doCheckpoint copies sb's writable layer into a checkpoint layer and
+// records a checkpoint. The layer's digest is its tree digest (see
+// layer.CopyTree): it names the copied files and their content, not an
+// image file.
 func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest string, err error) {
 	sb.stateMu.Lock()
 	defer sb.stateMu.Unlock()
@@ -171,28 +190,40 @@ func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest s
 	if err != nil {
 		return "", "", err
 	}
-	desc, err := e.packUpper(ctx, sb, rs, frozen, e.ckStore)
-	if err != nil {
-		return "", "", err
-	}
-	path, err := e.ckStore.Path(desc.Digest)
-	if err != nil {
-		return "", "", connect.NewError(connect.CodeInternal, err)
-	}
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return "", "", connect.NewError(connect.CodeInternal, err)
 	}
+	var staged *layer.Staged
+	err = e.packUpper(ctx, sb, rs, frozen, func(upper string) (err error) {
+		staged, err = e.ckDirs().Stage(ctx, upper)
+		return err
+	})
+	if err != nil {
+		return "", "", err
+	}
+	// A copy the store had already (the same tree) goes, outside mu.
+	defer func() {
+		if err := staged.Discard(); err != nil {
+			e.log.Warn("checkpoint: remove a duplicate copy", "sandbox", sb.id, "err", err)
+		}
+	}()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	// Committed and held under mu: a layer retired meanwhile (its count
+	// reached zero) is renamed away first, so this one is not removed.
+	path, err := staged.Commit()
+	if err != nil {
+		return "", "", connect.NewError(connect.CodeInternal, fmt.Errorf("checkpoint sandbox %q: %w", sb.id, err))
+	}
 	ck := &checkpoint{
 		id:      "ck-" + hex.EncodeToString(b[:]),
 		sandbox: sb.id,
-		stack:   append(slices.Clone(sb.rspec.Layers), runtime.Layer{Digest: desc.Digest, Path: path}),
+		stack:   append(slices.Clone(sb.rspec.Layers), runtime.Layer{Digest: staged.Digest(), Path: path}),
 	}
-	e.mu.Lock()
 	e.holdLayers(e.localLayers(ck.stack))
 	e.checkpoints[ck.id] = ck
-	e.mu.Unlock()
-	return ck.id, desc.Digest, nil
+	return ck.id, staged.Digest(), nil
 }
 
 // findCheckpoint returns sb's checkpoint id, holding it for a rollback.
@@ -212,12 +243,12 @@ func (e *Edge) holdCheckpoint(sb *sandbox, id string) (*checkpoint, error) {
 func (e *Edge) releaseCheckpoint(ck *checkpoint) {
 	e.mu.Lock()
 	ck.refs--
-	var unused []string
+	var unused []func() error
 	if ck.deleted && ck.refs == 0 {
 		unused = e.dropLayers(e.localLayers(ck.stack))
 	}
 	e.mu.Unlock()
-	e.deleteLocalLayers(unused)
+	e.removeLayers(unused)
 }
 
 // deleteCheckpoint forgets a checkpoint; its layers go once no rollback
@@ -231,12 +262,12 @@ func (e *Edge) deleteCheckpoint(sb *sandbox, id string) error {
 	}
 	ck.deleted = true
 	delete(e.checkpoints, id)
-	var unused []string
+	var unused []func() error
 	if ck.refs == 0 {
 		unused = e.dropLayers(e.localLayers(ck.stack))
 	}
 	e.mu.Unlock()
-	e.deleteLocalLayers(unused)
+	e.removeLayers(unused)
 	return nil
 }
 
@@ -291,7 +322,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	sb.rolling = false
 	sb.pool = nil // the pool's sandbox is gone; the new one is the sandbox's own
 	var (
-		unused []string
+		unused []func() error
 		orphan runtime.Sandbox
 	)
 	switch {
@@ -323,7 +354,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	if orphan != nil {
 		orphan.Destroy(ctx)
 	}
-	e.deleteLocalLayers(unused)
+	e.removeLayers(unused)
 	if err != nil {
 		// What release does for any lost sandbox; its rt is gone already.
 		e.endTrajectory(sb, trajectory.KindLost, "rollback failed")
@@ -349,36 +380,49 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 	e.mu.Lock()
 	stack := slices.Clone(sb.rspec.Layers)
 	e.mu.Unlock()
-	desc, err := e.packUpper(ctx, sb, rs, frozen, e.cfg.Store)
+	var desc blobstore.Descriptor
+	err = e.packUpper(ctx, sb, rs, frozen, func(upper string) (err error) {
+		desc, err = layer.Build(ctx, e.cfg.Store, upper)
+		return err
+	})
 	if err != nil {
 		return nil, "", err
 	}
-	// Checkpoint layers in the stack are node-local: the image needs them
-	// in the shared store.
-	layers := make([]blobstore.Descriptor, 0, len(stack)+1)
-	for _, l := range stack {
-		st, err := e.cfg.Store.Stat(ctx, l.Digest)
-		if errors.Is(err, blobstore.ErrNotFound) {
-			st, err = blobstore.PutFile(ctx, e.cfg.Store, l.Path)
+	var layers []blobstore.Descriptor
+	if len(stack)+1 > e.cfg.MaxLayers {
+		// Past the bound the stack is merged from the files (and checkpoint
+		// directories) the sandbox runs on.
+		files := make([]string, 0, len(stack)+1)
+		for _, l := range stack {
+			files = append(files, l.Path)
 		}
+		upper, err := e.local.Path(desc.Digest)
 		if err != nil {
-			return nil, "", connect.NewError(connect.CodeUnavailable, fmt.Errorf("snapshot sandbox %q: layer %s: %w", sb.id, l.Digest, err))
+			return nil, "", connect.NewError(connect.CodeInternal, err)
 		}
-		layers = append(layers, st)
-	}
-	layers = append(layers, desc)
-	if len(layers) > e.cfg.MaxLayers {
-		files := make([]string, len(layers))
-		for i, l := range layers {
-			if files[i], err = e.local.Path(l.Digest); err != nil {
-				return nil, "", connect.NewError(connect.CodeInternal, err)
-			}
-		}
+		files = append(files, upper)
 		merged, err := layer.Merge(ctx, e.cfg.Store, files)
 		if err != nil {
-			return nil, "", connect.NewError(connect.CodeInternal, fmt.Errorf("snapshot sandbox %q: merge %d layers: %w", sb.id, len(layers), err))
+			return nil, "", connect.NewError(connect.CodeInternal, fmt.Errorf("snapshot sandbox %q: merge %d layers: %w", sb.id, len(files), err))
 		}
 		layers = []blobstore.Descriptor{merged}
+	} else {
+		layers = make([]blobstore.Descriptor, 0, len(stack)+1)
+		for _, l := range stack {
+			var st blobstore.Descriptor
+			if e.ckDirs().Contains(l.Path) {
+				// A checkpoint layer is a directory on this node: the image
+				// needs it as an EROFS layer in the shared store.
+				st, err = layer.Build(ctx, e.cfg.Store, l.Path)
+			} else if st, err = e.cfg.Store.Stat(ctx, l.Digest); errors.Is(err, blobstore.ErrNotFound) {
+				st, err = blobstore.PutFile(ctx, e.cfg.Store, l.Path)
+			}
+			if err != nil {
+				return nil, "", connect.NewError(connect.CodeUnavailable, fmt.Errorf("snapshot sandbox %q: layer %s: %w", sb.id, l.Digest, err))
+			}
+			layers = append(layers, st)
+		}
+		layers = append(layers, desc)
 	}
 	m := image.Manifest{
 		Layers:  layers,
@@ -416,7 +460,7 @@ func (e *Edge) releaseState(sb *sandbox) {
 	sb.stateReleased = true
 	unused := e.dropLayers(e.localLayers(sb.rspec.Layers))
 	e.mu.Unlock()
-	e.deleteLocalLayers(unused)
+	e.removeLayers(unused)
 	e.dropCheckpoints(sb)
 }
 

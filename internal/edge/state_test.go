@@ -1,6 +1,7 @@
 package edge_test
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -131,6 +132,71 @@ func TestSnapshotCheckpointRollback(t *testing.T) {
 		if err != nil || got.State != edge.StateRunning || got.Id != a.Id {
 			t.Fatalf("after rollback: %+v %v", got, err)
 		}
+
+		// A rolled-back sandbox runs on its checkpoint's layer (a directory
+		// on the node); its snapshot needs that layer as an image layer, and
+		// past MaxLayers (3) merges it with the others.
+		wantA := n.sh(t, a.Id, fingerprint)
+		for i, wantLayers := range []int{3, 1} {
+			if i == 1 {
+				resp, err := n.client.CheckpointOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeCheckpointRequest{Caller: admin,
+					Request: &dsecv1.CheckpointRequest{SandboxId: a.Id}}))
+				if err != nil {
+					t.Fatal(err)
+				}
+				n.sh(t, a.Id, "echo lost > /after")
+				if _, err := n.client.RollbackOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeRollbackRequest{Caller: admin,
+					Request: &dsecv1.RollbackRequest{SandboxId: a.Id, CheckpointId: resp.Msg.CheckpointId}})); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ref := fmt.Sprintf("rolled:%d", i)
+			resp, err := n.client.SnapshotOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeSnapshotRequest{Caller: admin,
+				Request: &dsecv1.SnapshotRequest{SandboxId: a.Id, Ref: ref}}))
+			if err != nil || len(resp.Msg.Image.Layers) != wantLayers {
+				t.Fatalf("snapshot of a rolled-back sandbox: layers %v, %v; want %d", resp.Msg.GetImage().GetLayers(), err, wantLayers)
+			}
+			r := n.mustCreate(t, admin, &dsecv1.SandboxSpec{Image: ref})
+			if got := n.sh(t, r.Id, fingerprint); got != wantA {
+				t.Fatalf("snapshot %s of a rolled-back sandbox restores:\n%s\nwant:\n%s", ref, got, wantA)
+			}
+		}
+
+		// Two checkpoints of the same files share one layer directory;
+		// deleting one leaves the other whole.
+		layerDirs := func() int {
+			t.Helper()
+			dirs, err := filepath.Glob(filepath.Join(dataDir, "checkpoints", "dirs", "layers", "*"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return len(dirs)
+		}
+		var same [2]string
+		for i := range same {
+			resp, err := n.client.CheckpointOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeCheckpointRequest{Caller: admin,
+				Request: &dsecv1.CheckpointRequest{SandboxId: a.Id}}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			same[i] = resp.Msg.CheckpointId
+		}
+		held := layerDirs()
+		if _, err := n.client.DeleteCheckpointOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeDeleteCheckpointRequest{Caller: admin,
+			Request: &dsecv1.DeleteCheckpointRequest{SandboxId: a.Id, CheckpointId: same[0]}})); err != nil {
+			t.Fatal(err)
+		}
+		if layerDirs() != held {
+			t.Fatalf("deleting one of two checkpoints of the same files removed a layer directory (%d left of %d)", layerDirs(), held)
+		}
+		n.sh(t, a.Id, "echo lost > /after")
+		if _, err := n.client.RollbackOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeRollbackRequest{Caller: admin,
+			Request: &dsecv1.RollbackRequest{SandboxId: a.Id, CheckpointId: same[1]}})); err != nil {
+			t.Fatal(err)
+		}
+		if got := n.sh(t, a.Id, fingerprint); got != wantA {
+			t.Fatalf("after rollback to the second of two identical checkpoints:\n%s\nwant:\n%s", got, wantA)
+		}
 		_, err = n.client.RollbackOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeRollbackRequest{Caller: admin,
 			Request: &dsecv1.RollbackRequest{SandboxId: a.Id, CheckpointId: "ck-nope"}}))
 		wantCode(t, err, connect.CodeNotFound, "ck-nope")
@@ -195,14 +261,14 @@ func TestSnapshotCheckpointRollback(t *testing.T) {
 	})
 
 	t.Run("checkpoint layers go with their sandbox", func(t *testing.T) {
-		held, _ := filepath.Glob(filepath.Join(dataDir, "checkpoints", "blobs", "sha256", "*"))
+		held, _ := filepath.Glob(filepath.Join(dataDir, "checkpoints", "dirs", "layers", "*"))
 		if len(held) == 0 {
 			t.Fatal("no checkpoint layer is held while the sandbox runs on its first checkpoint")
 		}
 		if err := n.destroy(t, admin, a.Id); err != nil {
 			t.Fatal(err)
 		}
-		left, err := filepath.Glob(filepath.Join(dataDir, "checkpoints", "blobs", "sha256", "*"))
+		left, err := filepath.Glob(filepath.Join(dataDir, "checkpoints", "dirs", "*", "*"))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -10,6 +10,11 @@
 //
 // Mounts is the node-wide cache of mounted layers: each layer is mounted
 // once, read-only, and shared by every sandbox's overlay.
+//
+// A checkpoint's layer is the exception to "a layer is an EROFS file": it
+// never leaves the node, so DirLayers keeps it as a plain directory copied
+// from the sandbox's overlay upper directory (CopyTree), which an overlay
+// stacks as a lower directory as is, and Mounts hands out without a mount.
 package layer
 
 import (

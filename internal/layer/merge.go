@@ -14,10 +14,11 @@ import (
 )
 
 // Merge flattens a stack of layers (bottom first, each an EROFS file in
-// files) into one layer stored in store: the layers are mounted read-only,
-// stacked with a lower-only overlay (which resolves whiteouts and opaque
-// directories) and the merged view is packed. It is how a chain of
-// snapshots is kept short.
+// files, or a directory layer: see DirLayers) into one layer stored in
+// store: the layers are mounted read-only (directories are stacked as
+// they are), stacked with a lower-only overlay (which resolves whiteouts
+// and opaque directories) and the merged view is packed. It is how a chain
+// of snapshots is kept short.
 func Merge(ctx context.Context, store blobstore.Store, files []string) (_ blobstore.Descriptor, err error) {
 	if len(files) == 0 {
 		return blobstore.Descriptor{}, errors.New("merge layers: no layers")
@@ -39,6 +40,10 @@ func Merge(ctx context.Context, store blobstore.Store, files []string) (_ blobst
 	}()
 	lowers := make([]string, len(files))
 	for i, f := range files {
+		if fi, err := os.Stat(f); err == nil && fi.IsDir() {
+			lowers[len(files)-1-i] = f
+			continue
+		}
 		dir := filepath.Join(scratch, fmt.Sprintf("l%d", i))
 		if err := mountErofs(f, dir); err != nil {
 			return blobstore.Descriptor{}, fmt.Errorf("merge layers: %s: %w", f, err)

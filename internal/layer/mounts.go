@@ -35,6 +35,8 @@ type Mounts struct {
 
 	mu      sync.Mutex
 	entries map[string]*mountEntry
+	// dirs counts the holders of directory layers (see Acquire).
+	dirs map[string]int
 }
 
 type mountEntry struct {
@@ -73,7 +75,7 @@ func NewMounts(root string, opts ...MountsOption) (*Mounts, error) {
 	if err := os.MkdirAll(abs, 0o755); err != nil {
 		return nil, fmt.Errorf("layer mounts root %q: %w", root, err)
 	}
-	m := &Mounts{root: abs, entries: map[string]*mountEntry{}}
+	m := &Mounts{root: abs, entries: map[string]*mountEntry{}, dirs: map[string]int{}}
 	for _, o := range opts {
 		o(m)
 	}
@@ -116,9 +118,19 @@ func (m *Mounts) dir(digest string) string {
 // Acquire makes sure the layer digest, stored in the EROFS file file, is
 // mounted and returns its directory. Every successful Acquire must be
 // matched by one Release.
+//
+// A layer that is a directory rather than an EROFS file (a node-local
+// checkpoint, see DirLayers) needs no mount: its directory is returned as
+// is, and counted only so that Release pairs with Acquire.
 func (m *Mounts) Acquire(ctx context.Context, digest, file string) (string, error) {
 	if err := blobstore.ValidateDigest(digest); err != nil {
 		return "", fmt.Errorf("acquire layer: %w", err)
+	}
+	if fi, err := os.Stat(file); err == nil && fi.IsDir() {
+		m.mu.Lock()
+		m.dirs[digest]++
+		m.mu.Unlock()
+		return file, nil
 	}
 	for {
 		m.mu.Lock()
@@ -166,6 +178,15 @@ func (m *Mounts) Acquire(ctx context.Context, digest, file string) (string, erro
 // and removes its directory.
 func (m *Mounts) Release(digest string) error {
 	m.mu.Lock()
+	if n, ok := m.dirs[digest]; ok {
+		if n <= 1 {
+			delete(m.dirs, digest)
+		} else {
+			m.dirs[digest] = n - 1
+		}
+		m.mu.Unlock()
+		return nil
+	}
 	e := m.entries[digest]
 	m.mu.Unlock()
 	if e == nil {
@@ -251,6 +272,10 @@ func (m *Mounts) unmountLocked(digest string, e *mountEntry) error {
 // Refs returns how many holders the layer has (0 if not mounted).
 func (m *Mounts) Refs(digest string) int {
 	m.mu.Lock()
+	if n, ok := m.dirs[digest]; ok {
+		m.mu.Unlock()
+		return n
+	}
 	e := m.entries[digest]
 	m.mu.Unlock()
 	if e == nil {
