@@ -35,11 +35,12 @@ var (
 	ErrSandboxGone = errors.New("sandbox is gone")
 )
 
-// Layer is one read-only EROFS layer of a sandbox's root filesystem.
+// Layer is one read-only layer of a sandbox's root filesystem: an EROFS
+// file, or a node-local directory (a checkpoint, see layer.DirLayers).
 type Layer struct {
 	// Digest is "sha256:<hex>" of the EROFS file's bytes.
 	Digest string
-	// Path is the EROFS file on the local node.
+	// Path is the EROFS file, or the directory, on the local node.
 	Path string
 }
 

@@ -57,7 +57,8 @@ import (
 // LayerMounts is the node's shared cache of read-only layer mounts
 // (satisfied by *layer.Mounts).
 type LayerMounts interface {
-	// Acquire mounts the EROFS file (once per node) and returns its directory.
+	// Acquire mounts the EROFS file (once per node) and returns its
+	// directory; a directory layer is returned as is.
 	Acquire(ctx context.Context, digest, file string) (string, error)
 	// Release drops one reference; the last one unmounts.
 	Release(digest string) error
