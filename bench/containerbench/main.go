@@ -7,7 +7,9 @@
 // Three figures per system: (a) sequential create -> /bin/true -> destroy
 // latency, (b) creates per second with C in flight, (c) memory per idle
 // sandbox with K alive. Two floor rows (a bare os/exec and a bare
-// namespaced spawn) show what process creation alone costs here.
+// namespaced spawn) show what process creation alone costs here. The
+// "dsec-pool" row takes its sandboxes from a warm pool and hands them back
+// to be reset in place; it also reports what that deferred (pool figures).
 //
 // Each system runs in its own worker process (this binary re-executed with
 // -worker), so one system's heap, zombies or crash cannot skew or stop
@@ -18,7 +20,7 @@
 // Usage (as root):
 //
 //	go run ./bench/containerbench [-n 100] [-total 300] [-c 16,64] [-idle 1000] \
-//	    [-systems host-exec,ns-spawn,dsec,crun,runc,bwrap,docker-nonet,docker] [-json]
+//	    [-systems host-exec,ns-spawn,dsec,dsec-cold,dsec-pool,crun,runc,bwrap,docker-nonet,docker] [-json]
 package main
 
 import (
@@ -32,6 +34,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -42,9 +45,9 @@ import (
 
 // config is what one worker measures.
 type config struct {
-	n, warmup, total, idle int
-	cs                     []int
-	phases                 map[string]bool
+	n, warmup, total, idle, poolSize int
+	cs                               []int
+	phases                           map[string]bool
 }
 
 func main() {
@@ -62,7 +65,7 @@ func main() {
 
 func mainErr() error {
 	var (
-		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,dsec-cold,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
+		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,dsec-cold,dsec-pool,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
 		n         = flag.Int("n", 100, "sequential: timed create->true->destroy cycles")
 		warmup    = flag.Int("warmup", 10, "sequential: untimed cycles first")
 		total     = flag.Int("total", 300, "concurrent: cycles per concurrency level")
@@ -75,6 +78,7 @@ func mainErr() error {
 		phaseList = flag.String("phases", "seq,conc,idle", "which figures to measure: seq, conc, idle")
 		baseline  = flag.String("baseline", "dsec", "system the ratios are computed against")
 		asJSON    = flag.Bool("json", false, "print results as JSON instead of a table")
+		poolSize  = flag.Int("pool-size", defaultPoolSize, "dsec-pool: sandboxes its warm pool keeps ready")
 
 		// Worker mode: internal, set by the parent when it re-executes itself.
 		worker      = flag.String("worker", "", "internal: measure this one system and print its Result as JSON")
@@ -98,7 +102,7 @@ func mainErr() error {
 			return fmt.Errorf("-phases: unknown phase %q (want seq, conc, idle)", p)
 		}
 	}
-	for name, v := range map[string]int{"n": *n, "total": *total, "idle": *idle, "peer-idle": *peerIdle, "slow-n": *slowN, "slow-total": *slowTotal, "slow-idle": *slowIdle} {
+	for name, v := range map[string]int{"pool-size": *poolSize, "n": *n, "total": *total, "idle": *idle, "peer-idle": *peerIdle, "slow-n": *slowN, "slow-total": *slowTotal, "slow-idle": *slowIdle} {
 		if v < 1 {
 			return fmt.Errorf("-%s must be at least 1, got %d", name, v)
 		}
@@ -114,8 +118,8 @@ func mainErr() error {
 	defer stop()
 
 	if *worker != "" {
-		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, cs: cs, phases: phases}
-		env := Env{Rootfs: *rootfs, RootfsEROFS: *erofs, WorkDir: *workDir}
+		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, poolSize: *poolSize, cs: cs, phases: phases}
+		env := Env{Rootfs: *rootfs, RootfsEROFS: *erofs, WorkDir: *workDir, PoolSize: *poolSize}
 		res := runWorker(ctx, *worker, env, cfg, *hideCgroup2)
 		return json.NewEncoder(os.Stdout).Encode(res)
 	}
@@ -154,7 +158,7 @@ func mainErr() error {
 		if ctx.Err() != nil {
 			break
 		}
-		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, cs: cs, phases: phases}
+		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, poolSize: *poolSize, cs: cs, phases: phases}
 		switch {
 		case strings.HasPrefix(e.name, "docker"):
 			cfg.n, cfg.total, cfg.idle = *slowN, *slowTotal, *slowIdle
@@ -179,6 +183,13 @@ func mainErr() error {
 	printTable(os.Stdout, results)
 	fmt.Println()
 	printRatios(os.Stdout, results, *baseline)
+	// The targets compare a create with crun's: with a pool, a
+	// create is a take, so the pooled row gets its own ratios too.
+	if *baseline != "dsec-pool" && slices.ContainsFunc(results, func(r Result) bool { return r.System == "dsec-pool" }) {
+		fmt.Println()
+		printRatios(os.Stdout, results, "dsec-pool")
+	}
+	printPools(os.Stdout, results)
 	return ctx.Err()
 }
 
@@ -206,7 +217,8 @@ func runInWorker(ctx context.Context, e entry, base, rootDir, img string, cfg co
 	}
 	args := []string{"-worker", e.name, "-workdir", wd, "-rootfs", rootDir, "-erofs", img,
 		"-n", strconv.Itoa(cfg.n), "-warmup", strconv.Itoa(cfg.warmup), "-total", strconv.Itoa(cfg.total),
-		"-c", joinInts(cfg.cs), "-idle", strconv.Itoa(cfg.idle), "-phases", strings.Join(phases, ",")}
+		"-c", joinInts(cfg.cs), "-idle", strconv.Itoa(cfg.idle), "-phases", strings.Join(phases, ","),
+		"-pool-size", strconv.Itoa(cfg.poolSize)}
 	if e.hideCgroup2 {
 		args = append(args, "-hide-cgroup2")
 	}
@@ -252,7 +264,7 @@ func runWorker(ctx context.Context, name string, env Env, cfg config, hideCgroup
 	if err := s.Setup(ctx, env); err != nil {
 		errs = append(errs, fmt.Errorf("setup: %w", err))
 	} else {
-		errs = append(errs, measureAll(ctx, s, cfg, &res))
+		errs = append(errs, measureAll(ctx, s, cfg, e.noIdle, &res))
 	}
 	tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Minute)
 	defer cancel()
@@ -267,7 +279,26 @@ func runWorker(ctx context.Context, name string, env Env, cfg config, hideCgroup
 
 // measureAll runs the selected phases in order and stops at the first
 // failure, keeping the figures already measured.
-func measureAll(ctx context.Context, s System, cfg config, res *Result) error {
+func measureAll(ctx context.Context, s System, cfg config, noIdle string, res *Result) error {
+	pooled, _ := s.(Pooled)
+	var before PoolCounters
+	// settled records a pooled system's deferred work after a phase, and
+	// starts the next phase from a settled pool.
+	settled := func(phase string) (PoolPhase, error) {
+		pp, err := poolPhase(ctx, pooled, phase, before)
+		res.Pool = append(res.Pool, pp)
+		before = pooled.PoolCounters()
+		if err != nil {
+			return pp, fmt.Errorf("%s: %w", phase, err)
+		}
+		slog.Info("pool", "system", s.Name(), "phase", phase, "hits", pp.Hits, "misses", pp.Misses,
+			"resets", pp.Resets, "reset_median_ms", pp.ResetMedianMs, "settle_s", pp.SettleSeconds)
+		return pp, nil
+	}
+	if pooled != nil {
+		before = pooled.PoolCounters()
+		res.PoolSize = cfg.poolSize
+	}
 	if cfg.phases["seq"] {
 		seq, err := measureSequential(ctx, s, cfg.warmup, cfg.n)
 		if err != nil {
@@ -275,6 +306,11 @@ func measureAll(ctx context.Context, s System, cfg config, res *Result) error {
 		}
 		res.Seq = seq
 		slog.Info("sequential", "system", s.Name(), "median_ms", seq.MedianMs, "p90_ms", seq.P90Ms)
+		if pooled != nil {
+			if _, err := settled("seq"); err != nil {
+				return err
+			}
+		}
 	}
 	if cfg.phases["conc"] {
 		for _, c := range cfg.cs {
@@ -284,9 +320,18 @@ func measureAll(ctx context.Context, s System, cfg config, res *Result) error {
 			}
 			res.Conc = append(res.Conc, cr)
 			slog.Info("concurrent", "system", s.Name(), "c", c, "per_sec", cr.PerSec)
+			if pooled != nil {
+				pp, err := settled(fmt.Sprintf("C=%d", c))
+				if err != nil {
+					return err
+				}
+				res.Pool[len(res.Pool)-1].SettledPerSec = float64(cr.Total) / (cr.Seconds + pp.SettleSeconds)
+			}
 		}
 	}
-	if cfg.phases["idle"] {
+	if cfg.phases["idle"] && noIdle != "" {
+		res.IdleNA = noIdle
+	} else if cfg.phases["idle"] {
 		idle, err := measureIdle(ctx, s, cfg.idle)
 		if idle != nil {
 			res.Idle = idle

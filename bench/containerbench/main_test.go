@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -232,5 +233,84 @@ func TestHarnessInterrupt(t *testing.T) {
 	assertNoLeaks(t, tmp, cgBefore)
 	if t.Failed() {
 		t.Logf("harness output:\n%s", log.String())
+	}
+}
+
+// dsecCgroups lists the cgroup parents of the DSec rows' backends
+// (dsec-bench-<worker PID>) in every hierarchy.
+func dsecCgroups(t *testing.T) map[string]bool {
+	t.Helper()
+	m, err := filepath.Glob("/sys/fs/cgroup/*/dsec-bench-*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := map[string]bool{}
+	for _, p := range m {
+		set[p] = true
+	}
+	return set
+}
+
+// TestHarnessDSecPool runs the pooled DSec row: every sequential take must
+// be served warm and every handed-back sandbox reset, also with more
+// cycles in flight than the pool keeps ready (those takes may create on
+// the caller's path), and nothing may be left behind.
+func TestHarnessDSecPool(t *testing.T) {
+	testutil.RequireRoot(t)
+	bin := testutil.BuildBinary(t, "./bench/containerbench")
+	tmp := t.TempDir()
+	cgBefore := dsecbenchCgroups(t)
+	dsecBefore := dsecCgroups(t)
+
+	const n, warmup, total = 3, 1, 40
+	c2 := defaultPoolSize + 4 // more in flight than the pool keeps ready
+	cmd := exec.CommandContext(t.Context(), bin, "-systems", "dsec-pool",
+		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(warmup), "-total", strconv.Itoa(total),
+		"-c", "2,"+strconv.Itoa(c2), "-json")
+	cmd.Dir = testutil.RepoRoot(t) // the row builds ./cmd/dsec-agent
+	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("harness: %v\n%s", err, stderr.String())
+	}
+	var results []Result
+	if err := json.Unmarshal(out, &results); err != nil {
+		t.Fatalf("harness JSON: %v\n%s", err, out)
+	}
+	if len(results) != 1 || results[0].System != "dsec-pool" {
+		t.Fatalf("results %+v, want one dsec-pool row", results)
+	}
+	r := results[0]
+	if r.Err != "" {
+		t.Fatalf("dsec-pool: %s\n%s", r.Err, stderr.String())
+	}
+	if r.Seq == nil || r.Seq.N != n || r.Seq.MedianMs <= 0 || len(r.Conc) != 2 || r.Conc[1].Total != total {
+		t.Errorf("bad cycle figures: seq %+v conc %+v", r.Seq, r.Conc)
+	}
+	if r.Idle != nil || r.IdleNA == "" {
+		t.Errorf("idle figure %+v (n/a reason %q), want none with a reason", r.Idle, r.IdleNA)
+	}
+	if r.PoolSize != defaultPoolSize {
+		t.Errorf("pool size %d, want the default %d", r.PoolSize, defaultPoolSize)
+	}
+	if len(r.Pool) != 3 {
+		t.Fatalf("pool phases %+v, want seq, C=2, C=%d", r.Pool, c2)
+	}
+	seq := r.Pool[0]
+	if seq.Phase != "seq" || seq.Hits != n+warmup || seq.Misses != 0 || seq.Resets != n+warmup || seq.ResetMedianMs <= 0 {
+		t.Errorf("sequential pool figures %+v: want %d takes served warm and as many resets", seq, n+warmup)
+	}
+	for _, p := range r.Pool[1:] {
+		if p.Hits+p.Misses != total || p.Resets != total || p.ResetFailures != 0 || p.SettledPerSec <= 0 {
+			t.Errorf("phase %s: %+v: want %d takes, %d resets, none failed", p.Phase, p, total, total)
+		}
+	}
+	assertNoLeaks(t, tmp, cgBefore)
+	for p := range dsecCgroups(t) {
+		if !dsecBefore[p] {
+			t.Errorf("harness left cgroup %s", p)
+		}
 	}
 }

@@ -20,7 +20,70 @@ type Result struct {
 	Seq    *SeqResult   `json:"sequential,omitempty"`
 	Conc   []ConcResult `json:"concurrent,omitempty"`
 	Idle   *IdleResult  `json:"idle,omitempty"`
-	Err    string       `json:"error,omitempty"`
+	// IdleNA says why a system has no idle figure by design.
+	IdleNA string `json:"idle_na,omitempty"`
+	// Pool holds, per timed phase, what a pooled system deferred;
+	// PoolSize is its ready target.
+	Pool     []PoolPhase `json:"pool,omitempty"`
+	PoolSize int         `json:"pool_size,omitempty"`
+	Err      string      `json:"error,omitempty"`
+}
+
+// Pooled is implemented by systems whose cycle takes a sandbox from a warm
+// pool and hands it back, to be reset off the caller's path. The harness
+// then also reports, per phase, the pool's counters and how long the work
+// deferred past the phase's last cycle took.
+type Pooled interface {
+	// Settle returns once the pool has nothing in flight and is full.
+	Settle(ctx context.Context) error
+	// PoolCounters is cumulative since Setup.
+	PoolCounters() PoolCounters
+}
+
+// PoolCounters are a pool's cumulative counters.
+type PoolCounters struct {
+	Hits, Misses, Resets, ResetFailures, CreateFailures, Destroyed int64
+	// ResetTimes is the wall time of every successful reset, in order.
+	ResetTimes []time.Duration
+}
+
+// PoolPhase is what a pooled system did during one phase (warm-up
+// included for the sequential one). Hits are takes served by a ready
+// sandbox, Misses takes that created one on the caller's path.
+type PoolPhase struct {
+	Phase         string  `json:"phase"`
+	Hits          int64   `json:"hits"`
+	Misses        int64   `json:"misses"`
+	Resets        int64   `json:"resets"`
+	ResetFailures int64   `json:"reset_failures"`
+	Destroyed     int64   `json:"destroyed"`
+	ResetMedianMs float64 `json:"reset_median_ms"`
+	ResetP90Ms    float64 `json:"reset_p90_ms"`
+	// SettleSeconds is how long after the phase's last cycle the pool
+	// still worked (resets, refills, destroys) before it was full and
+	// idle again.
+	SettleSeconds float64 `json:"settle_seconds"`
+	// SettledPerSec is the phase's cycles over its wall time plus
+	// SettleSeconds: the throughput with the deferred work paid for
+	// (concurrent phases only).
+	SettledPerSec float64 `json:"settled_per_sec,omitempty"`
+}
+
+// poolPhase measures a pooled system's deferred work after a phase that
+// began at counters before: it waits for the pool to settle.
+func poolPhase(ctx context.Context, p Pooled, phase string, before PoolCounters) (PoolPhase, error) {
+	start := time.Now()
+	err := p.Settle(ctx)
+	settle := time.Since(start)
+	after := p.PoolCounters()
+	resets := append([]time.Duration(nil), after.ResetTimes[len(before.ResetTimes):]...)
+	st := summarize(resets)
+	return PoolPhase{
+		Phase: phase, Hits: after.Hits - before.Hits, Misses: after.Misses - before.Misses,
+		Resets: after.Resets - before.Resets, ResetFailures: after.ResetFailures - before.ResetFailures,
+		Destroyed: after.Destroyed - before.Destroyed, ResetMedianMs: ms(st.median), ResetP90Ms: ms(st.p90),
+		SettleSeconds: settle.Seconds(),
+	}, err
 }
 
 // SeqResult is figure (a): one sandbox at a time.

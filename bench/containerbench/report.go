@@ -104,15 +104,21 @@ func printTable(w io.Writer, results []Result) {
 				row = append(row, "-")
 			}
 		}
-		if r.Idle != nil {
+		switch {
+		case r.Idle != nil:
 			row = append(row, fmt.Sprint(r.Idle.K), fmtMiB(r.Idle.HostPerSandbox), fmtOptMiB(r.Idle.CgroupPerSandbox))
-		} else {
+		case r.IdleNA != "":
+			row = append(row, "n/a", "n/a", "n/a")
+		default:
 			row = append(row, "-", "-", "-")
 		}
 		fmt.Fprintln(tw, strings.Join(row, "\t")+"\t")
 	}
 	tw.Flush()
 	for _, r := range results {
+		if r.IdleNA != "" {
+			fmt.Fprintf(w, "%s: idle n/a: %s\n", r.System, r.IdleNA)
+		}
 		if r.Err != "" {
 			fmt.Fprintf(w, "%s: ERROR %s\n", r.System, r.Err)
 		}
@@ -193,4 +199,29 @@ func printRatios(w io.Writer, results []Result, baseline string) {
 		fmt.Fprintln(tw, strings.Join(parts, "\t"))
 	}
 	tw.Flush()
+}
+
+// printPools writes what the pooled systems deferred in each phase: takes
+// served warm (hits) or by a create on the caller's path (misses), resets
+// and their wall time, and how long the pool kept working after the
+// phase's last cycle. "settled /s" counts that time in: the throughput
+// with the deferred resets paid for.
+func printPools(w io.Writer, results []Result) {
+	for _, r := range results {
+		if len(r.Pool) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "\n%s pool (%d ready; resets in the background, off the caller's path):\n", r.System, r.PoolSize)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "phase\thits\tmisses\tresets\treset fails\tdestroyed\treset median ms\treset p90 ms\tsettle s\tsettled /s\t")
+		for _, p := range r.Pool {
+			settled := "-"
+			if p.SettledPerSec > 0 {
+				settled = fmt.Sprintf("%.1f", p.SettledPerSec)
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%.2f\t%s\t\n", p.Phase, p.Hits, p.Misses, p.Resets,
+				p.ResetFailures, p.Destroyed, fmtMs(p.ResetMedianMs), fmtMs(p.ResetP90Ms), p.SettleSeconds, settled)
+		}
+		tw.Flush()
+	}
 }

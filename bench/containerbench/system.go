@@ -51,6 +51,8 @@ type Env struct {
 	WorkDir string
 	// SelfExe is the harness binary, for systems that re-exec helpers.
 	SelfExe string
+	// PoolSize is the ready target of pooled systems (-pool-size).
+	PoolSize int
 }
 
 // entry describes how the harness must host a system's worker process.
@@ -67,6 +69,9 @@ type entry struct {
 	// hideCgroup2 unmounts /sys/fs/cgroup/unified inside that namespace:
 	// crun refuses the hybrid v1+v2 layout of this host otherwise.
 	hideCgroup2 bool
+	// noIdle, when set, says why the system has no idle-memory figure;
+	// the harness skips that phase for it and prints n/a.
+	noIdle string
 }
 
 var registry = []entry{
@@ -74,6 +79,7 @@ var registry = []entry{
 	{name: "ns-spawn", new: newNSSpawn},
 	{name: "dsec", new: newDSec},
 	{name: "dsec-cold", new: newDSecCold},
+	{name: "dsec-pool", new: newDSecPool, noIdle: "an idle pooled sandbox is the dsec row's sandbox"},
 	{name: "crun", new: func() System { return newOCI("crun") }, peer: true, privateMounts: true, hideCgroup2: true},
 	{name: "runc", new: func() System { return newOCI("runc") }, peer: true, privateMounts: true},
 	{name: "bwrap", new: newBwrap, peer: true},

@@ -3,8 +3,16 @@
 with C cycles in flight at once, through the Python SDK against a running
 DSec server. Prints complete cycles per second end to end.
 
-    /usr/bin/python3 bench/sdkbench/cycle.py [--n 1000] [--concurrency 200] \
-        [--image busybox:latest] [--endpoint URL] [--token TOKEN]
+    /usr/bin/python3 bench/sdkbench/cycle.py [--n 1000] [--concurrency 200] \\
+        [--image busybox:latest] [--endpoint URL] [--token TOKEN] \\
+        [--pool SIZE [--compare]]
+
+With --pool SIZE a warm pool of the same spec is created first (the SDK's
+create_pool) and filled before timing starts: each create then takes a
+ready sandbox and each destroy hands it back to be reset in place. With
+--compare as well, the loop runs once without the pool and then once with
+it, against the same server in the same invocation, and the ratio is
+printed. The pool is deleted at the end.
 
 Endpoint and token default as in the SDK ($DSEC_ENDPOINT / $DSEC_TOKEN /
 the admin token of /var/lib/dsec). Uses Debian's python3 with python3-httpx.
@@ -58,6 +66,68 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
+def new_stats():
+    return {"errors": collections.Counter(), "create": [], "exec": [], "destroy": [], "cycle": []}
+
+
+async def run_loop(client: DSecClient, spec: SandboxSpec, args, label: str):
+    """Warm-up cycles, then args.n cycles with args.concurrency in flight.
+    Returns (complete cycles, seconds, stats)."""
+    warm = new_stats()
+    await asyncio.gather(*(cycle(client, spec, warm) for _ in range(args.warmup)))
+    if warm["errors"]:
+        print(f"[{label}] warm-up errors: {dict(warm['errors'])}")
+    return await timed_loop(client, spec, args)
+
+
+async def timed_loop(client: DSecClient, spec: SandboxSpec, args):
+    stats = new_stats()
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def bounded():
+        async with sem:
+            await cycle(client, spec, stats)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(bounded() for _ in range(args.n)))
+    elapsed = time.perf_counter() - start
+    return len(stats["cycle"]), elapsed, stats
+
+
+def report(label: str, args, done: int, elapsed: float, stats) -> None:
+    print(f"[{label}] complete cycles: {done}/{args.n} in {elapsed:.2f}s = {done / elapsed:.1f} cycles/s")
+    for k in ("create", "exec", "destroy", "cycle"):
+        xs = stats[k]
+        if xs:
+            print(
+                f"  {k:8s} median {statistics.median(xs) * 1e3:8.1f} ms   p90 {pct(xs, 90) * 1e3:8.1f} ms   p99 {pct(xs, 99) * 1e3:8.1f} ms"
+            )
+    if stats["errors"]:
+        print("  errors:", dict(stats["errors"]))
+
+
+async def pool_info(client: DSecClient, pool_id: str):
+    for p in await client.list_pools():
+        if p.id == pool_id:
+            return p
+    raise RuntimeError(f"pool {pool_id} is gone")
+
+
+async def wait_full(client: DSecClient, pool_id: str, size: int, timeout: float) -> float:
+    """Waits until the pool holds size ready sandboxes and nothing is being
+    reset; returns the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        p = await pool_info(client, pool_id)
+        if p.ready >= size and p.resetting == 0:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(
+                f"pool {pool_id} not full after {timeout:.0f}s: ready {p.ready}/{size}, resetting {p.resetting}, in use {p.in_use}"
+            )
+        await asyncio.sleep(0.05)
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1000, help="cycles in total")
@@ -68,39 +138,61 @@ async def main() -> int:
     ap.add_argument("--cpu", type=float, default=0, help="cores per sandbox (0: server default)")
     ap.add_argument("--mem-mb", type=float, default=0, help="MiB per sandbox (0: server default)")
     ap.add_argument("--warmup", type=int, default=20, help="cycles run first and not counted")
+    ap.add_argument("--pool", type=int, default=0, metavar="SIZE", help="create a warm pool of SIZE sandboxes of the same spec first")
+    ap.add_argument("--compare", action="store_true", help="with --pool: run the loop without the pool first, then with it")
+    ap.add_argument("--pool-timeout", type=float, default=600, help="seconds to wait for the pool to fill")
     args = ap.parse_args()
+    if args.n < 1 or args.concurrency < 1 or args.warmup < 0 or args.pool < 0:
+        ap.error("--n and --concurrency must be >= 1, --warmup and --pool >= 0")
+    if args.compare and not args.pool:
+        ap.error("--compare needs --pool SIZE")
 
     # No resources by default: 200 in flight must fit the node's capacity
     # whatever its core count, and the benchmark measures the API path.
     resources = {k: v for k, v in (("cpu", args.cpu), ("mem_mb", args.mem_mb)) if v}
     spec = SandboxSpec(backend=BackendKind.CONTAINER, base_image=args.image, resources=resources)
+    ok = True
     async with await DSecClient.create(endpoint=args.endpoint, token=args.token, max_connections=max(64, args.concurrency * 2)) as client:
-        warm = {"errors": collections.Counter(), "create": [], "exec": [], "destroy": [], "cycle": []}
-        await asyncio.gather(*(cycle(client, spec, warm) for _ in range(args.warmup)))
-
-        stats = {"errors": collections.Counter(), "create": [], "exec": [], "destroy": [], "cycle": []}
-        sem = asyncio.Semaphore(args.concurrency)
-
-        async def bounded():
-            async with sem:
-                await cycle(client, spec, stats)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(bounded() for _ in range(args.n)))
-        elapsed = time.perf_counter() - start
-
-    done = len(stats["cycle"])
-    print(f"endpoint {client.endpoint}  image {args.image}  n={args.n}  in flight={args.concurrency}")
-    print(f"complete cycles: {done}/{args.n} in {elapsed:.2f}s = {done / elapsed:.1f} cycles/s")
-    for k in ("create", "exec", "destroy", "cycle"):
-        xs = stats[k]
-        if xs:
-            print(
-                f"  {k:8s} median {statistics.median(xs) * 1e3:8.1f} ms   p90 {pct(xs, 90) * 1e3:8.1f} ms   p99 {pct(xs, 99) * 1e3:8.1f} ms"
-            )
-    if stats["errors"]:
-        print("errors:", dict(stats["errors"]))
-    return 0 if done == args.n else 1
+        print(f"endpoint {client.endpoint}  image {args.image}  n={args.n}  in flight={args.concurrency}  warm-up={args.warmup}")
+        rates = {}
+        if not args.pool or args.compare:
+            done, elapsed, stats = await run_loop(client, spec, args, "no pool")
+            report("no pool", args, done, elapsed, stats)
+            rates["no pool"] = done / elapsed
+            ok = ok and done == args.n
+        if args.pool:
+            label = f"pool {args.pool}"
+            pool = await client.create_pool(spec, args.pool)
+            try:
+                filled = await wait_full(client, pool.id, args.pool, args.pool_timeout)
+                print(f"[{label}] pool {pool.id} on node {pool.node}: {args.pool} ready in {filled:.2f}s")
+                warm = new_stats()
+                await asyncio.gather(*(cycle(client, spec, warm) for _ in range(args.warmup)))
+                if warm["errors"]:
+                    print(f"[{label}] warm-up errors: {dict(warm['errors'])}")
+                # Timing starts from a full pool, as a pool made ahead of a job.
+                await wait_full(client, pool.id, args.pool, args.pool_timeout)
+                before = await pool_info(client, pool.id)
+                done, elapsed, stats = await timed_loop(client, spec, args)
+                after = await pool_info(client, pool.id)
+                report(label, args, done, elapsed, stats)
+                rates[label] = done / elapsed
+                ok = ok and done == args.n
+                print(
+                    f"  pool: hits {after.hits - before.hits}, misses {after.misses - before.misses} "
+                    f"(creates that found no ready sandbox); at the end ready {after.ready}, resetting {after.resetting}"
+                )
+                settle = await wait_full(client, pool.id, args.pool, args.pool_timeout)
+                print(
+                    f"  the pool was full and idle again {settle:.2f}s after the last cycle: "
+                    f"{done / (elapsed + settle):.1f} cycles/s with its deferred resets paid for"
+                )
+            finally:
+                await client.delete_pool(pool.id)
+        if len(rates) == 2:
+            a, b = rates["no pool"], rates[f"pool {args.pool}"]
+            print(f"pooled/unpooled throughput: {b / a:.2f}x")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
