@@ -106,8 +106,9 @@ func (e *Edge) pooledLocked(kind runtime.Kind) placement.Capacity {
 }
 
 // takeWarm takes a ready sandbox of a pool matching spec for caller, or
-// returns nils.
-func (e *Edge) takeWarm(caller *dsecv1.Caller, spec *dsecv1.SandboxSpec, layers []string) (*warmPool, runtime.Sandbox) {
+// waits for one being reset for it (a reset costs a few milliseconds, a
+// create tens), or returns nils.
+func (e *Edge) takeWarm(ctx context.Context, caller *dsecv1.Caller, spec *dsecv1.SandboxSpec, layers []string) (*warmPool, runtime.Sandbox) {
 	key := PoolKey(spec.Backend, layers, spec.Resources, spec.Env)
 	e.mu.Lock()
 	var cands []*warmPool
@@ -118,7 +119,7 @@ func (e *Edge) takeWarm(caller *dsecv1.Caller, spec *dsecv1.SandboxSpec, layers 
 	}
 	e.mu.Unlock()
 	for _, wp := range cands {
-		if rs := wp.p.TryTake(); rs != nil {
+		if rs, err := wp.p.TakeWarm(ctx); rs != nil && err == nil {
 			return wp, rs
 		}
 	}

@@ -292,7 +292,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	}
 	// A ready sandbox of a matching warm pool is taken before admission:
 	// the pool's charge for it turns into the sandbox's own.
-	wp, rs := e.takeWarm(caller, spec, digests)
+	wp, rs := e.takeWarm(ctx, caller, spec, digests)
 	if err := e.admit(sb); err != nil {
 		if rs != nil {
 			wp.p.Put(rs)

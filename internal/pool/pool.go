@@ -13,11 +13,21 @@
 // workers refill the clean queue to its target, back off when creates fail,
 // and shrink it when the pool goes unused.
 //
+// Recycling beats creating. A reset costs a few milliseconds, a create tens
+// (and on a 2-core node CPU is what bounds throughput), so the pool avoids
+// creates that a returning sandbox would make useless: a take that finds
+// nothing ready waits for a reset already in flight rather than creating
+// (when one is in flight that no earlier waiter will get); the clean queue
+// is refilled only after it has stayed below target for RefillDelay (a
+// sandbox handed back in the meantime fills the gap); and a sandbox handed
+// back to a pool that has enough is destroyed at once, not reset first.
+//
 // The pool knows nothing of specs, IDs or capacity accounting: Options.New
 // creates one sandbox and the owner (the edge, fncall) decides what it is.
 //
-// Goroutines: Options.Fill workers (resets, destroys and creates, resets
-// first) and one manager (idle shrink, backoff wake-ups, and watching the
+// Goroutines: Options.Fill + Options.Resets workers (resets, destroys and
+// creates, resets first; at most Fill creates and Resets resets at once) and
+// one manager (idle shrink, backoff wake-ups, and watching the
 // Done channels of ready sandboxes with one reflect.Select), whatever the
 // number of sandboxes.
 //
@@ -50,7 +60,13 @@ var (
 // Defaults for zero Options fields.
 const (
 	DefaultFill       = 2
+	DefaultResets     = 4
 	DefaultMaxWaiters = 1024
+	// DefaultRefillDelay is how long the clean queue stays below target
+	// before the workers create replacements: long enough for a sandbox
+	// used for one call or one short rollout step to come back and be
+	// reset, short against the life of a sandbox a caller keeps.
+	DefaultRefillDelay = 100 * time.Millisecond
 )
 
 // Bounds on background work. A failing New is retried after backoffBase,
@@ -95,9 +111,17 @@ type Options struct {
 	// at once with ErrQueueFull. 0 means DefaultMaxWaiters; negative means
 	// no waiting at all.
 	MaxWaiters int
-	// Fill bounds concurrent background work: creates and resets (default
-	// DefaultFill, for the 2-core nodes DSec runs on).
+	// Fill bounds concurrent background creates (default DefaultFill, for
+	// the 2-core nodes DSec runs on).
 	Fill int
+	// Resets bounds concurrent resets (default DefaultResets). A reset
+	// spends part of its time waiting for killed processes to exit and for
+	// mounts to go, so a few at once keep the cores busy.
+	Resets int
+	// RefillDelay is how long the clean queue must stay below its target
+	// before background creates start; 0 means DefaultRefillDelay, negative
+	// means at once. Takers that wait are never delayed by it.
+	RefillDelay time.Duration
 	// Logger, default slog.Default().
 	Logger *slog.Logger
 }
@@ -120,6 +144,8 @@ func (o Options) Validate() error {
 		return fmt.Errorf("pool: idle_shrink %v must not be negative", o.IdleShrink)
 	case o.Fill < 0:
 		return fmt.Errorf("pool: fill %d must not be negative", o.Fill)
+	case o.Resets < 0:
+		return fmt.Errorf("pool: resets %d must not be negative", o.Resets)
 	}
 	return nil
 }
@@ -224,6 +250,10 @@ type Pool struct {
 	lastErr      error
 	backoffUntil time.Time
 
+	// deficitSince is when the clean queue (with what is on its way) fell
+	// below target; zero when it is not below. See RefillDelay.
+	deficitSince time.Time
+
 	// Moving averages for RetryAfter.
 	resetAvg, createAvg, putGap time.Duration
 	lastPut                     time.Time
@@ -237,6 +267,12 @@ func New(o Options) *Pool {
 	}
 	if o.Fill == 0 {
 		o.Fill = DefaultFill
+	}
+	if o.Resets == 0 {
+		o.Resets = DefaultResets
+	}
+	if o.RefillDelay == 0 {
+		o.RefillDelay = DefaultRefillDelay
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
@@ -259,8 +295,8 @@ func New(o Options) *Pool {
 	}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.cond = sync.NewCond(&p.mu)
-	p.flight = o.Fill + 1
-	for range o.Fill {
+	p.flight = o.Fill + o.Resets + 1
+	for range o.Fill + o.Resets {
 		go p.worker()
 	}
 	go p.manage()
@@ -284,19 +320,36 @@ func (p *Pool) TryTake() rt.Sandbox {
 	return nil
 }
 
-// Take returns a clean sandbox. When none is ready it creates one on the
-// caller's path if the pool is below Max (and New is not backing off after
-// failures); otherwise, or if that create fails, it waits in a FIFO queue
-// for a sandbox to come back (or a background create) until ctx ends. The
-// error then wraps ctx's, and the last create error if creates are failing.
-// A full queue fails at once with ErrQueueFull.
+// Take returns a clean sandbox. When none is ready it waits for one being
+// reset or created in the background, if one is on its way that no earlier
+// waiter will get; else it creates one on the caller's path if the pool is
+// below Max (and New is not backing off after failures); otherwise, or if
+// that create fails, it waits in a FIFO queue for a sandbox to come back (or
+// a background create) until ctx ends. The error then wraps ctx's, and the
+// last create error if creates are failing. A full queue fails at once with
+// ErrQueueFull.
 func (p *Pool) Take(ctx context.Context) (rt.Sandbox, error) {
+	return p.take(ctx, true)
+}
+
+// TakeWarm is Take without the create: it returns a ready sandbox, or waits
+// for one on its way (being reset or created) that no earlier waiter will
+// get, or returns nil, nil at once when there is none, for an owner that
+// creates sandboxes its own way when the pool cannot serve (the edge).
+func (p *Pool) TakeWarm(ctx context.Context) (rt.Sandbox, error) {
+	return p.take(ctx, false)
+}
+
+func (p *Pool) take(ctx context.Context, create bool) (rt.Sandbox, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("pool: take: %w", err)
 	}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
+		if !create {
+			return nil, nil
+		}
 		return nil, ErrClosed
 	}
 	p.tookLocked()
@@ -306,8 +359,13 @@ func (p *Pool) Take(ctx context.Context) (rt.Sandbox, error) {
 		return e.sb, nil
 	}
 	p.misses++
+	coming := p.comingLocked() > len(p.waiters)
+	if !create && (!coming || len(p.waiters) >= p.maxWaiters) {
+		p.mu.Unlock()
+		return nil, nil
+	}
 	var createErr error
-	if p.canCreateLocked(time.Now()) {
+	if !coming && p.canCreateLocked(time.Now()) {
 		sb, err := p.createForCaller(ctx) // unlocks and relocks
 		if sb != nil || errors.Is(err, ErrClosed) {
 			p.mu.Unlock()
@@ -459,6 +517,13 @@ func (p *Pool) Put(sb rt.Sandbox) {
 	p.lastPut = now
 	if p.closed {
 		p.destroyNowLocked(e)
+		p.mu.Unlock()
+		return
+	}
+	if len(p.ready)+p.comingLocked() >= p.targetLocked()+len(p.waiters) {
+		// Enough is ready or on its way: a reset would only be followed
+		// by a destroy.
+		p.doomLocked(e)
 		p.mu.Unlock()
 		return
 	}

@@ -35,7 +35,7 @@ func (p *Pool) worker() {
 
 // nextJobLocked picks the next job and accounts for it, or returns nil.
 func (p *Pool) nextJobLocked() func() {
-	if len(p.dirty) > 0 {
+	if len(p.dirty) > 0 && (p.closed || p.resetting < p.o.Resets) {
 		e := p.dirty[0]
 		p.dirty = p.dirty[1:]
 		if p.closed {
@@ -54,7 +54,7 @@ func (p *Pool) nextJobLocked() func() {
 		p.destroying++
 		return func() { p.destroyEntry(e) }
 	}
-	if p.needCreateLocked(time.Now()) {
+	if p.bgCreating < p.o.Fill && p.needCreateLocked(time.Now()) {
 		p.creating++
 		p.bgCreating++
 		return p.createInBackground
@@ -62,14 +62,45 @@ func (p *Pool) nextJobLocked() func() {
 	return nil
 }
 
-// needCreateLocked: the ready target plus the waiters exceed what is ready
-// or on its way (created or reset), and a create is allowed.
+// needCreateLocked: a create is allowed, and either more callers wait than
+// sandboxes are on their way, or the clean queue (with what is on its way)
+// is below target by more than the sandboxes in use (which may come back),
+// or has been below target for RefillDelay.
 func (p *Pool) needCreateLocked(now time.Time) bool {
 	if !p.canCreateLocked(now) {
 		return false
 	}
-	supply := len(p.ready) + p.bgCreating + len(p.dirty) + p.resetting
-	return p.targetLocked()+len(p.waiters) > supply
+	coming := p.comingLocked()
+	if len(p.waiters) > coming {
+		return true
+	}
+	if !p.belowTargetLocked(now) {
+		return false
+	}
+	short := p.targetLocked() + len(p.waiters) - len(p.ready) - coming
+	return short > p.inUse || p.o.RefillDelay < 0 || now.Sub(p.deficitSince) >= p.o.RefillDelay
+}
+
+// comingLocked counts the sandboxes on their way to the clean queue or a
+// waiter: handed back and being reset, or being created in the background.
+func (p *Pool) comingLocked() int {
+	return len(p.dirty) + p.resetting + p.bgCreating
+}
+
+// belowTargetLocked reports whether what is ready and on its way falls short
+// of the ready target (beyond the waiters it will serve), keeping
+// deficitSince: set when the shortfall starts (the manager is woken to time
+// the refill), cleared when it ends.
+func (p *Pool) belowTargetLocked(now time.Time) bool {
+	if len(p.ready)+p.comingLocked() >= p.targetLocked()+len(p.waiters) {
+		p.deficitSince = time.Time{}
+		return false
+	}
+	if p.deficitSince.IsZero() {
+		p.deficitSince = now
+		p.poke()
+	}
+	return true
 }
 
 // canCreateLocked: not closed, not backing off, below Max.
@@ -280,6 +311,7 @@ func (p *Pool) popReadyLocked() *entry {
 		}
 		e.state = stInUse
 		p.inUse++
+		p.poke() // the manager times the refill
 		return e
 	}
 	return nil
@@ -373,6 +405,16 @@ func (p *Pool) manage() {
 		var wakeAt time.Time
 		if p.o.IdleShrink > 0 && !p.shrunk {
 			wakeAt = p.lastTake.Add(p.o.IdleShrink)
+		}
+		if p.o.RefillDelay > 0 && p.belowTargetLocked(now) {
+			due := p.deficitSince.Add(p.o.RefillDelay)
+			if now.Before(due) {
+				if wakeAt.IsZero() || due.Before(wakeAt) {
+					wakeAt = due
+				}
+			} else {
+				p.cond.Broadcast()
+			}
 		}
 		if !p.backoffUntil.IsZero() {
 			if now.Before(p.backoffUntil) {

@@ -1,0 +1,174 @@
+package pool_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/dsec-dev/dsec/internal/pool"
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// gatedReset holds the real backend's Reset until gate is closed, so a test
+// can act while a reset is in flight.
+type gatedReset struct {
+	rt.Sandbox
+	gate chan struct{}
+}
+
+func (s *gatedReset) Reset(ctx context.Context) error {
+	select {
+	case <-s.gate:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return s.Sandbox.(rt.Resetter).Reset(ctx)
+}
+
+func newGatedCreator(t *testing.T) (*creator, chan struct{}) {
+	if !newEnv(t).resettable {
+		t.Skip("the container backend does not implement runtime.Resetter yet")
+	}
+	c := newCreator(t, modes[0])
+	gate := make(chan struct{})
+	c.wrap = func(sb rt.Sandbox) rt.Sandbox { return &gatedReset{Sandbox: sb, gate: gate} }
+	return c, gate
+}
+
+// TestTakeWaitsForReset: a take that finds nothing ready while a handed-back
+// sandbox is being reset waits for that sandbox instead of creating one.
+func TestTakeWaitsForReset(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	p, _ := startPool(t, c, pool.Options{Size: 1, RefillDelay: time.Hour})
+	waitStats(t, p, "one ready", func(s pool.Stats) bool { return s.Ready == 1 })
+	a, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := p.Take(t.Context()) // nothing ready, nothing coming: created
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := c.created.Load(); n != 2 {
+		t.Fatalf("created %d sandboxes for two takes of a pool of one, want 2", n)
+	}
+	p.Put(a) // its reset now waits at the gate
+	got := make(chan taken, 1)
+	go func() {
+		sb, err := p.Take(context.Background())
+		got <- taken{sb: sb, err: err}
+	}()
+	st := waitStats(t, p, "the take waiting", func(s pool.Stats) bool { return s.Waiting == 1 })
+	if n := c.created.Load(); n != 2 || st.Creating != 0 {
+		t.Fatalf("a take with a reset in flight created a sandbox (created %d, %+v)", n, st)
+	}
+	close(gate)
+	r := <-got
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.sb.ID() != a.ID() {
+		t.Fatalf("the waiting take got %s, want the reset %s", r.sb.ID(), a.ID())
+	}
+	echo(t, r.sb, "recycled")
+	if n := c.created.Load(); n != 2 {
+		t.Fatalf("created %d sandboxes, want 2", n)
+	}
+	p.Put(r.sb)
+	p.Put(b)
+}
+
+// TestTakeWarm: TakeWarm never creates; it returns nil at once when nothing
+// is ready or coming, and waits for a reset in flight.
+func TestTakeWarm(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	p, _ := startPool(t, c, pool.Options{Size: 1, RefillDelay: time.Hour})
+	waitStats(t, p, "one ready", func(s pool.Stats) bool { return s.Ready == 1 })
+	a, err := p.TakeWarm(t.Context())
+	if err != nil || a == nil {
+		t.Fatalf("TakeWarm of a ready pool: %v, %v", a, err)
+	}
+	if sb, err := p.TakeWarm(t.Context()); sb != nil || err != nil {
+		t.Fatalf("TakeWarm with nothing ready or coming: %v, %v; want nil, nil", sb, err)
+	}
+	p.Put(a)
+	got := make(chan taken, 1)
+	go func() {
+		sb, err := p.TakeWarm(context.Background())
+		got <- taken{sb: sb, err: err}
+	}()
+	waitStats(t, p, "the warm take waiting", func(s pool.Stats) bool { return s.Waiting == 1 })
+	close(gate)
+	r := <-got
+	if r.err != nil || r.sb == nil || r.sb.ID() != a.ID() {
+		t.Fatalf("TakeWarm with a reset in flight: %v, %v; want %s", r.sb, r.err, a.ID())
+	}
+	if n := c.created.Load(); n != 1 {
+		t.Fatalf("TakeWarm created: %d sandboxes, want 1", n)
+	}
+	p.Put(r.sb)
+}
+
+// TestPutToFullPoolSkipsReset: a sandbox handed back to a pool that has
+// enough ready is destroyed without being reset first.
+func TestPutToFullPoolSkipsReset(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	close(gate)
+	p, _ := startPool(t, c, pool.Options{Size: 1, RefillDelay: time.Hour})
+	waitStats(t, p, "one ready", func(s pool.Stats) bool { return s.Ready == 1 })
+	a, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Put(a)
+	waitStats(t, p, "a reset and ready", func(s pool.Stats) bool { return s.Ready == 1 && s.Resets == 1 })
+	p.Put(b)
+	st := waitStats(t, p, "b destroyed", func(s pool.Stats) bool { return s.Destroyed == 1 && s.Destroying == 0 })
+	if st.Resets != 1 || st.Ready != 1 {
+		t.Fatalf("after a Put to a full pool: %+v; want 1 reset (a's only), 1 ready", st)
+	}
+	<-b.Done()
+}
+
+// TestRefillDelay: a sandbox taken and handed back within RefillDelay is
+// replaced by its own reset, not by a create.
+func TestRefillDelay(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	close(gate)
+	p, _ := startPool(t, c, pool.Options{Size: 2, RefillDelay: time.Hour})
+	waitStats(t, p, "two ready", func(s pool.Stats) bool { return s.Ready == 2 })
+	a, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	echo(t, a, "short")
+	p.Put(a)
+	st := waitStats(t, p, "settled", func(s pool.Stats) bool {
+		return s.Ready == 2 && s.Resetting == 0 && s.Creating == 0 && s.Resets == 1
+	})
+	if n := c.created.Load(); n != 2 || st.Destroyed != 0 {
+		t.Fatalf("a quick take and put: created %d, %+v; want 2 created, nothing destroyed", n, st)
+	}
+}
+
+// TestRefillAfterDelay: a sandbox kept longer than RefillDelay is replaced
+// by a create.
+func TestRefillAfterDelay(t *testing.T) {
+	c2, gate2 := newGatedCreator(t)
+	close(gate2)
+	q, _ := startPool(t, c2, pool.Options{Size: 2, RefillDelay: 50 * time.Millisecond})
+	waitStats(t, q, "two ready", func(s pool.Stats) bool { return s.Ready == 2 })
+	kept, err := q.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitStats(t, q, "refilled while one is kept", func(s pool.Stats) bool { return s.Ready == 2 && s.InUse == 1 })
+	if n := c2.created.Load(); n != 3 {
+		t.Fatalf("created %d, want 3", n)
+	}
+	q.Put(kept)
+}
