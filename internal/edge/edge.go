@@ -106,6 +106,11 @@ type Config struct {
 	// FnMax bounds its sandboxes (calls beyond wait) and FnQueue the calls
 	// waiting; defaults DefaultFnWarm, DefaultFnMax, DefaultFnQueue.
 	FnWarm, FnMax, FnQueue int
+	// AutoPool is how many destroyed sandboxes of one spec (per tenant)
+	// the node keeps, reset, for the next creates of that spec; 0 turns
+	// recycling off. See autopool.go. The CLI's default is
+	// DefaultAutoPool.
+	AutoPool int
 }
 
 // Edge is one node's agent. Create it with New, mount its service with
@@ -142,6 +147,10 @@ type Edge struct {
 	// key.
 	pools   map[string]*warmPool
 	fnPools map[string]*fnPool
+	// autoPools recycle destroyed sandboxes, by autoPoolKey; recent
+	// says which specs are hot (see autopool.go).
+	autoPools map[string]*warmPool
+	recent    map[string]recentCreate
 
 	stop    context.CancelFunc
 	stopCtx context.Context
@@ -271,6 +280,8 @@ func New(cfg Config) (*Edge, error) {
 		checkpoints: map[string]*checkpoint{},
 		pools:       map[string]*warmPool{},
 		fnPools:     map[string]*fnPool{},
+		autoPools:   map[string]*warmPool{},
+		recent:      map[string]recentCreate{},
 		ckLayers:    map[string]int{},
 		stop:        stop,
 		stopCtx:     stopCtx,

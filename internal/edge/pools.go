@@ -64,8 +64,10 @@ type warmPool struct {
 	req             placement.Capacity
 	minSize         int
 	idleShrink      time.Duration
-	p               *pool.Pool
-	n               atomic.Int64
+	// auto marks an automatic (recycling) pool: see autopool.go.
+	auto bool
+	p    *pool.Pool
+	n    atomic.Int64
 }
 
 // held is how many of the pool's sandboxes are the pool's (not handed out):
@@ -123,7 +125,8 @@ func (e *Edge) takeWarm(ctx context.Context, caller *dsecv1.Caller, spec *dsecv1
 			return wp, rs
 		}
 	}
-	return nil, nil
+	e.noteCreate(caller.GetTenant(), key)
+	return e.takeRecycled(ctx, caller, key)
 }
 
 // dropRuntime destroys a sandbox's runtime sandbox and, if it came from a
@@ -272,7 +275,9 @@ func (e *Edge) deletePool(ctx context.Context, caller *dsecv1.Caller, id string)
 func (e *Edge) closePools(ctx context.Context) {
 	e.mu.Lock()
 	pools := slices.Collect(maps.Values(e.pools))
+	pools = slices.AppendSeq(pools, maps.Values(e.autoPools))
 	clear(e.pools)
+	clear(e.autoPools)
 	e.mu.Unlock()
 	for _, wp := range pools {
 		wp.p.Close(ctx)
@@ -284,6 +289,7 @@ func (e *Edge) closePools(ctx context.Context) {
 func (e *Edge) poolSummaries(held map[string]int) []*dsecv1.PoolSummary {
 	e.mu.Lock()
 	pools := slices.Collect(maps.Values(e.pools))
+	pools = slices.AppendSeq(pools, maps.Values(e.autoPools))
 	e.mu.Unlock()
 	out := make([]*dsecv1.PoolSummary, 0, len(pools))
 	for _, wp := range pools {

@@ -143,6 +143,9 @@ func (e *Edge) reapLoop(ctx context.Context) {
 			nextSweep = now.Add(sweepEvery)
 		}
 		expired, lost, forgotten, next := e.collect(now, sweep)
+		if sweep {
+			e.sweepAutoPools(ctx)
+		}
 		e.reap(ctx, expired, lost)
 		for _, id := range forgotten {
 			e.forgetTrajectory(id)

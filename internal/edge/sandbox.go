@@ -657,6 +657,9 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	sb.destroying = done
 	rs, wp, frozen, closing := sb.rt, sb.pool, sb.frozen, e.closed
 	e.mu.Unlock()
+	if wp == nil && !frozen && !closing {
+		wp = e.autoPoolFor(sb, rs) // recycled rather than torn down
+	}
 
 	var err error
 	if wp != nil && !frozen && !closing {

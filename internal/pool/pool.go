@@ -88,12 +88,17 @@ const (
 	maxRetryAfter = time.Minute
 )
 
-// Options configure a pool. Only New is required.
+// Options configure a pool. Only New is required, unless Recycle is set.
 type Options struct {
 	// New creates one sandbox for the pool (the caller gives it its ID,
 	// spec and capacity accounting). It must return a sandbox with an ID
 	// no other live sandbox of the pool has.
 	New func(ctx context.Context) (rt.Sandbox, error)
+	// Recycle makes a pool that never creates: only sandboxes handed to
+	// Put fill it (up to Size ready), and takers that find nothing ready
+	// or coming get nothing (TakeWarm's nil, also from Take when New is
+	// nil). The edge keeps one per hot spec to reuse destroyed sandboxes.
+	Recycle bool
 	// Size is the number of clean sandboxes kept ready (refilled in the
 	// background).
 	Size int
@@ -130,7 +135,7 @@ type Options struct {
 // that fail it, so owners validate user input (a CreatePool request) first.
 func (o Options) Validate() error {
 	switch {
-	case o.New == nil:
+	case o.New == nil && !o.Recycle:
 		return errors.New("pool: Options.New is required")
 	case o.Size < 0:
 		return fmt.Errorf("pool: size %d must not be negative", o.Size)
@@ -359,6 +364,7 @@ func (p *Pool) take(ctx context.Context, create bool) (rt.Sandbox, error) {
 		return e.sb, nil
 	}
 	p.misses++
+	create = create && p.o.New != nil
 	coming := p.comingLocked() > len(p.waiters)
 	if !create && (!coming || len(p.waiters) >= p.maxWaiters) {
 		p.mu.Unlock()
@@ -396,8 +402,8 @@ func (p *Pool) take(ctx context.Context, create bool) (rt.Sandbox, error) {
 
 	select {
 	case r := <-w.ch:
-		if r.err != nil {
-			return nil, r.err
+		if r.err != nil || r.e == nil {
+			return nil, r.err // nil, nil: let go by a recycling pool
 		}
 		return r.e.sb, nil
 	case <-ctx.Done():
@@ -420,7 +426,7 @@ func (p *Pool) take(ctx context.Context, create bool) (rt.Sandbox, error) {
 	// Served at the moment ctx ended: the caller is gone, so the clean
 	// sandbox goes on to the next waiter or back to the clean queue.
 	r := <-w.ch
-	if r.err != nil {
+	if r.err != nil || r.e == nil {
 		return nil, r.err
 	}
 	p.mu.Lock()

@@ -2,6 +2,7 @@ package pool_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -171,4 +172,78 @@ func TestRefillAfterDelay(t *testing.T) {
 		t.Fatalf("created %d, want 3", n)
 	}
 	q.Put(kept)
+}
+
+// TestRecyclePool: a recycling pool never creates; it keeps what is handed
+// back (up to Size), TakeWarm gets it back reset, and Take on an empty one
+// gets nothing rather than a create.
+func TestRecyclePool(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	close(gate)
+	p, _ := startPool(t, c, pool.Options{Recycle: true, Size: 1})
+	if sb, err := p.TakeWarm(t.Context()); sb != nil || err != nil {
+		t.Fatalf("TakeWarm of an empty recycling pool: %v, %v; want nil, nil", sb, err)
+	}
+	a, err := c.New(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := c.New(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, a, "echo left > /root/left")
+	p.Put(a) // adopted, reset, kept
+	waitStats(t, p, "a ready", func(s pool.Stats) bool { return s.Ready == 1 })
+	p.Put(b) // the pool has enough: destroyed
+	st := waitStats(t, p, "b destroyed", func(s pool.Stats) bool { return s.Destroyed == 1 && s.Destroying == 0 })
+	if st.Creating != 0 || c.created.Load() != 2 {
+		t.Fatalf("a recycling pool created: %+v, created %d", st, c.created.Load())
+	}
+	got, err := p.TakeWarm(t.Context())
+	if err != nil || got == nil || got.ID() != a.ID() {
+		t.Fatalf("TakeWarm: %v, %v; want %s", got, err, a.ID())
+	}
+	if out := sh(t, got, "ls /root"); out != "" {
+		t.Fatalf("recycled sandbox keeps the last user's files: %q", out)
+	}
+	p.Put(got)
+}
+
+// TestRecyclePoolReleasesWaiters: a take waiting for a reset that fails is
+// let go with nothing (the pool will not create for it), not left waiting.
+func TestRecyclePoolReleasesWaiters(t *testing.T) {
+	c := newCreator(t, modes[0])
+	gate := make(chan struct{})
+	c.wrap = func(sb rt.Sandbox) rt.Sandbox { return &failingReset{Sandbox: sb, gate: gate} }
+	p, _ := startPool(t, c, pool.Options{Recycle: true, Size: 1})
+	a, err := c.New(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Put(a) // its reset waits at the gate, then fails
+	got := make(chan taken, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		sb, err := p.TakeWarm(ctx)
+		got <- taken{sb: sb, err: err}
+	}()
+	waitStats(t, p, "the warm take waiting", func(s pool.Stats) bool { return s.Waiting == 1 })
+	close(gate)
+	if r := <-got; r.sb != nil || r.err != nil {
+		t.Fatalf("TakeWarm behind a failing reset: %v, %v; want nil, nil", r.sb, r.err)
+	}
+	waitStats(t, p, "a destroyed", func(s pool.Stats) bool { return s.Destroyed == 1 && s.Alive() == 0 })
+}
+
+// failingReset's Reset waits for gate and fails.
+type failingReset struct {
+	rt.Sandbox
+	gate chan struct{}
+}
+
+func (s *failingReset) Reset(ctx context.Context) error {
+	<-s.gate
+	return errors.New("reset failed on purpose")
 }

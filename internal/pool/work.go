@@ -67,7 +67,7 @@ func (p *Pool) nextJobLocked() func() {
 // is below target by more than the sandboxes in use (which may come back),
 // or has been below target for RefillDelay.
 func (p *Pool) needCreateLocked(now time.Time) bool {
-	if !p.canCreateLocked(now) {
+	if p.o.Recycle || !p.canCreateLocked(now) {
 		return false
 	}
 	coming := p.comingLocked()
@@ -160,11 +160,13 @@ func (p *Pool) reset(e *entry) {
 	switch {
 	case !ok:
 		// Not resettable: replaced by a fresh one if the pool wants it.
+		p.releaseUncoveredLocked()
 	case err != nil:
 		p.resetFailures++
 		if p.ctx.Err() == nil {
 			p.log.Warn("pool: reset failed; destroying the sandbox", "sandbox", e.sb.ID(), "err", err)
 		}
+		p.releaseUncoveredLocked()
 	default:
 		p.resets++
 		p.resetAvg = ewma(p.resetAvg, time.Since(start))
@@ -175,6 +177,24 @@ func (p *Pool) reset(e *entry) {
 	p.destroying++
 	p.mu.Unlock()
 	p.destroyEntry(e)
+}
+
+// releaseUncoveredLocked lets go the newest waiters of a recycling pool
+// that no sandbox on its way will serve (a reset they counted on failed):
+// such a pool creates nothing, so they would wait for ever. They get
+// nothing and create on their own.
+func (p *Pool) releaseUncoveredLocked() {
+	if !p.o.Recycle {
+		return
+	}
+	for n := len(p.waiters) - p.comingLocked(); n > 0 && len(p.waiters) > 0; n-- {
+		w := p.waiters[len(p.waiters)-1]
+		p.waiters = p.waiters[:len(p.waiters)-1]
+		if !w.done {
+			w.done = true
+			w.ch <- result{}
+		}
+	}
 }
 
 // placeCleanOrDestroyLocked places a clean, unaccounted entry; if nobody
