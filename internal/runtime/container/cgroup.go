@@ -42,9 +42,11 @@ type cgroup interface {
 	spawn(attr *syscall.SysProcAttr, start func() error) error
 	// update applies r (a pre-started agent gets its sandbox's limits).
 	update(r rt.Resources) error
-	// set applies r to a running sandbox: unlike update, a zero CPU or
-	// memory field lifts that limit.
-	set(r rt.Resources) error
+	// set changes a running sandbox's limits from those in force, from,
+	// to to, writing only the limits that differ (fncall changes one
+	// limit per call; each file written costs). Unlike update, a zero CPU
+	// or memory field lifts that limit. A nil from writes every limit.
+	set(from *rt.Resources, to rt.Resources) error
 	// userDir is the cgroup directory of the user's processes (with the
 	// pids controller; on v1 the agent's spawner thread lives there too).
 	userDir() string
@@ -78,7 +80,7 @@ func toSpec(r rt.Resources) *specs.LinuxResources {
 	pids := r.Pids + agentPids
 	res := &specs.LinuxResources{Pids: &specs.LinuxPids{Limit: &pids}}
 	if r.MilliCPU > 0 {
-		period := uint64(100000)
+		period := uint64(cpuPeriod)
 		quota := r.MilliCPU * int64(period) / 1000
 		res.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota}
 	}
@@ -132,20 +134,47 @@ func (c *cgroupV1) update(r rt.Resources) error {
 	return os.WriteFile(filepath.Join(cgroupRoot, "pids", c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
 }
 
-func (c *cgroupV1) set(r rt.Resources) error {
-	res := toSpec(r)
-	if r.MilliCPU == 0 {
-		quota, period := int64(-1), uint64(100000)
-		res.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota}
+func (c *cgroupV1) set(from *rt.Resources, to rt.Resources) error {
+	var w []cgroupWrite
+	if from == nil || from.MilliCPU != to.MilliCPU {
+		dir := filepath.Join(cgroupRoot, "cpu", c.group)
+		quota := "-1"
+		if to.MilliCPU > 0 {
+			quota = strconv.FormatInt(to.MilliCPU*cpuPeriod/1000, 10)
+			// The period first: the quota is checked against it.
+			w = append(w, cgroupWrite{filepath.Join(dir, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)})
+		}
+		w = append(w, cgroupWrite{filepath.Join(dir, "cpu.cfs_quota_us"), quota})
 	}
-	if r.MemoryBytes == 0 {
-		limit := int64(-1)
-		res.Memory = &specs.LinuxMemory{Limit: &limit}
+	if from == nil || from.MemoryBytes != to.MemoryBytes {
+		limit := "-1"
+		if to.MemoryBytes > 0 {
+			limit = strconv.FormatInt(to.MemoryBytes, 10)
+		}
+		w = append(w, cgroupWrite{filepath.Join(cgroupRoot, "memory", c.group, "memory.limit_in_bytes"), limit})
 	}
-	if err := c.cg.Update(res); err != nil {
-		return err
+	if from == nil || from.Pids != to.Pids {
+		w = append(w,
+			cgroupWrite{filepath.Join(cgroupRoot, "pids", c.group, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)},
+			cgroupWrite{filepath.Join(c.userDir(), "pids.max"), strconv.FormatInt(to.Pids, 10)})
 	}
-	return os.WriteFile(filepath.Join(c.userDir(), "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
+	return writeAll(w)
+}
+
+// cpuPeriod is the CFS period of CPU limits, in microseconds.
+const cpuPeriod = 100000
+
+// cgroupWrite is one value to write into one cgroup file.
+type cgroupWrite struct{ file, value string }
+
+// writeAll writes each value in order and stops at the first error.
+func writeAll(w []cgroupWrite) error {
+	for _, x := range w {
+		if err := os.WriteFile(x.file, []byte(x.value), 0); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (c *cgroupV1) userDir() string { return filepath.Join(cgroupRoot, "pids", c.group, "user") }
@@ -250,7 +279,7 @@ type cgroupV2 struct {
 func v2Resources(r rt.Resources) *cgroup2.Resources {
 	res := &cgroup2.Resources{Pids: &cgroup2.Pids{Max: r.Pids + agentPids}}
 	if r.MilliCPU > 0 {
-		period := uint64(100000)
+		period := uint64(cpuPeriod)
 		quota := r.MilliCPU * int64(period) / 1000
 		res.CPU = &cgroup2.CPU{Max: cgroup2.NewCPUMax(&quota, &period)}
 	}
@@ -300,24 +329,32 @@ func (c *cgroupV2) update(r rt.Resources) error {
 	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
 }
 
-// set writes "max" for lifted limits: v2 has no -1, and the cgroups
-// library writes numbers as they are.
-func (c *cgroupV2) set(r rt.Resources) error {
-	if err := c.update(r); err != nil {
-		return err
-	}
+// set writes "max" for lifted limits (v2 has no -1), and no swap with a
+// memory limit, as update does.
+func (c *cgroupV2) set(from *rt.Resources, to rt.Resources) error {
 	dir := filepath.Join(cgroupRoot, c.group)
-	if r.MilliCPU == 0 {
-		if err := os.WriteFile(filepath.Join(dir, "cpu.max"), []byte("max"), 0); err != nil {
-			return err
+	var w []cgroupWrite
+	if from == nil || from.MilliCPU != to.MilliCPU {
+		cpuMax := "max " + strconv.Itoa(cpuPeriod)
+		if to.MilliCPU > 0 {
+			cpuMax = strconv.FormatInt(to.MilliCPU*cpuPeriod/1000, 10) + " " + strconv.Itoa(cpuPeriod)
+		}
+		w = append(w, cgroupWrite{filepath.Join(dir, "cpu.max"), cpuMax})
+	}
+	if from == nil || from.MemoryBytes != to.MemoryBytes {
+		if to.MemoryBytes > 0 {
+			w = append(w, cgroupWrite{filepath.Join(dir, "memory.swap.max"), "0"},
+				cgroupWrite{filepath.Join(dir, "memory.max"), strconv.FormatInt(to.MemoryBytes, 10)})
+		} else {
+			w = append(w, cgroupWrite{filepath.Join(dir, "memory.max"), "max"})
 		}
 	}
-	if r.MemoryBytes == 0 {
-		if err := os.WriteFile(filepath.Join(dir, "memory.max"), []byte("max"), 0); err != nil {
-			return err
-		}
+	if from == nil || from.Pids != to.Pids {
+		w = append(w,
+			cgroupWrite{filepath.Join(dir, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)},
+			cgroupWrite{filepath.Join(dir, "user", "pids.max"), strconv.FormatInt(to.Pids, 10)})
 	}
-	return nil
+	return writeAll(w)
 }
 
 func (c *cgroupV2) userDir() string { return filepath.Join(cgroupRoot, c.group, "user") }

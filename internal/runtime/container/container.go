@@ -328,7 +328,8 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		return nil, err
 	}
 	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
-		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1}
+		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
+		res: spec.Resources, resKnown: true}
 	b.mu.Lock()
 	b.live[spec.ID] = sb
 	b.mu.Unlock()
@@ -604,8 +605,11 @@ type sandbox struct {
 	// mqueue is a detached mount of the sandbox's mqueue file system (-1
 	// until the first Reset makes it); only Reset uses it.
 	mqueue int
-	// updateMu serialises Update.
+	// updateMu serialises Update and guards res: the limits in force
+	// (Pids defaulted), when resKnown (a failed Update leaves them unknown).
 	updateMu sync.Mutex
+	res      rt.Resources
+	resKnown bool
 	// frozen is set from Freeze until a Thaw succeeds: Reset skips the
 	// thaw of a sandbox that was not frozen.
 	frozen atomic.Bool

@@ -648,6 +648,11 @@ func (s *sandbox) clearMqueues() error {
 // limits change in place. A zero field means no limit (Pids: the backend's
 // default), as at Create. Lowering the memory limit below what the sandbox
 // uses makes the kernel reclaim, and fails if it cannot.
+//
+// Only the limits that differ from those in force are written, and an
+// Update to the limits in force writes nothing: fncall sets one memory
+// limit for each call and puts the sandbox's back after it, and every
+// cgroup file written costs.
 func (s *sandbox) Update(ctx context.Context, r rt.Resources) error {
 	if r.MilliCPU < 0 || r.MemoryBytes < 0 || r.Pids < 0 {
 		return fmt.Errorf("%w: resources must not be negative", rt.ErrInvalidSpec)
@@ -665,9 +670,19 @@ func (s *sandbox) Update(ctx context.Context, r rt.Resources) error {
 	}
 	s.updateMu.Lock()
 	defer s.updateMu.Unlock()
-	if err := s.cg.set(r); err != nil {
+	if s.resKnown && r == s.res {
+		return nil
+	}
+	var from *rt.Resources
+	if s.resKnown {
+		from = &s.res
+	}
+	if err := s.cg.set(from, r); err != nil {
+		// Some limits may have been written: the next Update writes all.
+		s.resKnown = false
 		return s.gone(fmt.Errorf("update resources: %w", err))
 	}
+	s.res, s.resKnown = r, true
 	return nil
 }
 

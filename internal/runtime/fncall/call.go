@@ -213,7 +213,8 @@ func filePath(name string) (string, error) {
 
 // Call runs req in sb, which must be clean (fresh or reset) and built from
 // lang's image. base is the sandbox's resources: a per-call memory limit
-// is set through runtime.Updater when sb has it, and base restored after.
+// is set through runtime.Updater when sb has it, and base restored after
+// (neither when the call's limit is base's).
 // Call expects a request that passed Validate; StatusSandboxError is for
 // faults of the sandbox (gone, a write or read that failed), which leave
 // it unfit for reuse.
@@ -245,7 +246,7 @@ func Call(ctx context.Context, sb rt.Sandbox, lang Language, req Request, base r
 		want = lang.MemoryLimitMB
 	}
 	var limitMB int64 // the limit in force, for messages
-	if u, ok := sb.(rt.Updater); ok && want > 0 {
+	if u, ok := sb.(rt.Updater); ok && want > 0 && want<<20 != base.MemoryBytes {
 		r := base
 		r.MemoryBytes = want << 20
 		if err := u.Update(ctx, r); err != nil {

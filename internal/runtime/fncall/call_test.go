@@ -3,6 +3,7 @@ package fncall_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -231,6 +232,21 @@ func TestMemoryLimit(t *testing.T) {
 	if got := readMemoryLimit(t, cg); got != base.MemoryBytes {
 		t.Errorf("after the call the memory limit is %d, want the base %d", got, base.MemoryBytes)
 	}
+
+	// A call whose limit is the base's runs under the limit in force
+	// (Call does not set it again) and says so when it is hit.
+	req = alloc(400)
+	req.MemoryLimitMB = base.MemoryBytes >> 20
+	r = fncall.Call(context.Background(), sb, lang, req, base)
+	if r.Status != fncall.StatusFailed || r.Run == nil || !r.Run.OOMKilled {
+		t.Fatalf("400 MB under a %d MB limit equal to the base: want Failed, OOM-killed, got %s", req.MemoryLimitMB, describe(r))
+	}
+	if want := fmt.Sprintf("memory limit of %d MB", req.MemoryLimitMB); !strings.Contains(r.Message, want) {
+		t.Errorf("message %q does not say %q", r.Message, want)
+	}
+	if got := readMemoryLimit(t, cg); got != base.MemoryBytes {
+		t.Errorf("after the call the memory limit is %d, want the base %d", got, base.MemoryBytes)
+	}
 }
 
 // TestOutputLimit: output past MaxOutputBytes is cut and flagged, on both
@@ -380,6 +396,33 @@ func BenchmarkCallPython(b *testing.B) {
 	ctx := context.Background()
 	for b.Loop() {
 		r := fncall.Call(ctx, sb, lang, req, rt.Resources{})
+		if r.Status != fncall.StatusSuccess || string(r.Run.Stdout) != "1\n" {
+			b.Fatalf("got %s", describe(r))
+		}
+	}
+}
+
+// BenchmarkCallPythonReset is BenchmarkCallPython the way a pool serves
+// calls: each call in a sandbox reset after the previous one (the reset
+// itself is not timed), under the edge's base limits, so every call also
+// sets python's memory limit and puts the base back.
+func BenchmarkCallPythonReset(b *testing.B) {
+	e := newEnv(b)
+	sb := e.sandbox(b)
+	lang, _ := fncall.Lookup("python")
+	req := fncall.Request{Language: "python", Code: "print(1)"}
+	base := rt.Resources{MemoryBytes: 2 << 30, Pids: 1024}
+	ctx := context.Background()
+	if err := sb.(rt.Updater).Update(ctx, base); err != nil {
+		b.Fatal(err)
+	}
+	for b.Loop() {
+		b.StopTimer()
+		if err := sb.(rt.Resetter).Reset(ctx); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		r := fncall.Call(ctx, sb, lang, req, base)
 		if r.Status != fncall.StatusSuccess || string(r.Run.Stdout) != "1\n" {
 			b.Fatalf("got %s", describe(r))
 		}
