@@ -11,9 +11,13 @@ all: build
 deps:
 	./scripts/deps.sh
 
+# Three binaries: dsec (the thin client CLI; `dsec up|server|edge` hands
+# over to the dsecd next to it), dsecd (the daemons) and dsec-agent (runs
+# in every sandbox).
 build:
 	@mkdir -p $(BIN)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/dsec-agent ./cmd/dsec-agent
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/dsecd ./cmd/dsecd
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/dsec ./cmd/dsec
 
 vet:
@@ -29,7 +33,8 @@ test: deps build vet
 	$(GO) test -p 1 -count=1 -timeout 15m $(PKGS)
 
 # One-node DSec in the foreground: system packages, binaries, and a starter
-# image busybox:latest (imported only if missing), then `dsec up`.
+# image busybox:latest (imported only if missing), then `dsec up` (which
+# runs bin/dsecd).
 DATA_DIR ?= /var/lib/dsec
 up: deps build
 	./scripts/busybox-rootfs.sh $(BIN)/busybox-rootfs

@@ -1,205 +1,120 @@
 package main
 
+// The daemon commands (up, server, edge) live in dsecd, so that this binary
+// links no server-side package and starts in a few milliseconds. `dsec up
+// ARGS...` replaces this process with `dsecd up ARGS...`: same PID, same
+// environment, same arguments after the command, so signals, exit codes
+// and process supervision behave as if dsec were the daemon.
+
 import (
-	"context"
 	"errors"
 	"fmt"
-	"log/slog"
-	"net"
-	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
-	"strings"
-	"time"
+	"syscall"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/cobra"
 
-	"github.com/dsec-dev/dsec/internal/blobstore"
-	"github.com/dsec-dev/dsec/internal/controlplane/iam"
-	"github.com/dsec-dev/dsec/internal/ids"
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 )
 
-// Defaults of the daemon commands.
-const (
-	defaultDataDir    = "/var/lib/dsec"
-	defaultListen     = "127.0.0.1:7110"
-	defaultEdgeListen = "127.0.0.1:7111"
-	clusterTokenFile  = "cluster.token"
-	// shutdownTimeout bounds a clean stop (destroying every sandbox).
-	shutdownTimeout = 60 * time.Second
-)
-
-// daemonFlags are shared by up, server and edge.
-type daemonFlags struct {
-	dataDir   string
-	listen    string
-	store     string
-	tokenFile string
-	logLevel  string
-}
-
-// open does what every daemon does first: its logger, the blob store and
-// the cluster token (created if missing when createToken is set).
-func (f *daemonFlags) open(createToken bool) (*slog.Logger, blobstore.Repository, string, error) {
-	log, err := f.logger()
-	if err != nil {
-		return nil, nil, "", err
-	}
-	store, err := f.openStore()
-	if err != nil {
-		return nil, nil, "", err
-	}
-	token, err := f.clusterToken(createToken)
-	if err != nil {
-		return nil, nil, "", err
-	}
-	return log, store, token, nil
-}
-
-func (f *daemonFlags) logger() (*slog.Logger, error) {
-	var lvl slog.Level
-	if err := lvl.UnmarshalText([]byte(f.logLevel)); err != nil {
-		return nil, usagef("--log-level %q: want debug, info, warn or error", f.logLevel)
-	}
-	l := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
-	slog.SetDefault(l)
-	return l, nil
-}
-
-// openStore opens --store, or the data dir's own blob store.
-func (f *daemonFlags) openStore() (blobstore.Repository, error) {
-	u := f.store
-	if u == "" {
-		u = filepath.Join(f.dataDir, "blobs")
-	}
-	repo, err := blobstore.New(u)
-	if err != nil {
-		return nil, fmt.Errorf("--store: %w", err)
-	}
-	return repo, nil
-}
-
-// clusterToken reads the shared secret of servers and edges: from
-// --cluster-token-file, else from the data dir. create makes the file when
-// it is missing (servers and `up` do; an edge must be given the servers'
-// secret, so it only reads).
-func (f *daemonFlags) clusterToken(create bool) (string, error) {
-	path := f.tokenFile
-	if path == "" {
-		path = filepath.Join(f.dataDir, clusterTokenFile)
-	}
-	if create {
-		tok, err := iam.EnsureTokenFile(path)
-		if err != nil {
-			return "", fmt.Errorf("cluster token: %w", err)
-		}
-		return tok, nil
-	}
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", fmt.Errorf("cluster token (give the servers' secret with --cluster-token-file): %w", err)
-	}
-	tok := strings.TrimSpace(string(b))
-	if tok == "" {
-		return "", fmt.Errorf("cluster token file %s is empty", path)
-	}
-	return tok, nil
-}
-
-// newRegistry returns a metrics registry with the Go runtime and process
-// collectors that every daemon exposes.
-func newRegistry() *prometheus.Registry {
-	r := prometheus.NewRegistry()
-	r.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	return r
-}
-
-// newMux returns the process's one mux with /metrics on it.
-func newMux(reg *prometheus.Registry) *http.ServeMux {
-	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
-	return mux
-}
-
-// newHTTPServer serves HTTP/1.1 and cleartext HTTP/2 (h2c) on one port, so
-// gRPC, gRPC-Web, Connect and curl all work without TLS.
-func newHTTPServer(h http.Handler, log *slog.Logger) *http.Server {
-	var p http.Protocols
-	p.SetHTTP1(true)
-	p.SetUnencryptedHTTP2(true)
-	return &http.Server{
-		Handler:           h,
-		Protocols:         &p,
-		ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
-	}
-}
-
-// loopbackURL is the URL at which this process reaches a listener: a
-// wildcard address becomes 127.0.0.1.
-func loopbackURL(addr net.Addr) string {
-	tcp, ok := addr.(*net.TCPAddr)
-	if !ok {
-		return "http://" + addr.String()
-	}
-	ip := tcp.IP
-	if ip == nil || ip.IsUnspecified() {
-		ip = net.IPv4(127, 0, 0, 1)
-	}
-	return "http://" + net.JoinHostPort(ip.String(), fmt.Sprint(tcp.Port))
-}
-
-// defaultNodeID derives a node id from the host name.
-func defaultNodeID() string {
-	h, err := os.Hostname()
-	if err != nil {
-		return "node"
-	}
-	var b strings.Builder
-	for _, r := range strings.ToLower(h) {
-		switch {
-		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '-':
-			b.WriteRune(r)
-		case r == '.':
-			// The first label is the host's short name.
-			return finishNodeID(b.String())
-		default:
-			b.WriteByte('-')
+// isDaemonCmd reports whether name is one of dsecd's commands.
+func isDaemonCmd(name string) bool {
+	for _, d := range cli.Daemons {
+		if d.Name == name {
+			return true
 		}
 	}
-	return finishNodeID(b.String())
+	return false
 }
 
-func finishNodeID(s string) string {
-	s = strings.Trim(s, "-")
-	if len(s) > 32 {
-		s = strings.Trim(s[:32], "-")
+// newDaemonCmds lists dsecd's commands in dsec's help. They are reached
+// here only when flags come before the command (`dsec --token-file F up`,
+// which main's fast path does not catch) or through `dsec help up`.
+func newDaemonCmds() []*cobra.Command {
+	var cmds []*cobra.Command
+	for _, d := range cli.Daemons {
+		name := d.Name
+		c := &cobra.Command{
+			Use:   name,
+			Short: d.Short,
+			Long:  d.Short + ".\n\nRuns in " + cli.DaemonBinary + ": `dsec " + name + " ARGS...` is `" + cli.DaemonBinary + " " + name + " ARGS...`.",
+			// Every argument, flags included, belongs to dsecd.
+			DisableFlagParsing: true,
+			RunE: func(_ *cobra.Command, args []string) error {
+				return execDaemon(append([]string{name}, args...))
+			},
+		}
+		c.SetHelpFunc(func(c *cobra.Command, _ []string) {
+			err := execDaemon([]string{name, "--help"})
+			// Only reached when dsecd could not be started.
+			fmt.Fprintln(c.OutOrStdout(), c.Long)
+			fmt.Fprintln(c.ErrOrStderr(), "dsec:", err)
+		})
+		cmds = append(cmds, c)
 	}
-	if ids.ValidNode(s) != nil {
-		return "node"
-	}
-	return s
+	return cmds
 }
 
-// serveUntil serves srv on ln until ctx ends, then shuts it down.
-func serveUntil(ctx context.Context, srv *http.Server, ln net.Listener) error {
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(ln) }()
-	select {
-	case err := <-errc:
-		return fmt.Errorf("serve %s: %w", ln.Addr(), err)
-	case <-ctx.Done():
+// execDaemon replaces this process with dsecd running args (args[0] is the
+// command). It returns only on failure.
+func execDaemon(args []string) error {
+	path, err := findDaemon()
+	if err != nil {
+		return fmt.Errorf("%s: %w", args[0], err)
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
-	if err := srv.Shutdown(sctx); err != nil {
-		srv.Close()
+	argv := append([]string{path}, args...)
+	if err := syscall.Exec(path, argv, os.Environ()); err != nil {
+		return fmt.Errorf("%s: exec %s: %w", args[0], path, err)
 	}
-	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+	panic("unreachable: exec returned without an error")
+}
+
+// findDaemon finds dsecd: $DSEC_DAEMON when set, else next to this
+// executable (bin/dsec and bin/dsecd from `make build`), else on $PATH.
+func findDaemon() (string, error) {
+	self, selfErr := os.Executable()
+	if p := os.Getenv(cli.DaemonEnv); p != "" {
+		if err := checkDaemon(p, self); err != nil {
+			return "", fmt.Errorf("$%s=%s: %w", cli.DaemonEnv, p, err)
+		}
+		return p, nil
+	}
+	nextTo := cli.DaemonBinary + " next to dsec"
+	if selfErr == nil {
+		p := filepath.Join(filepath.Dir(self), cli.DaemonBinary)
+		if checkDaemon(p, self) == nil {
+			return p, nil
+		}
+		nextTo = p
+	}
+	if p, err := exec.LookPath(cli.DaemonBinary); err == nil {
+		if err := checkDaemon(p, self); err != nil {
+			return "", fmt.Errorf("%s on $PATH: %w", p, err)
+		}
+		return p, nil
+	}
+	return "", fmt.Errorf("the daemon commands are in a separate binary, %[1]s, and none was found "+
+		"($%[2]s is not set, no %[3]s, none on $PATH); build it with `make build` (bin/%[1]s next to bin/dsec) "+
+		"or `go build -o DIR/ ./cmd/%[1]s` with DIR dsec's directory, or set $%[2]s to its path",
+		cli.DaemonBinary, cli.DaemonEnv, nextTo)
+}
+
+// checkDaemon refuses what cannot be dsecd: a missing or non-executable
+// file, or this very binary (which would hand over to itself forever).
+func checkDaemon(p, self string) error {
+	info, err := os.Stat(p)
+	if err != nil {
 		return err
+	}
+	if !info.Mode().IsRegular() || info.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("not an executable file")
+	}
+	if self != "" {
+		if me, err := os.Stat(self); err == nil && os.SameFile(me, info) {
+			return errors.New("that is dsec itself, not " + cli.DaemonBinary)
+		}
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -40,42 +41,42 @@ when DSec could not run it (an API error, or a SandboxError result).`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			dash := cmd.ArgsLenAtDash()
 			if len(args) == 0 || dash == 0 || (dash < 0 && len(args) != 1) || dash > 1 {
-				return usagef("want FILE|- [-- ARG...]")
+				return cli.Usagef("want FILE|- [-- ARG...]")
 			}
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if language == "" {
-				return usagef("--language is required (python, bash, c, cpp, go, nodejs, ...)")
+				return cli.Usagef("--language is required (python, bash, c, cpp, go, nodejs, ...)")
 			}
 			if timeout < 0 {
-				return usagef("--timeout %s: must not be negative", timeout)
+				return cli.Usagef("--timeout %s: must not be negative", timeout)
 			}
 			if compileTimeout < 0 {
-				return usagef("--compile-timeout %s: must not be negative", compileTimeout)
+				return cli.Usagef("--compile-timeout %s: must not be negative", compileTimeout)
 			}
 			if args[0] == "-" && stdinFile == "-" {
-				return usagef("--stdin -: the code already comes from stdin")
+				return cli.Usagef("--stdin -: the code already comes from stdin")
 			}
 			req := dsec.RunCodeRequest{
 				Language: language, RunTimeout: timeout, CompileTimeout: compileTimeout,
 				Image: image, Args: args[1:],
 			}
 			if memory != "" {
-				b, err := parseSize("memory", memory)
+				b, err := cli.ParseSize("memory", memory)
 				if err != nil {
-					return usageError{err}
+					return cli.UsageError{Err: err}
 				}
 				req.MemoryLimitMB = (b + 1<<20 - 1) >> 20 // MiB, rounded up
 			}
 			code, err := readInput(cmd.InOrStdin(), args[0], "code")
 			if err != nil {
-				return usageError{err}
+				return cli.UsageError{Err: err}
 			}
 			req.Code = string(code)
 			if stdinFile != "" {
 				if req.Stdin, err = readInput(cmd.InOrStdin(), stdinFile, "--stdin"); err != nil {
-					return usageError{err}
+					return cli.UsageError{Err: err}
 				}
 			}
 			c, err := g.client()
@@ -85,9 +86,9 @@ when DSec could not run it (an API error, or a SandboxError result).`,
 			resp, err := c.RunCode(cmd.Context(), req)
 			if err != nil {
 				if d := dsec.RetryAfter(err); d > 0 {
-					return &exitCodeError{code: exitInfra, msg: fmt.Sprintf("%v (the service asks to retry after %s)", err, d)}
+					return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: fmt.Sprintf("%v (the service asks to retry after %s)", err, d)}
 				}
-				return &exitCodeError{code: exitInfra, msg: err.Error()}
+				return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: err.Error()}
 			}
 			return fnResult(cmd.OutOrStdout(), cmd.ErrOrStderr(), resp)
 		},
@@ -142,43 +143,43 @@ func fnResult(stdout, stderr io.Writer, resp *dsec.RunCodeResponse) error {
 		note("compiler", cr)
 		switch {
 		case resp.Status == dsec.RunSandboxError || cr.Status == dsec.CommandError:
-			return &exitCodeError{code: exitInfra, msg: sandboxErrorMsg(resp, "compiling")}
+			return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: sandboxErrorMsg(resp, "compiling")}
 		case cr.Status == dsec.CommandTimeLimitExceeded:
-			return &exitCodeError{code: exitTimeout, msg: "compiling timed out"}
+			return &cli.ExitCodeError{Code: cli.ExitTimeout, Msg: "compiling timed out"}
 		case resp.Status == dsec.RunSuccess:
 			return nil
 		}
-		return &exitCodeError{code: exitError, msg: fmt.Sprintf("compilation failed (exit %d)", cr.ReturnCode)}
+		return &cli.ExitCodeError{Code: cli.ExitError, Msg: fmt.Sprintf("compilation failed (exit %d)", cr.ReturnCode)}
 	}
 	rr := resp.RunResult
 	if rr == nil {
 		if resp.Status == dsec.RunSuccess {
 			return nil
 		}
-		return &exitCodeError{code: exitInfra, msg: sandboxErrorMsg(resp, "running")}
+		return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: sandboxErrorMsg(resp, "running")}
 	}
 	stdout.Write(rr.Stdout)
 	stderr.Write(rr.Stderr)
 	note("program", rr)
 	switch {
 	case resp.Status == dsec.RunSandboxError || rr.Status == dsec.CommandError:
-		return &exitCodeError{code: exitInfra, msg: sandboxErrorMsg(resp, "running")}
+		return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: sandboxErrorMsg(resp, "running")}
 	case rr.Status == dsec.CommandTimeLimitExceeded:
-		return &exitCodeError{code: exitTimeout, msg: "program timed out"}
+		return &cli.ExitCodeError{Code: cli.ExitTimeout, Msg: "program timed out"}
 	case rr.Signal != 0:
 		msg := ""
 		if rr.OOMKilled {
 			msg = "program was killed: out of memory"
 		}
-		return &exitCodeError{code: 128 + rr.Signal, msg: msg}
+		return &cli.ExitCodeError{Code: 128 + rr.Signal, Msg: msg}
 	case rr.OOMKilled:
-		return &exitCodeError{code: max(rr.ReturnCode, 1), msg: "program was killed: out of memory"}
+		return &cli.ExitCodeError{Code: max(rr.ReturnCode, 1), Msg: "program was killed: out of memory"}
 	case rr.ReturnCode != 0:
-		return &exitCodeError{code: rr.ReturnCode}
+		return &cli.ExitCodeError{Code: rr.ReturnCode}
 	case resp.Status != dsec.RunSuccess:
 		// Exit 0 yet not a success: say what the server said rather than
 		// pretend it worked.
-		return &exitCodeError{code: exitError, msg: fmt.Sprintf("call %s: %s", resp.Status, resp.Message)}
+		return &cli.ExitCodeError{Code: cli.ExitError, Msg: fmt.Sprintf("call %s: %s", resp.Status, resp.Message)}
 	}
 	return nil
 }

@@ -18,6 +18,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 )
 
 // The fn and pool commands against a scripted server (Connect handlers on
@@ -164,22 +165,22 @@ func TestFnRun(t *testing.T) {
 		{"success", []string{"--language", "bash", "--stdin", input, write("ok.sh", "ok echo")}, "", 0, "out:42\n", "warn\n"},
 		{"code from stdin", []string{"-l", "bash", "-"}, "ok from stdin", 0, "out:", ""},
 		{"exit code", []string{"-l", "bash", write("e.sh", "exit3")}, "", 3, "partial\n", "boom\n"},
-		{"time limit", []string{"-l", "bash", "--timeout", "1s", write("t.sh", "tle")}, "", exitTimeout, "", "program timed out"},
+		{"time limit", []string{"-l", "bash", "--timeout", "1s", write("t.sh", "tle")}, "", cli.ExitTimeout, "", "program timed out"},
 		{"killed", []string{"-l", "bash", write("k.sh", "killed")}, "", 128 + 9, "", "out of memory"},
-		{"compile error", []string{"-l", "c", write("bad.c", "badc")}, "", exitError, "", "main.c:1: error: expected ';'\n"},
-		{"compile time limit", []string{"-l", "c", write("slow.c", "slowc")}, "", exitTimeout, "", "compiling timed out"},
+		{"compile error", []string{"-l", "c", write("bad.c", "badc")}, "", cli.ExitError, "", "main.c:1: error: expected ';'\n"},
+		{"compile time limit", []string{"-l", "c", write("slow.c", "slowc")}, "", cli.ExitTimeout, "", "compiling timed out"},
 		{"compiled", []string{"-l", "c", write("good.c", "compiled")}, "", 0, "ran\n", ""},
-		{"sandbox error", []string{"-l", "bash", write("b.sh", "broken")}, "", exitInfra, "", "the sandbox's node failed"},
-		{"unavailable", []string{"-l", "bash", write("busy.sh", "busy")}, "", exitInfra, "", "retry after 3s"},
-		{"unknown language", []string{"-l", "cobol", write("x.cob", "x")}, "", exitInfra, "", `language "cobol": unknown`},
-		{"no language", []string{write("y.sh", "ok")}, "", exitUsage, "", "--language is required"},
-		{"no file", []string{"-l", "bash"}, "", exitUsage, "", "want FILE|-"},
-		{"two files", []string{"-l", "bash", input, input}, "", exitUsage, "", "want FILE|-"},
-		{"missing file", []string{"-l", "bash", filepath.Join(dir, "nosuch.sh")}, "", exitUsage, "", "no such file"},
-		{"directory", []string{"-l", "bash", dir}, "", exitUsage, "", "is a directory"},
-		{"stdin twice", []string{"-l", "bash", "--stdin", "-", "-"}, "", exitUsage, "", "already comes from stdin"},
-		{"negative timeout", []string{"-l", "bash", "--timeout", "-1s", input}, "", exitUsage, "", "must not be negative"},
-		{"bad memory", []string{"-l", "bash", "--memory", "lots", input}, "", exitUsage, "", "memory"},
+		{"sandbox error", []string{"-l", "bash", write("b.sh", "broken")}, "", cli.ExitInfra, "", "the sandbox's node failed"},
+		{"unavailable", []string{"-l", "bash", write("busy.sh", "busy")}, "", cli.ExitInfra, "", "retry after 3s"},
+		{"unknown language", []string{"-l", "cobol", write("x.cob", "x")}, "", cli.ExitInfra, "", `language "cobol": unknown`},
+		{"no language", []string{write("y.sh", "ok")}, "", cli.ExitUsage, "", "--language is required"},
+		{"no file", []string{"-l", "bash"}, "", cli.ExitUsage, "", "want FILE|-"},
+		{"two files", []string{"-l", "bash", input, input}, "", cli.ExitUsage, "", "want FILE|-"},
+		{"missing file", []string{"-l", "bash", filepath.Join(dir, "nosuch.sh")}, "", cli.ExitUsage, "", "no such file"},
+		{"directory", []string{"-l", "bash", dir}, "", cli.ExitUsage, "", "is a directory"},
+		{"stdin twice", []string{"-l", "bash", "--stdin", "-", "-"}, "", cli.ExitUsage, "", "already comes from stdin"},
+		{"negative timeout", []string{"-l", "bash", "--timeout", "-1s", input}, "", cli.ExitUsage, "", "must not be negative"},
+		{"bad memory", []string{"-l", "bash", "--memory", "lots", input}, "", cli.ExitUsage, "", "memory"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -257,10 +258,10 @@ func TestPoolCommands(t *testing.T) {
 	if _, msg, code := run("rm", "solo-p1"); code != 0 {
 		t.Fatalf("pool rm: exit %d: %s", code, msg)
 	}
-	if _, msg, code := run("rm", "solo-p1"); code != exitError || !strings.Contains(msg, "not found") {
+	if _, msg, code := run("rm", "solo-p1"); code != cli.ExitError || !strings.Contains(msg, "not found") {
 		t.Fatalf("pool rm of a deleted pool: exit %d: %s", code, msg)
 	}
-	if _, msg, code := run("rm", "solo-p2", "solo-p9"); code != exitError || !strings.Contains(msg, "1 of 2 pools") {
+	if _, msg, code := run("rm", "solo-p2", "solo-p9"); code != cli.ExitError || !strings.Contains(msg, "1 of 2 pools") {
 		t.Fatalf("pool rm of two, one unknown: exit %d: %s", code, msg)
 	}
 	for _, bad := range [][]string{
@@ -272,8 +273,8 @@ func TestPoolCommands(t *testing.T) {
 		{"rm"},
 		{"ls", "extra"},
 	} {
-		if _, msg, code := run(bad...); code != exitUsage {
-			t.Errorf("pool %s: exit %d (%s), want %d", strings.Join(bad, " "), code, msg, exitUsage)
+		if _, msg, code := run(bad...); code != cli.ExitUsage {
+			t.Errorf("pool %s: exit %d (%s), want %d", strings.Join(bad, " "), code, msg, cli.ExitUsage)
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -49,12 +50,12 @@ they run). Only the admin may run it.
 
 --dry-run reports what would be freed without deleting anything; --json
 prints the report with the list of freed digests.`,
-		Args: exactArgs(0, "no arguments"),
+		Args: cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			req := &dsecv1.GarbageCollectRequest{DryRun: dryRun}
 			if cmd.Flags().Changed("grace") {
 				if grace < 0 {
-					return usagef("--grace: %v is negative", grace)
+					return cli.Usagef("--grace: %v is negative", grace)
 				}
 				req.Grace = durationpb.New(grace)
 			}
@@ -85,7 +86,7 @@ prints the report with the list of freed digests.`,
 				fmt.Fprintln(out, gcSummary(r))
 			}
 			if broken := r.GetBrokenRefs(); len(broken) > 0 {
-				return &exitCodeError{code: exitError, msg: fmt.Sprintf(
+				return &cli.ExitCodeError{Code: cli.ExitError, Msg: fmt.Sprintf(
 					"%d ref(s) set during the collection name a blob it freed; store them again: %s",
 					len(broken), strings.Join(broken, ", "))}
 			}

@@ -12,13 +12,10 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/google/go-containerregistry/pkg/name"
-	"github.com/google/go-containerregistry/pkg/v1/layout"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
-	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -39,7 +36,7 @@ PATH is a root filesystem directory, a rootfs tarball (plain, gzip or zstd),
 an OCI layout directory or a docker-save archive. It is uploaded as a stream
 (a directory is tarred on the fly). With --server-path, PATH names a path on
 the server's file system and nothing is uploaded.`,
-		Args: exactArgs(2, "NAME:TAG PATH"),
+		Args: cli.ExactArgs(2, "NAME:TAG PATH"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ref, path := args[0], args[1]
 			c, err := g.client()
@@ -104,9 +101,9 @@ func importUpload(ctx context.Context, c *dsec.Client, ref, path string, showPro
 		return nil, fmt.Errorf("import %s: %s is neither a directory nor a regular file", ref, path)
 	}
 	if showProgress {
-		bar := progressbar.DefaultBytes(total, "uploading "+filepath.Base(path))
-		defer bar.Close()
-		r = io.TeeReader(r, bar)
+		line := newProgressLine(os.Stderr, "uploading "+filepath.Base(path), total)
+		defer line.Close()
+		r = io.TeeReader(r, line)
 	}
 	return c.Images().Import(ctx, ref, r, opts...)
 }
@@ -182,34 +179,6 @@ func writeTar(ctx context.Context, root string, w io.Writer) error {
 	return tw.Close()
 }
 
-// writeDockerSave converts the OCI layout at dir to a docker-save archive.
-func writeDockerSave(dir, ref string, w io.Writer) error {
-	p, err := layout.FromPath(dir)
-	if err != nil {
-		return fmt.Errorf("OCI layout %s: %w", dir, err)
-	}
-	idx, err := p.ImageIndex()
-	if err != nil {
-		return fmt.Errorf("OCI layout %s: %w", dir, err)
-	}
-	im, err := idx.IndexManifest()
-	if err != nil {
-		return fmt.Errorf("OCI layout %s: %w", dir, err)
-	}
-	if len(im.Manifests) != 1 {
-		return fmt.Errorf("OCI layout %s holds %d manifests; import it with --server-path to pick one by platform", dir, len(im.Manifests))
-	}
-	img, err := idx.Image(im.Manifests[0].Digest)
-	if err != nil {
-		return fmt.Errorf("OCI layout %s: %w (an index of indexes? use --server-path)", dir, err)
-	}
-	tag, err := name.NewTag("dsec.local/"+ref, name.WeakValidation)
-	if err != nil {
-		return fmt.Errorf("image ref %q: %w", ref, err)
-	}
-	return tarball.Write(tag, img, w)
-}
-
 // imageJSON is the --json form of an image.
 type imageJSON struct {
 	Ref       string    `json:"ref"`
@@ -225,7 +194,7 @@ func newImageLsCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "ls",
 		Short: "List images",
-		Args:  exactArgs(0, "no arguments"),
+		Args:  cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -266,7 +235,7 @@ func newImageRmCmd(g *globals) *cobra.Command {
 		Short: "Remove image refs (layers go at garbage collection)",
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) == 0 {
-				return usagef("want at least one NAME:TAG")
+				return cli.Usagef("want at least one NAME:TAG")
 			}
 			return nil
 		},
@@ -285,7 +254,7 @@ func newImageRmCmd(g *globals) *cobra.Command {
 				}
 			}
 			if firstErr != nil {
-				return &exitCodeError{code: exitError}
+				return &cli.ExitCodeError{Code: cli.ExitError}
 			}
 			return nil
 		},

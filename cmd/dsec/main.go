@@ -1,6 +1,8 @@
-// Command dsec is DSec's one binary: the daemons (up, server, edge) and the
-// client CLI (tenant, image, sandbox, run, trajectory, replay) over the
-// public API.
+// Command dsec is DSec's client CLI (tenant, image, sandbox, run, fn, pool,
+// job, gc, trajectory, replay) over the public API. It is kept thin, so
+// that every call starts in a few milliseconds: the daemons (up, server,
+// edge) are in the separate binary dsecd, and `dsec up|server|edge ARGS...`
+// replaces itself with `dsecd up|server|edge ARGS...` (see daemon.go).
 //
 // Exit codes: exec and run exit with the command's own exit code (128+N
 // when it was killed by signal N, 124 when it timed out). DSec itself uses
@@ -13,7 +15,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -22,33 +23,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
-
-// Exit codes; see the package comment.
-const (
-	exitError   = 1
-	exitUsage   = 2
-	exitTimeout = 124
-	exitInfra   = 125
-)
-
-// exitCodeError carries an exit code up to main without printing anything
-// more (the command has already said what happened).
-type exitCodeError struct {
-	code int
-	msg  string
-}
-
-func (e *exitCodeError) Error() string { return e.msg }
-
-// usageError marks errors in how the command was called.
-type usageError struct{ err error }
-
-func (e usageError) Error() string { return e.err.Error() }
-func (e usageError) Unwrap() error { return e.err }
-
-func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
 
 // globals are the client flags shared by every client command.
 type globals struct {
@@ -76,7 +53,9 @@ func newRoot() *cobra.Command {
 		Short: "DSec: elastic sandboxes for agentic RL",
 		Long: `DSec runs isolated, stateful sandboxes for agent rollouts.
 
-Start a single-node service with "dsec up", then use the client commands.
+Start a single-node service with "dsec up" (it runs dsecd, the daemons'
+binary: $DSEC_DAEMON, else next to dsec, else on $PATH), then use the
+client commands.
 Clients read DSEC_ENDPOINT (default http://127.0.0.1:7110) and DSEC_TOKEN
 (default: the admin token in /var/lib/dsec/admin.token when readable).
 
@@ -91,11 +70,9 @@ hash chain, "replay" when a step diverged.`,
 	root.PersistentFlags().StringVar(&g.endpoint, "endpoint", "", "API endpoint (default $DSEC_ENDPOINT or "+dsec.DefaultEndpoint+")")
 	root.PersistentFlags().StringVar(&g.token, "token", "", "bearer token (default $DSEC_TOKEN or the local admin token)")
 	root.PersistentFlags().StringVar(&g.tokenFile, "token-file", "", "read the bearer token from this file")
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return cli.UsageError{Err: err} })
+	root.AddCommand(newDaemonCmds()...)
 	root.AddCommand(
-		newUpCmd(),
-		newServerCmd(),
-		newEdgeCmd(),
 		newTenantCmd(g),
 		newImageCmd(g),
 		newSandboxCmd(g),
@@ -110,6 +87,15 @@ hash chain, "replay" when a step diverged.`,
 }
 
 func main() {
+	// The daemon commands live in dsecd: hand the process over before
+	// anything else runs (see daemon.go).
+	if len(os.Args) > 1 && isDaemonCmd(os.Args[1]) {
+		os.Exit(report(execDaemon(os.Args[1:])))
+	}
+	// Shell completion of a daemon command's flags is dsecd's too.
+	if len(os.Args) > 2 && strings.HasPrefix(os.Args[1], "__complete") && isDaemonCmd(os.Args[2]) {
+		os.Exit(report(execDaemon(os.Args[1:])))
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := newRoot().ExecuteContext(ctx)
 	stop()
@@ -117,21 +103,4 @@ func main() {
 }
 
 // report prints err (if any) and returns the process exit code.
-func report(err error) int {
-	if err == nil {
-		return 0
-	}
-	var ec *exitCodeError
-	if errors.As(err, &ec) {
-		if ec.msg != "" {
-			fmt.Fprintln(os.Stderr, "dsec:", ec.msg)
-		}
-		return ec.code
-	}
-	fmt.Fprintln(os.Stderr, "dsec:", err)
-	var ue usageError
-	if errors.As(err, &ue) || strings.HasPrefix(err.Error(), "unknown command") {
-		return exitUsage
-	}
-	return exitError
-}
+func report(err error) int { return cli.Report(os.Stderr, "dsec", err) }

@@ -2,70 +2,10 @@ package main
 
 import (
 	"fmt"
-	"math"
-	"strconv"
 	"strings"
 
 	"github.com/dsec-dev/dsec/internal/ids"
 )
-
-// parseCPU turns a core count ("1", "0.5", "2.25") into milliCPU.
-func parseCPU(flag, s string) (int64, error) {
-	f, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
-	if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
-		return 0, fmt.Errorf("--%s %q: want a number of cores such as 1 or 0.5", flag, s)
-	}
-	if f < 0 {
-		return 0, fmt.Errorf("--%s %q: must not be negative", flag, s)
-	}
-	m := math.Round(f * 1000)
-	if f > 0 && m < 1 {
-		return 0, fmt.Errorf("--%s %q: smallest unit is 0.001 cores", flag, s)
-	}
-	if m > math.MaxInt64/2 {
-		return 0, fmt.Errorf("--%s %q: too large", flag, s)
-	}
-	return int64(m), nil
-}
-
-// sizeUnits maps suffixes (lower case) to multipliers. Single letters and
-// "kb"-style forms are binary, as in docker and Kubernetes "Gi": nobody
-// means 10^9 bytes when giving a sandbox "1g" of memory.
-var sizeUnits = []struct {
-	suffix string
-	mult   int64
-}{
-	{"kib", 1 << 10}, {"mib", 1 << 20}, {"gib", 1 << 30}, {"tib", 1 << 40},
-	{"ki", 1 << 10}, {"mi", 1 << 20}, {"gi", 1 << 30}, {"ti", 1 << 40},
-	{"kb", 1 << 10}, {"mb", 1 << 20}, {"gb", 1 << 30}, {"tb", 1 << 40},
-	{"k", 1 << 10}, {"m", 1 << 20}, {"g", 1 << 30}, {"t", 1 << 40},
-	{"b", 1},
-}
-
-// parseSize turns "512m", "1g", "1GiB", "1.5g" or a plain byte count into
-// bytes.
-func parseSize(flag, s string) (int64, error) {
-	t := strings.ToLower(strings.TrimSpace(s))
-	mult := int64(1)
-	for _, u := range sizeUnits {
-		if strings.HasSuffix(t, u.suffix) {
-			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
-			break
-		}
-	}
-	f, err := strconv.ParseFloat(t, 64)
-	if t == "" || err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
-		return 0, fmt.Errorf("--%s %q: want a size such as 512m, 1g, 1GiB or a byte count", flag, s)
-	}
-	if f < 0 {
-		return 0, fmt.Errorf("--%s %q: must not be negative", flag, s)
-	}
-	b := f * float64(mult)
-	if b >= math.MaxInt64 {
-		return 0, fmt.Errorf("--%s %q: too large", flag, s)
-	}
-	return int64(math.Round(b)), nil
-}
 
 // parseLabels turns repeated k=v flags into a map.
 func parseLabels(flag string, kvs []string) (map[string]string, error) {
@@ -141,5 +81,3 @@ func parseCopyArgs(src, dst string) (from, to location, err error) {
 	}
 	return from, to, nil
 }
-
-func validNode(id string) error { return ids.ValidNode(id) }

@@ -8,77 +8,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
-
-func TestParseCPU(t *testing.T) {
-	for _, tc := range []struct {
-		in   string
-		want int64
-		err  string
-	}{
-		{in: "1", want: 1000},
-		{in: "0.5", want: 500},
-		{in: "2.25", want: 2250},
-		{in: " 4 ", want: 4000},
-		{in: "0.001", want: 1},
-		{in: "0", want: 0},
-		{in: "0.0001", err: "smallest unit"},
-		{in: "-1", err: "negative"},
-		{in: "one", err: "number of cores"},
-		{in: "", err: "number of cores"},
-		{in: "NaN", err: "number of cores"},
-		{in: "500m", err: "number of cores"},
-	} {
-		got, err := parseCPU("cpu", tc.in)
-		if tc.err != "" {
-			if err == nil || !strings.Contains(err.Error(), tc.err) || !strings.Contains(err.Error(), "--cpu") {
-				t.Errorf("parseCPU(%q) = %d, %v; want error containing --cpu and %q", tc.in, got, err, tc.err)
-			}
-			continue
-		}
-		if err != nil || got != tc.want {
-			t.Errorf("parseCPU(%q) = %d, %v; want %d", tc.in, got, err, tc.want)
-		}
-	}
-}
-
-func TestParseSize(t *testing.T) {
-	for _, tc := range []struct {
-		in   string
-		want int64
-		err  bool
-	}{
-		{in: "512m", want: 512 << 20},
-		{in: "1g", want: 1 << 30},
-		{in: "1GiB", want: 1 << 30},
-		{in: "1Gi", want: 1 << 30},
-		{in: "1.5g", want: 3 << 29},
-		{in: "2MB", want: 2 << 20},
-		{in: "64k", want: 64 << 10},
-		{in: "1048576", want: 1 << 20},
-		{in: "100b", want: 100},
-		{in: "1T", want: 1 << 40},
-		{in: "0", want: 0},
-		{in: "", err: true},
-		{in: "g", err: true},
-		{in: "-1g", err: true},
-		{in: "1x", err: true},
-		{in: "lots", err: true},
-		{in: "1e30g", err: true},
-	} {
-		got, err := parseSize("memory", tc.in)
-		if tc.err {
-			if err == nil || !strings.Contains(err.Error(), "--memory") {
-				t.Errorf("parseSize(%q) = %d, %v; want an error naming --memory", tc.in, got, err)
-			}
-			continue
-		}
-		if err != nil || got != tc.want {
-			t.Errorf("parseSize(%q) = %d, %v; want %d", tc.in, got, err, tc.want)
-		}
-	}
-}
 
 func TestParseLabels(t *testing.T) {
 	got, err := parseLabels("label", []string{"a=1", "b=x=y", "empty=", "a=1"})
@@ -174,7 +106,7 @@ func TestCreateFlagsSpec(t *testing.T) {
 			t.Fatalf("%q: %v", bad, err)
 		}
 		_, err = h.spec()
-		var ue usageError
+		var ue cli.UsageError
 		if !errors.As(err, &ue) {
 			t.Errorf("%q: err %v, want a usage error", bad, err)
 		}
@@ -189,8 +121,8 @@ func TestResultExit(t *testing.T) {
 		{dsec.ExecResult{Outcome: dsec.OutcomeOK}, 0},
 		{dsec.ExecResult{Outcome: dsec.OutcomeFailed, ExitCode: 3}, 3},
 		{dsec.ExecResult{Outcome: dsec.OutcomeFailed, Signal: 9}, 137},
-		{dsec.ExecResult{Outcome: dsec.OutcomeTimeout, TimedOut: true, Signal: 9}, exitTimeout},
-		{dsec.ExecResult{Outcome: dsec.OutcomeInfraError, InfraError: "node gone"}, exitInfra},
+		{dsec.ExecResult{Outcome: dsec.OutcomeTimeout, TimedOut: true, Signal: 9}, cli.ExitTimeout},
+		{dsec.ExecResult{Outcome: dsec.OutcomeInfraError, InfraError: "node gone"}, cli.ExitInfra},
 	} {
 		if got := report(resultExit(&tc.res)); got != tc.want {
 			t.Errorf("%+v: exit %d, want %d", tc.res, got, tc.want)
@@ -212,8 +144,8 @@ func TestUsageErrorsExit2(t *testing.T) {
 		root.SetOut(&out)
 		root.SetErr(&out)
 		err := root.Execute()
-		if got := report(err); got != exitUsage {
-			t.Errorf("%q: exit %d (err %v), want %d", args, got, err, exitUsage)
+		if got := report(err); got != cli.ExitUsage {
+			t.Errorf("%q: exit %d (err %v), want %d", args, got, err, cli.ExitUsage)
 		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -37,19 +38,19 @@ func newPoolCreateCmd(g *globals) *cobra.Command {
 		Long: `Create a warm pool of --size sandboxes of the spec the flags describe (the
 flags of "sandbox create"), and print its ID. The pool fills in the
 background: "pool ls" shows how many are ready.`,
-		Args: exactArgs(0, "no arguments (options are flags)"),
+		Args: cli.ExactArgs(0, "no arguments (options are flags)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("size") {
-				return usagef("--size is required")
+				return cli.Usagef("--size is required")
 			}
 			if size < 1 {
-				return usagef("--size %d: must be at least 1", size)
+				return cli.Usagef("--size %d: must be at least 1", size)
 			}
 			if minSize < 0 || minSize > size {
-				return usagef("--min-size %d: must be between 0 and --size %d", minSize, size)
+				return cli.Usagef("--min-size %d: must be between 0 and --size %d", minSize, size)
 			}
 			if idleShrink < 0 {
-				return usagef("--idle-shrink %s: must not be negative", idleShrink)
+				return cli.Usagef("--idle-shrink %s: must not be negative", idleShrink)
 			}
 			spec, err := f.spec()
 			if err != nil {
@@ -116,7 +117,7 @@ func newPoolLsCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "ls",
 		Short: "List warm pools",
-		Args:  exactArgs(0, "no arguments"),
+		Args:  cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -153,7 +154,7 @@ func newPoolRmCmd(g *globals) *cobra.Command {
 		Short: "Delete warm pools",
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) == 0 {
-				return usagef("want at least one pool ID")
+				return cli.Usagef("want at least one pool ID")
 			}
 			return nil
 		},
@@ -173,7 +174,7 @@ func newPoolRmCmd(g *globals) *cobra.Command {
 				}
 			}
 			if failed > 0 {
-				return &exitCodeError{code: exitError, msg: fmt.Sprintf("%d of %d pools could not be deleted", failed, len(args))}
+				return &cli.ExitCodeError{Code: cli.ExitError, Msg: fmt.Sprintf("%d of %d pools could not be deleted", failed, len(args))}
 			}
 			return nil
 		},

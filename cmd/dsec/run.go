@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 )
 
 func newRunCmd(g *globals) *cobra.Command {
@@ -16,7 +18,7 @@ func newRunCmd(g *globals) *cobra.Command {
 		Short: "Create a sandbox, run one command in it streaming its output, destroy it",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if cmd.ArgsLenAtDash() != 0 || len(args) == 0 {
-				return usagef("want -- CMD [ARG...] after the flags")
+				return cli.Usagef("want -- CMD [ARG...] after the flags")
 			}
 			return nil
 		},
@@ -35,7 +37,7 @@ func newRunCmd(g *globals) *cobra.Command {
 			}
 			sb, err := c.Create(cmd.Context(), spec)
 			if err != nil {
-				return &exitCodeError{code: exitInfra, msg: err.Error()}
+				return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: err.Error()}
 			}
 			// Destroy even when interrupted: the caller's context may be
 			// cancelled already, so the cleanup gets its own deadline.

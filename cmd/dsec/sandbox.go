@@ -17,6 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -64,16 +65,16 @@ func (f *createFlags) register(cmd *cobra.Command) {
 
 func (f *createFlags) spec() (dsec.Spec, error) {
 	if f.image == "" {
-		return dsec.Spec{}, usagef("--image is required")
+		return dsec.Spec{}, cli.Usagef("--image is required")
 	}
 	if f.ttl < 0 {
-		return dsec.Spec{}, usagef("--ttl %s: must not be negative", f.ttl)
+		return dsec.Spec{}, cli.Usagef("--ttl %s: must not be negative", f.ttl)
 	}
 	if f.idle < 0 {
-		return dsec.Spec{}, usagef("--idle-timeout %s: must not be negative", f.idle)
+		return dsec.Spec{}, cli.Usagef("--idle-timeout %s: must not be negative", f.idle)
 	}
 	if f.idleAction != dsec.IdleDestroy && f.idleAction != dsec.IdleFreeze {
-		return dsec.Spec{}, usagef("--idle-action %q: want destroy or freeze", f.idleAction)
+		return dsec.Spec{}, cli.Usagef("--idle-action %q: want destroy or freeze", f.idleAction)
 	}
 	s := dsec.Spec{
 		Backend:     f.backend,
@@ -87,20 +88,20 @@ func (f *createFlags) spec() (dsec.Spec, error) {
 	}
 	var err error
 	if f.cpu != "" {
-		if s.Resources.MilliCPU, err = parseCPU("cpu", f.cpu); err != nil {
-			return s, usageError{err}
+		if s.Resources.MilliCPU, err = cli.ParseCPU("cpu", f.cpu); err != nil {
+			return s, cli.UsageError{Err: err}
 		}
 	}
 	if f.memory != "" {
-		if s.Resources.MemoryBytes, err = parseSize("memory", f.memory); err != nil {
-			return s, usageError{err}
+		if s.Resources.MemoryBytes, err = cli.ParseSize("memory", f.memory); err != nil {
+			return s, cli.UsageError{Err: err}
 		}
 	}
 	if s.Labels, err = parseLabels("label", f.labels); err != nil {
-		return s, usageError{err}
+		return s, cli.UsageError{Err: err}
 	}
 	if err := checkEnv("sandbox-env", f.env); err != nil {
-		return s, usageError{err}
+		return s, cli.UsageError{Err: err}
 	}
 	return s, nil
 }
@@ -110,7 +111,7 @@ func newSandboxCreateCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "create --image NAME:TAG [flags]",
 		Short: "Create a sandbox and print its ID",
-		Args:  exactArgs(0, "no arguments (options are flags)"),
+		Args:  cli.ExactArgs(0, "no arguments (options are flags)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			spec, err := f.spec()
 			if err != nil {
@@ -149,13 +150,13 @@ func (f *execFlags) register(cmd *cobra.Command) {
 
 func (f *execFlags) options(argv []string) (dsec.ExecOptions, error) {
 	if len(argv) == 0 {
-		return dsec.ExecOptions{}, usagef("missing command: put it after --, e.g. -- echo hello")
+		return dsec.ExecOptions{}, cli.Usagef("missing command: put it after --, e.g. -- echo hello")
 	}
 	if f.timeout < 0 {
-		return dsec.ExecOptions{}, usagef("--timeout %s: must not be negative", f.timeout)
+		return dsec.ExecOptions{}, cli.Usagef("--timeout %s: must not be negative", f.timeout)
 	}
 	if err := checkEnv("env", f.env); err != nil {
-		return dsec.ExecOptions{}, usageError{err}
+		return dsec.ExecOptions{}, cli.UsageError{Err: err}
 	}
 	return dsec.ExecOptions{Argv: argv, Env: f.env, Cwd: f.cwd, User: f.user, Timeout: f.timeout}, nil
 }
@@ -165,7 +166,7 @@ func (f *execFlags) options(argv []string) (dsec.ExecOptions, error) {
 func streamExec(cmd *cobra.Command, sb *dsec.Sandbox, opts dsec.ExecOptions) error {
 	res, err := sb.ExecStream(cmd.Context(), opts, cmd.OutOrStdout(), cmd.ErrOrStderr())
 	if err != nil {
-		return &exitCodeError{code: exitInfra, msg: err.Error()}
+		return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: err.Error()}
 	}
 	if res.Replayed {
 		fmt.Fprintf(cmd.ErrOrStderr(), "dsec: seq %d replayed from the trajectory\n", res.Seq)
@@ -177,13 +178,13 @@ func streamExec(cmd *cobra.Command, sb *dsec.Sandbox, opts dsec.ExecOptions) err
 func resultExit(res *dsec.ExecResult) error {
 	switch {
 	case res.Outcome == dsec.OutcomeInfraError:
-		return &exitCodeError{code: exitInfra, msg: "infra_error: " + res.InfraError}
+		return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: "infra_error: " + res.InfraError}
 	case res.TimedOut || res.Outcome == dsec.OutcomeTimeout:
-		return &exitCodeError{code: exitTimeout, msg: "command timed out"}
+		return &cli.ExitCodeError{Code: cli.ExitTimeout, Msg: "command timed out"}
 	case res.Signal != 0:
-		return &exitCodeError{code: 128 + res.Signal}
+		return &cli.ExitCodeError{Code: 128 + res.Signal}
 	case res.ExitCode != 0:
-		return &exitCodeError{code: res.ExitCode}
+		return &cli.ExitCodeError{Code: res.ExitCode}
 	}
 	return nil
 }
@@ -205,7 +206,7 @@ again, and a note on stderr says so. N must not be beyond the next step
 the trajectory expects.`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if cmd.ArgsLenAtDash() != 1 {
-				return usagef("want ID -- CMD [ARG...]")
+				return cli.Usagef("want ID -- CMD [ARG...]")
 			}
 			return nil
 		},
@@ -215,7 +216,7 @@ the trajectory expects.`,
 				return err
 			}
 			if cmd.Flags().Changed("seq") && seq == 0 {
-				return usagef("--seq 0: steps start at 1 (0 is the sandbox's creation record)")
+				return cli.Usagef("--seq 0: steps start at 1 (0 is the sandbox's creation record)")
 			}
 			c, err := g.client()
 			if err != nil {
@@ -223,7 +224,7 @@ the trajectory expects.`,
 			}
 			if seq != 0 {
 				if err := checkSeq(cmd.Context(), c, args[0], seq); err != nil {
-					return &exitCodeError{code: exitInfra, msg: err.Error()}
+					return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: err.Error()}
 				}
 				opts.Seq = seq
 			}
@@ -257,11 +258,11 @@ func newSandboxCpCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "cp SRC DST",
 		Short: "Copy a file into or out of a sandbox (one side is ID:PATH; - is stdin/stdout)",
-		Args:  exactArgs(2, "SRC DST"),
+		Args:  cli.ExactArgs(2, "SRC DST"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			from, to, err := parseCopyArgs(args[0], args[1])
 			if err != nil {
-				return usageError{err}
+				return cli.UsageError{Err: err}
 			}
 			c, err := g.client()
 			if err != nil {
@@ -368,11 +369,11 @@ func newSandboxLsCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "ls [--label k=v]...",
 		Short: "List sandboxes",
-		Args:  exactArgs(0, "no arguments"),
+		Args:  cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			sel, err := parseLabels("label", labels)
 			if err != nil {
-				return usageError{err}
+				return cli.UsageError{Err: err}
 			}
 			c, err := g.client()
 			if err != nil {
@@ -409,7 +410,7 @@ func newSandboxGetCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "get ID",
 		Short: "Describe a sandbox",
-		Args:  exactArgs(1, "ID"),
+		Args:  cli.ExactArgs(1, "ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -451,7 +452,7 @@ func newSandboxRmCmd(g *globals) *cobra.Command {
 		Short: "Destroy sandboxes",
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) == 0 {
-				return usagef("want at least one ID")
+				return cli.Usagef("want at least one ID")
 			}
 			return nil
 		},
@@ -469,7 +470,7 @@ func newSandboxRmCmd(g *globals) *cobra.Command {
 				for _, e := range be.Errs {
 					fmt.Fprintln(cmd.ErrOrStderr(), "dsec:", e)
 				}
-				return &exitCodeError{code: exitError}
+				return &cli.ExitCodeError{Code: cli.ExitError}
 			}
 			return err
 		},

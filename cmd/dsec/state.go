@@ -5,6 +5,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -21,7 +22,7 @@ holding everything it changed. Sandboxes created from the image, on any
 node, start from the file system as it is now (processes and /tmp, a tmpfs,
 are not part of it). The sandbox is frozen while its changes are packed and
 keeps running. Prints "NAME:TAG DIGEST".`,
-		Args: exactArgs(2, "ID NAME:TAG"),
+		Args: cli.ExactArgs(2, "ID NAME:TAG"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -45,7 +46,7 @@ func newSandboxCheckpointCmd(g *globals) *cobra.Command {
 (alone, so that ck=$(dsec sandbox checkpoint ID) works). "dsec sandbox
 rollback ID CHECKPOINT" returns the sandbox to it. Checkpoints live on the
 sandbox's node until the sandbox ends.`,
-		Args: exactArgs(1, "ID"),
+		Args: cli.ExactArgs(1, "ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -68,10 +69,10 @@ func newSandboxRollbackCmd(g *globals) *cobra.Command {
 		Long: `Kill every process in a sandbox and reset its file system to exactly the
 checkpoint's. The sandbox keeps its ID; the checkpoint stays, so it can be
 rolled back to again.`,
-		Args: exactArgs(2, "ID CHECKPOINT"),
+		Args: cli.ExactArgs(2, "ID CHECKPOINT"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if args[1] == "" {
-				return usagef("CHECKPOINT must not be empty")
+				return cli.Usagef("CHECKPOINT must not be empty")
 			}
 			c, err := g.client()
 			if err != nil {
@@ -89,7 +90,7 @@ func newSandboxFreezeCmd(g *globals) *cobra.Command {
 		Long: `Stop every process of a sandbox (cgroup freezer): they use no CPU and keep
 their memory. Until "dsec sandbox thaw ID", commands in the sandbox are
 refused and it shows as frozen.`,
-		Args: exactArgs(1, "ID"),
+		Args: cli.ExactArgs(1, "ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -104,7 +105,7 @@ func newSandboxThawCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "thaw ID",
 		Short: "Resume a frozen sandbox",
-		Args:  exactArgs(1, "ID"),
+		Args:  cli.ExactArgs(1, "ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -137,14 +138,14 @@ func newJobOpCmd(g *globals, freeze bool) *cobra.Command {
 		Long: short + ` (all labels must match), on every node, in one call.
 Prints one line per sandbox: its ID and "ok" or what went wrong. Exits 1 if
 any sandbox could not be ` + done + `.`,
-		Args: exactArgs(0, "no arguments (select sandboxes with --label)"),
+		Args: cli.ExactArgs(0, "no arguments (select sandboxes with --label)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			sel, err := parseLabels("label", labels)
 			if err != nil {
-				return usageError{err}
+				return cli.UsageError{Err: err}
 			}
 			if len(sel) == 0 {
-				return usagef("at least one --label k=v is required (a job is the sandboxes carrying its labels)")
+				return cli.Usagef("at least one --label k=v is required (a job is the sandboxes carrying its labels)")
 			}
 			c, err := g.client()
 			if err != nil {
@@ -169,7 +170,7 @@ any sandbox could not be ` + done + `.`,
 				fmt.Fprintf(out, "%s ok\n", r.ID)
 			}
 			if failed > 0 {
-				return &exitCodeError{code: exitError, msg: fmt.Sprintf("%d of %d sandboxes could not be %s", failed, len(results), done)}
+				return &cli.ExitCodeError{Code: cli.ExitError, Msg: fmt.Sprintf("%d of %d sandboxes could not be %s", failed, len(results), done)}
 			}
 			if len(results) == 0 {
 				fmt.Fprintf(cmd.ErrOrStderr(), "dsec: no live sandbox carries %s\n", formatLabels(sel))

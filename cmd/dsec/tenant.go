@@ -5,19 +5,11 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
 // exactArgs is cobra.ExactArgs reporting a usage error (exit 2).
-func exactArgs(n int, what string) cobra.PositionalArgs {
-	return func(_ *cobra.Command, args []string) error {
-		if len(args) != n {
-			return usagef("want %s, got %d argument(s)", what, len(args))
-		}
-		return nil
-	}
-}
-
 func newTenantCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "tenant", Short: "Manage tenants (admin token)"}
 	var maxSandboxes int64
@@ -25,21 +17,21 @@ func newTenantCmd(g *globals) *cobra.Command {
 	create := &cobra.Command{
 		Use:   "create NAME",
 		Short: "Create a tenant and print its token (shown once)",
-		Args:  exactArgs(1, "NAME"),
+		Args:  cli.ExactArgs(1, "NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			q := dsec.Quota{MaxSandboxes: maxSandboxes}
 			if maxSandboxes < 0 {
-				return usagef("--max-sandboxes %d: must not be negative", maxSandboxes)
+				return cli.Usagef("--max-sandboxes %d: must not be negative", maxSandboxes)
 			}
 			var err error
 			if maxCPU != "" {
-				if q.MaxMilliCPU, err = parseCPU("max-cpu", maxCPU); err != nil {
-					return usageError{err}
+				if q.MaxMilliCPU, err = cli.ParseCPU("max-cpu", maxCPU); err != nil {
+					return cli.UsageError{Err: err}
 				}
 			}
 			if maxMemory != "" {
-				if q.MaxMemoryBytes, err = parseSize("max-memory", maxMemory); err != nil {
-					return usageError{err}
+				if q.MaxMemoryBytes, err = cli.ParseSize("max-memory", maxMemory); err != nil {
+					return cli.UsageError{Err: err}
 				}
 			}
 			c, err := g.client()

@@ -18,6 +18,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
@@ -41,7 +42,7 @@ func newTrajectoryExportCmd(g *globals) *cobra.Command {
 line, in log order, with every output and file content inlined (the format
 trainers ingest, and what "trajectory verify" and "replay" accept as FILE).
 Works after the sandbox is destroyed.`,
-		Args: exactArgs(1, "ID"),
+		Args: cli.ExactArgs(1, "ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -73,7 +74,7 @@ seq) and exits 1.
 
 The argument is read as a JSONL file when a file exists at that path, and
 as a sandbox ID otherwise.`,
-		Args: exactArgs(1, "ID or FILE"),
+		Args: cli.ExactArgs(1, "ID or FILE"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			src, err := loadTrajectory(cmd.Context(), g, args[0], true)
 			if err != nil {
@@ -81,7 +82,7 @@ as a sandbox ID otherwise.`,
 			}
 			n, err := src.verify()
 			if err != nil {
-				return &exitCodeError{code: exitError, msg: err.Error()}
+				return &cli.ExitCodeError{Code: cli.ExitError, Msg: err.Error()}
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "ok: %d records\n", n)
 			return nil
@@ -103,7 +104,7 @@ func loadTrajectory(ctx context.Context, g *globals, arg string, withData bool) 
 	info, err := os.Stat(arg)
 	switch {
 	case err == nil && info.IsDir():
-		return nil, usagef("%s is a directory, not a trajectory file or a sandbox ID", arg)
+		return nil, cli.Usagef("%s is a directory, not a trajectory file or a sandbox ID", arg)
 	case err == nil:
 		b, err := os.ReadFile(arg)
 		if err != nil {
@@ -118,7 +119,7 @@ func loadTrajectory(ctx context.Context, g *globals, arg string, withData bool) 
 		return nil, err
 	}
 	if _, err := ids.NodeOf(arg); err != nil {
-		return nil, usagef("%s: no such file, and not a sandbox ID (<node>-<16 hex digits>)", arg)
+		return nil, cli.Usagef("%s: no such file, and not a sandbox ID (<node>-<16 hex digits>)", arg)
 	}
 	c, err := g.client()
 	if err != nil {
@@ -183,7 +184,7 @@ record with its seq, kind, start time, duration and a summary.
 with its provenance: its hash and the hash before it, whether the chain
 verifies, and the environment of the creation record (backend, images,
 resources and the ordered layer digests the sandbox was built from).`,
-		Args: exactArgs(1, "ID or FILE"),
+		Args: cli.ExactArgs(1, "ID or FILE"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			withStep := cmd.Flags().Changed("step")
 			// The records as the node keeps them: small data inline, large
@@ -469,7 +470,7 @@ it destroys it.
 
 The argument is read as a JSONL export when a file exists at that path
 (export it with "dsec trajectory export"), and as a sandbox ID otherwise.`,
-		Args: exactArgs(1, "ID or FILE"),
+		Args: cli.ExactArgs(1, "ID or FILE"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return replay(cmd, g, args[0])
 		},
@@ -574,7 +575,7 @@ func replay(cmd *cobra.Command, g *globals, arg string) error {
 	}
 	fmt.Fprintf(out, "%d steps: %d same, %d diverged, %d skipped\n", same+len(diverged)+skipped, same, len(diverged), skipped)
 	if len(diverged) > 0 {
-		return &exitCodeError{code: exitError, msg: fmt.Sprintf("replay of %s diverged at seq %s", src.what, strings.Join(diverged, ", "))}
+		return &cli.ExitCodeError{Code: cli.ExitError, Msg: fmt.Sprintf("replay of %s diverged at seq %s", src.what, strings.Join(diverged, ", "))}
 	}
 	return nil
 }

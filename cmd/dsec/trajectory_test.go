@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
@@ -91,21 +92,21 @@ func TestTrajectoryFileCommands(t *testing.T) {
 		out, inErr string
 	}{
 		{"verify", []string{"trajectory", "verify", good}, 0, "ok: 4 records\n", ""},
-		{"verify edited", []string{"trajectory", "verify", edited}, exitError, "", "line 2 (sandbox " + testSandbox + ", seq 1): hash"},
-		{"verify empty", []string{"trajectory", "verify", write("empty.jsonl", "")}, exitError, "", "no trajectory records"},
+		{"verify edited", []string{"trajectory", "verify", edited}, cli.ExitError, "", "line 2 (sandbox " + testSandbox + ", seq 1): hash"},
+		{"verify empty", []string{"trajectory", "verify", write("empty.jsonl", "")}, cli.ExitError, "", "no trajectory records"},
 		{"verify two sandboxes", []string{"trajectory", "verify", twoSandboxes}, 0, "ok: 5 records\n", ""},
-		{"verify missing file", []string{"trajectory", "verify", filepath.Join(dir, "nosuch")}, exitUsage, "", "no such file, and not a sandbox ID"},
-		{"verify directory", []string{"trajectory", "verify", dir}, exitUsage, "", "is a directory"},
+		{"verify missing file", []string{"trajectory", "verify", filepath.Join(dir, "nosuch")}, cli.ExitUsage, "", "no such file, and not a sandbox ID"},
+		{"verify directory", []string{"trajectory", "verify", dir}, cli.ExitUsage, "", "is a directory"},
 		{"log", []string{"sandbox", "log", good}, 0, "SEQ", ""},
 		{"log json", []string{"sandbox", "log", "--json", good}, 0, sampleTrajectory(t), ""},
 		{"log step", []string{"sandbox", "log", good, "--step", "2"}, 0, `"kind": "exec"`, ""},
 		{"log step json", []string{"sandbox", "log", good, "--step", "2", "--json"}, 0, lines[2], ""},
-		{"log step missing", []string{"sandbox", "log", good, "--step", "7"}, exitError, "", "seq 7 is not in the trajectory"},
-		{"log two sandboxes", []string{"sandbox", "log", twoSandboxes}, exitError, "", "more than one sandbox"},
-		{"replay edited", []string{"replay", edited}, exitError, "", "refusing to replay"},
-		{"replay without data", []string{"replay", withoutData}, exitError, "", "seq 1 (write_file /tmp/x) lacks its data"},
-		{"replay two sandboxes", []string{"replay", twoSandboxes}, exitError, "", "more than one sandbox"},
-		{"exec seq 0", []string{"sandbox", "exec", "--seq", "0", testSandbox, "--", "true"}, exitUsage, "", "--seq 0"},
+		{"log step missing", []string{"sandbox", "log", good, "--step", "7"}, cli.ExitError, "", "seq 7 is not in the trajectory"},
+		{"log two sandboxes", []string{"sandbox", "log", twoSandboxes}, cli.ExitError, "", "more than one sandbox"},
+		{"replay edited", []string{"replay", edited}, cli.ExitError, "", "refusing to replay"},
+		{"replay without data", []string{"replay", withoutData}, cli.ExitError, "", "seq 1 (write_file /tmp/x) lacks its data"},
+		{"replay two sandboxes", []string{"replay", twoSandboxes}, cli.ExitError, "", "more than one sandbox"},
+		{"exec seq 0", []string{"sandbox", "exec", "--seq", "0", testSandbox, "--", "true"}, cli.ExitUsage, "", "--seq 0"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

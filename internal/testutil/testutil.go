@@ -37,10 +37,22 @@ var (
 
 // BuildBinary builds the main package at pkg (e.g. "./cmd/dsec-agent") once
 // per test process, statically (CGO off), and returns the binary's path.
+// Building "./cmd/dsec" also builds "./cmd/dsecd" into the same directory:
+// dsec's daemon commands (up, server, edge) hand over to the dsecd found
+// next to it.
 func BuildBinary(t testing.TB, pkg string) string {
 	t.Helper()
 	buildMu.Lock()
 	defer buildMu.Unlock()
+	if pkg == "./cmd/dsec" {
+		buildLocked(t, "./cmd/dsecd")
+	}
+	return buildLocked(t, pkg)
+}
+
+// buildLocked is BuildBinary with buildMu held.
+func buildLocked(t testing.TB, pkg string) string {
+	t.Helper()
 	if p, ok := buildCache[pkg]; ok {
 		return p
 	}

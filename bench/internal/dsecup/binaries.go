@@ -37,22 +37,32 @@ func RepoRoot() (string, error) {
 	}
 }
 
-// Binaries are the dsec and dsec-agent executables a run measures, both
-// in Dir.
-type Binaries struct{ Dsec, Agent, Dir string }
+// Binaries are the dsec, dsecd and dsec-agent executables a run measures,
+// all in Dir (dsec hands its daemon commands over to the dsecd next to it).
+type Binaries struct{ Dsec, Dsecd, Agent, Dir string }
 
-// BuildBinaries puts dsec and dsec-agent into dir: built from the working
-// tree at root, statically, as the e2e tests do, or copied from the given
-// paths (when not ""). Either way every process started from dir is this
-// run's, which the leak check relies on (a shared bin/ may be running
-// other people's dsec). The caller checks the agent with RequireStatic.
+// BuildBinaries puts dsec, dsecd and dsec-agent into dir: built from the
+// working tree at root, statically, as the e2e tests do, or copied from the
+// given paths (when not ""; dsecd is copied from next to dsecBin). Either
+// way every process started from dir is this run's, which the leak check
+// relies on (a shared bin/ may be running other people's dsec). The caller
+// checks the agent with RequireStatic.
 func BuildBinaries(ctx context.Context, root, dir, dsecBin, agentBin string) (Binaries, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return Binaries{}, err
 	}
-	b := Binaries{Dsec: filepath.Join(dir, "dsec"), Agent: filepath.Join(dir, "dsec-agent"), Dir: dir}
+	b := Binaries{Dsec: filepath.Join(dir, "dsec"), Dsecd: filepath.Join(dir, "dsecd"), Agent: filepath.Join(dir, "dsec-agent"), Dir: dir}
+	dsecdBin := ""
+	if dsecBin != "" {
+		dsecdBin = filepath.Join(filepath.Dir(dsecBin), "dsecd")
+		if _, err := os.Stat(dsecdBin); err != nil {
+			return Binaries{}, fmt.Errorf("-dsec %s: the daemons' binary dsecd must be next to it (make build puts both in bin/): %w", dsecBin, err)
+		}
+	}
 	var pkgs []string
-	for _, x := range []struct{ from, to, pkg string }{{dsecBin, b.Dsec, "./cmd/dsec"}, {agentBin, b.Agent, "./cmd/dsec-agent"}} {
+	for _, x := range []struct{ from, to, pkg string }{
+		{dsecBin, b.Dsec, "./cmd/dsec"}, {dsecdBin, b.Dsecd, "./cmd/dsecd"}, {agentBin, b.Agent, "./cmd/dsec-agent"},
+	} {
 		if x.from == "" {
 			pkgs = append(pkgs, x.pkg)
 			continue

@@ -69,7 +69,8 @@ func Start(ctx context.Context, o Options) (*Up, error) {
 		"--node-id", o.NodeID, "--log-level", "warn", "--import", "busybox:latest=" + o.Rootfs}
 	args = append(args, o.Args...)
 	u := &Up{DataDir: o.DataDir, Endpoint: "http://" + addr, log: &tailBuffer{max: 64 << 10}, done: make(chan struct{})}
-	u.cmd = exec.Command(o.Bins.Dsec, args...)
+	// dsecd directly: `dsec up` would only hand over to it.
+	u.cmd = exec.Command(o.Bins.Dsecd, args...)
 	u.cmd.Stdout, u.cmd.Stderr = u.log, u.log
 	// Its own process group, so a Ctrl-C on the terminal reaches only the
 	// harness, which then stops dsec up in order. If the harness dies

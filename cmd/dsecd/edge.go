@@ -13,8 +13,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/layer"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -33,9 +35,11 @@ type edgeFlags struct {
 	fnWarm       int
 	fnMax        int
 	fnQueue      int
+	autoPool     int
 
-	mounts  *layer.Mounts      // set by build
-	backend *container.Backend // set by build
+	capacity placement.Capacity // set by validate
+	mounts   *layer.Mounts      // set by build
+	backend  *container.Backend // set by build
 }
 
 // warmAgents is how many sandbox agents an edge keeps started ahead of
@@ -59,7 +63,35 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.fnWarm, "fn-warm", edge.DefaultFnWarm, "clean sandboxes each fncall pool (one per language image) keeps ready")
 	fl.IntVar(&f.fnMax, "fn-max", edge.DefaultFnMax, "most sandboxes of one fncall pool; calls beyond wait")
 	fl.IntVar(&f.fnQueue, "fn-queue", edge.DefaultFnQueue, "most fncall calls waiting for a sandbox; beyond, Unavailable with a retry-after hint")
+	fl.IntVar(&f.autoPool, "auto-pool", edge.DefaultAutoPool, "sandboxes a node keeps for recycling per hot spec; 0 disables")
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
+}
+
+// validate checks the flags (before the daemon touches its data dir or
+// its port) and works out the node's capacity.
+func (f *edgeFlags) validate() error {
+	if err := validNodeFlag(f.nodeID); err != nil {
+		return err
+	}
+	if f.fnWarm < 0 || f.fnMax < 1 || f.fnQueue < 1 || f.fnWarm > f.fnMax {
+		return cli.Usagef("--fn-warm %d, --fn-max %d, --fn-queue %d: want 0 <= fn-warm <= fn-max and fn-max, fn-queue >= 1", f.fnWarm, f.fnMax, f.fnQueue)
+	}
+	if f.autoPool < 0 {
+		return cli.Usagef("--auto-pool %d: must not be negative (0 disables recycling)", f.autoPool)
+	}
+	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
+	var err error
+	if f.cpu != "" {
+		if f.capacity.MilliCPU, err = cli.ParseCPU("cpu", f.cpu); err != nil {
+			return cli.UsageError{Err: err}
+		}
+	}
+	if f.memory != "" {
+		if f.capacity.MemoryBytes, err = cli.ParseSize("memory", f.memory); err != nil {
+			return cli.UsageError{Err: err}
+		}
+	}
+	return nil
 }
 
 // build makes the node's container backend and its edge. Sandbox state and
@@ -67,23 +99,8 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 // the blob store is shared.
 func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, advertise string, servers []string,
 	log *slog.Logger, reg prometheus.Registerer) (*edge.Edge, error) {
-	if err := validNodeFlag(f.nodeID); err != nil {
+	if err := f.validate(); err != nil {
 		return nil, err
-	}
-	if f.fnWarm < 0 || f.fnMax < 1 || f.fnQueue < 1 || f.fnWarm > f.fnMax {
-		return nil, usagef("--fn-warm %d, --fn-max %d, --fn-queue %d: want 0 <= fn-warm <= fn-max and fn-max, fn-queue >= 1", f.fnWarm, f.fnMax, f.fnQueue)
-	}
-	capacity := placement.Capacity{Sandboxes: f.maxSandboxes}
-	var err error
-	if f.cpu != "" {
-		if capacity.MilliCPU, err = parseCPU("cpu", f.cpu); err != nil {
-			return nil, usageError{err}
-		}
-	}
-	if f.memory != "" {
-		if capacity.MemoryBytes, err = parseSize("memory", f.memory); err != nil {
-			return nil, usageError{err}
-		}
 	}
 	mounts, err := layer.NewMounts(filepath.Join(dataDir, "layers"), layer.WithLinger(layerLinger))
 	if err != nil {
@@ -106,7 +123,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		DataDir:           dataDir,
 		Store:             store,
 		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend},
-		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: capacity},
+		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: f.capacity},
 		Overcommit:        f.oc,
 		AdvertiseURL:      advertise,
 		Servers:           servers,
@@ -118,12 +135,13 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		FnWarm:            f.fnWarm,
 		FnMax:             f.fnMax,
 		FnQueue:           f.fnQueue,
+		AutoPool:          f.autoPool,
 	})
 }
 
 func validNodeFlag(id string) error {
-	if err := validNode(id); err != nil {
-		return usagef("--node-id: %v", err)
+	if err := ids.ValidNode(id); err != nil {
+		return cli.Usagef("--node-id: %v", err)
 	}
 	return nil
 }
@@ -160,11 +178,14 @@ func newEdgeCmd() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "edge --server URL[,URL...]",
-		Short: "Run a node agent: own this node's sandboxes, heartbeat to every server",
-		Args:  exactArgs(0, "no arguments"),
+		Short: short("edge"),
+		Args:  cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := ef.validate(); err != nil {
+				return err
+			}
 			if len(servers) == 0 {
-				return usagef("--server is required (the control plane's URL; repeat or comma-separate for replicas)")
+				return cli.Usagef("--server is required (the control plane's URL; repeat or comma-separate for replicas)")
 			}
 			for i, s := range servers {
 				if !strings.Contains(s, "://") {
@@ -177,7 +198,7 @@ func newEdgeCmd() *cobra.Command {
 			}
 			ln, err := net.Listen("tcp", f.listen)
 			if err != nil {
-				return usagef("--listen %s: %v", f.listen, err)
+				return cli.Usagef("--listen %s: %v", f.listen, err)
 			}
 			defer ln.Close()
 			if advertise == "" {

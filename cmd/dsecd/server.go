@@ -10,6 +10,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/controlplane"
 	"github.com/dsec-dev/dsec/internal/placement"
 )
@@ -23,8 +24,8 @@ func newServerCmd() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "server",
-		Short: "Run a control-plane replica (API, IAM, placement); edges heartbeat to it",
-		Args:  exactArgs(0, "no arguments"),
+		Short: short("server"),
+		Args:  cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := sf.validate(); err != nil {
 				return err
@@ -50,7 +51,7 @@ func newServerCmd() *cobra.Command {
 			srv.Mount(mux)
 			ln, err := net.Listen("tcp", f.listen)
 			if err != nil {
-				return usagef("--listen %s: %v", f.listen, err)
+				return cli.Usagef("--listen %s: %v", f.listen, err)
 			}
 			log.Info("dsec server listening", "endpoint", loopbackURL(ln.Addr()), "data_dir", f.dataDir)
 			ctx, cancel := context.WithCancel(cmd.Context())
@@ -108,14 +109,14 @@ func (f *serveFlags) apply(cfg controlplane.Config) controlplane.Config {
 // validate reports a malformed flag.
 func (f *serveFlags) validate() error {
 	if f.queueSize < 1 {
-		return usagef("--queue-size %d: must be at least 1", f.queueSize)
+		return cli.Usagef("--queue-size %d: must be at least 1", f.queueSize)
 	}
 	if f.queueTimeout <= 0 {
-		return usagef("--queue-timeout %s: must be positive", f.queueTimeout)
+		return cli.Usagef("--queue-timeout %s: must be positive", f.queueTimeout)
 	}
 	for _, c := range f.runCodeOpen {
 		if _, err := netip.ParsePrefix(strings.TrimSpace(c)); err != nil {
-			return usagef("--run-code-open %q: %v (want a CIDR such as 10.0.0.0/8)", c, err)
+			return cli.Usagef("--run-code-open %q: %v (want a CIDR such as 10.0.0.0/8)", c, err)
 		}
 	}
 	return nil

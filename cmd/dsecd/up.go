@@ -13,6 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/controlplane"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
@@ -29,13 +30,13 @@ func newUpCmd() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
-		Short: "Run a server and one edge in one process: a one-node DSec with no configuration",
+		Short: short("up"),
 		Long: `Run a control-plane server and one edge in one process, sharing the data
 directory and one port. The server reaches the edge over loopback exactly as
 it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
-		Args: exactArgs(0, "no arguments"),
+		Args: cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := validNodeFlag(ef.nodeID); err != nil {
+			if err := ef.validate(); err != nil {
 				return err
 			}
 			if err := sf.validate(); err != nil {
@@ -53,7 +54,7 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 			}
 			ln, err := net.Listen("tcp", f.listen)
 			if err != nil {
-				return usagef("--listen %s: %v", f.listen, err)
+				return cli.Usagef("--listen %s: %v", f.listen, err)
 			}
 			defer ln.Close()
 			self := loopbackURL(ln.Addr())
@@ -115,10 +116,10 @@ func seedImages(ctx context.Context, store blobstore.Repository, specs []string,
 	for _, spec := range specs {
 		ref, path, ok := strings.Cut(spec, "=")
 		if !ok || ref == "" || path == "" {
-			return usagef("--import %q: want NAME:TAG=PATH", spec)
+			return cli.Usagef("--import %q: want NAME:TAG=PATH", spec)
 		}
 		if _, err := image.ParseRef(ref); err != nil {
-			return usagef("--import %q: %v", spec, err)
+			return cli.Usagef("--import %q: %v", spec, err)
 		}
 		_, _, err := images.Get(ctx, ref)
 		if err == nil {

@@ -1,0 +1,206 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/ids"
+)
+
+// Defaults of the daemon commands.
+const (
+	defaultDataDir    = "/var/lib/dsec"
+	defaultListen     = "127.0.0.1:7110"
+	defaultEdgeListen = "127.0.0.1:7111"
+	clusterTokenFile  = "cluster.token"
+	// shutdownTimeout bounds a clean stop (destroying every sandbox).
+	shutdownTimeout = 60 * time.Second
+)
+
+// daemonFlags are shared by up, server and edge.
+type daemonFlags struct {
+	dataDir   string
+	listen    string
+	store     string
+	tokenFile string
+	logLevel  string
+}
+
+// open does what every daemon does first: its logger, the blob store and
+// the cluster token (created if missing when createToken is set).
+func (f *daemonFlags) open(createToken bool) (*slog.Logger, blobstore.Repository, string, error) {
+	log, err := f.logger()
+	if err != nil {
+		return nil, nil, "", err
+	}
+	store, err := f.openStore()
+	if err != nil {
+		return nil, nil, "", err
+	}
+	token, err := f.clusterToken(createToken)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	return log, store, token, nil
+}
+
+func (f *daemonFlags) logger() (*slog.Logger, error) {
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(f.logLevel)); err != nil {
+		return nil, cli.Usagef("--log-level %q: want debug, info, warn or error", f.logLevel)
+	}
+	l := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+	slog.SetDefault(l)
+	return l, nil
+}
+
+// openStore opens --store, or the data dir's own blob store.
+func (f *daemonFlags) openStore() (blobstore.Repository, error) {
+	u := f.store
+	if u == "" {
+		u = filepath.Join(f.dataDir, "blobs")
+	}
+	repo, err := blobstore.New(u)
+	if err != nil {
+		return nil, fmt.Errorf("--store: %w", err)
+	}
+	return repo, nil
+}
+
+// clusterToken reads the shared secret of servers and edges: from
+// --cluster-token-file, else from the data dir. create makes the file when
+// it is missing (servers and `up` do; an edge must be given the servers'
+// secret, so it only reads).
+func (f *daemonFlags) clusterToken(create bool) (string, error) {
+	path := f.tokenFile
+	if path == "" {
+		path = filepath.Join(f.dataDir, clusterTokenFile)
+	}
+	if create {
+		tok, err := iam.EnsureTokenFile(path)
+		if err != nil {
+			return "", fmt.Errorf("cluster token: %w", err)
+		}
+		return tok, nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("cluster token (give the servers' secret with --cluster-token-file): %w", err)
+	}
+	tok := strings.TrimSpace(string(b))
+	if tok == "" {
+		return "", fmt.Errorf("cluster token file %s is empty", path)
+	}
+	return tok, nil
+}
+
+// newRegistry returns a metrics registry with the Go runtime and process
+// collectors that every daemon exposes.
+func newRegistry() *prometheus.Registry {
+	r := prometheus.NewRegistry()
+	r.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return r
+}
+
+// newMux returns the process's one mux with /metrics on it.
+func newMux(reg *prometheus.Registry) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+	return mux
+}
+
+// newHTTPServer serves HTTP/1.1 and cleartext HTTP/2 (h2c) on one port, so
+// gRPC, gRPC-Web, Connect and curl all work without TLS.
+func newHTTPServer(h http.Handler, log *slog.Logger) *http.Server {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	return &http.Server{
+		Handler:           h,
+		Protocols:         &p,
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+}
+
+// loopbackURL is the URL at which this process reaches a listener: a
+// wildcard address becomes 127.0.0.1.
+func loopbackURL(addr net.Addr) string {
+	tcp, ok := addr.(*net.TCPAddr)
+	if !ok {
+		return "http://" + addr.String()
+	}
+	ip := tcp.IP
+	if ip == nil || ip.IsUnspecified() {
+		ip = net.IPv4(127, 0, 0, 1)
+	}
+	return "http://" + net.JoinHostPort(ip.String(), fmt.Sprint(tcp.Port))
+}
+
+// defaultNodeID derives a node id from the host name.
+func defaultNodeID() string {
+	h, err := os.Hostname()
+	if err != nil {
+		return "node"
+	}
+	var b strings.Builder
+	for _, r := range strings.ToLower(h) {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '-':
+			b.WriteRune(r)
+		case r == '.':
+			// The first label is the host's short name.
+			return finishNodeID(b.String())
+		default:
+			b.WriteByte('-')
+		}
+	}
+	return finishNodeID(b.String())
+}
+
+func finishNodeID(s string) string {
+	s = strings.Trim(s, "-")
+	if len(s) > 32 {
+		s = strings.Trim(s[:32], "-")
+	}
+	if ids.ValidNode(s) != nil {
+		return "node"
+	}
+	return s
+}
+
+// serveUntil serves srv on ln until ctx ends, then shuts it down.
+func serveUntil(ctx context.Context, srv *http.Server, ln net.Listener) error {
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("serve %s: %w", ln.Addr(), err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		srv.Close()
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}

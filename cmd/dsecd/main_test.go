@@ -1,0 +1,98 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/dsec-dev/dsec/cmd/dsec/cli"
+	"github.com/dsec-dev/dsec/internal/edge"
+)
+
+// run executes dsecd's root command in-process and returns its stdout, its
+// stderr and the exit code main would use.
+func run(t *testing.T, args ...string) (string, string, int) {
+	t.Helper()
+	root := newRoot()
+	var out, errOut bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&errOut)
+	root.SetArgs(args)
+	err := root.ExecuteContext(t.Context())
+	code := cli.Report(&errOut, cli.DaemonBinary, err)
+	return out.String(), errOut.String(), code
+}
+
+// TestDaemonsListed checks that dsecd has every command dsec forwards, so
+// that `dsec NAME` never reaches a dsecd without NAME.
+func TestDaemonsListed(t *testing.T) {
+	cmds := map[string]string{}
+	for _, c := range newRoot().Commands() {
+		cmds[c.Name()] = c.Short
+	}
+	for _, d := range cli.Daemons {
+		short, ok := cmds[d.Name]
+		if !ok {
+			t.Errorf("dsecd has no %q command, but dsec hands %q to it", d.Name, d.Name)
+			continue
+		}
+		if short != d.Short {
+			t.Errorf("dsecd %s: Short %q, want cli.Daemons' %q", d.Name, short, d.Short)
+		}
+	}
+}
+
+func TestAutoPoolFlag(t *testing.T) {
+	root := newRoot()
+	for _, name := range []string{"up", "edge"} {
+		c, _, err := root.Find([]string{name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := c.Flags().Lookup("auto-pool")
+		if f == nil {
+			t.Errorf("dsecd %s has no --auto-pool", name)
+			continue
+		}
+		if want := strconv.Itoa(edge.DefaultAutoPool); f.DefValue != want {
+			t.Errorf("dsecd %s --auto-pool default %s, want edge.DefaultAutoPool (%s)", name, f.DefValue, want)
+		}
+		if f.Usage != "sandboxes a node keeps for recycling per hot spec; 0 disables" {
+			t.Errorf("dsecd %s --auto-pool help %q", name, f.Usage)
+		}
+	}
+	if c, _, _ := root.Find([]string{"server"}); c.Flags().Lookup("auto-pool") != nil {
+		t.Error("dsecd server has --auto-pool, but a server keeps no sandboxes")
+	}
+}
+
+// TestBadEdgeFlagsRefusedFirst: a bad node flag is a usage error (exit 2)
+// before the daemon makes its data dir or binds its port; client flags,
+// which dsec hands over with the command, are accepted.
+func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"up", "--auto-pool", "-1"}, "--auto-pool -1: must not be negative"},
+		{[]string{"--token", "x", "up", "--auto-pool", "-2"}, "--auto-pool -2: must not be negative"},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--auto-pool", "-1"}, "--auto-pool -1"},
+		{[]string{"up", "--fn-warm", "5", "--fn-max", "2"}, "want 0 <= fn-warm <= fn-max"},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--memory", "lots"}, "--memory \"lots\""},
+		{[]string{"up", "--node-id", "Bad_ID"}, "--node-id"},
+	} {
+		data := filepath.Join(t.TempDir(), "data")
+		args := append(tc.args, "--data-dir", data, "--listen", "127.0.0.1:0")
+		_, errOut, code := run(t, args...)
+		if code != cli.ExitUsage || !strings.Contains(errOut, "dsecd: ") || !strings.Contains(errOut, tc.want) {
+			t.Errorf("dsecd %s: exit %d, stderr %q; want exit %d saying %q", strings.Join(tc.args, " "), code, errOut, cli.ExitUsage, tc.want)
+		}
+		if _, err := os.Stat(data); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("dsecd %s made its data dir (%v)", strings.Join(tc.args, " "), err)
+		}
+	}
+}
