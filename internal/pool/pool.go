@@ -535,6 +535,10 @@ func (p *Pool) Put(sb rt.Sandbox) {
 	}
 	e.state = stDirty
 	p.dirty = append(p.dirty, e)
+	// What is coming may cover the shortfall now: restart the refill
+	// clock then, or a refill timed from an earlier take would create a
+	// sandbox that this one makes useless.
+	p.belowTargetLocked(now)
 	p.cond.Broadcast()
 	p.mu.Unlock()
 }
