@@ -303,8 +303,11 @@ func TestHarnessDSecPool(t *testing.T) {
 		t.Errorf("sequential pool figures %+v: want %d takes served warm and as many resets", seq, n+warmup)
 	}
 	for _, p := range r.Pool[1:] {
-		if p.Hits+p.Misses != total || p.Resets != total || p.ResetFailures != 0 || p.SettledPerSec <= 0 {
-			t.Errorf("phase %s: %+v: want %d takes, %d resets, none failed", p.Phase, p, total, total)
+		// Every hand-back is reset, or destroyed at once when the pool
+		// already has enough ready or coming.
+		if p.Hits+p.Misses != total || p.Resets == 0 || p.Resets > total || p.Resets+p.Destroyed < total ||
+			p.ResetFailures != 0 || p.SettledPerSec <= 0 {
+			t.Errorf("phase %s: %+v: want %d takes, each hand-back reset or destroyed, none failed", p.Phase, p, total)
 		}
 	}
 	assertNoLeaks(t, tmp, cgBefore)
