@@ -130,8 +130,8 @@ func (e *Edge) autoPoolFor(sb *sandbox, rs runtime.Sandbox) *warmPool {
 	id := "auto-" + key[:16]
 	wp := &warmPool{
 		id: id, tenant: sb.tenant, key: key, kind: sb.kind, spec: sb.spec, layers: sb.layers,
-		req:  placement.Capacity{MilliCPU: sb.req.MilliCPU, MemoryBytes: sb.req.MemoryBytes, Sandboxes: 1},
-		auto: true, idleShrink: autoPoolIdle,
+		req:        placement.Capacity{MilliCPU: sb.req.MilliCPU, MemoryBytes: sb.req.MemoryBytes, Sandboxes: 1},
+		idleShrink: autoPoolIdle,
 	}
 	wp.p = pool.New(pool.Options{
 		Recycle: true, Size: e.cfg.AutoPool, IdleShrink: autoPoolIdle,

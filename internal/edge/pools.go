@@ -64,10 +64,8 @@ type warmPool struct {
 	req             placement.Capacity
 	minSize         int
 	idleShrink      time.Duration
-	// auto marks an automatic (recycling) pool: see autopool.go.
-	auto bool
-	p    *pool.Pool
-	n    atomic.Int64
+	p               *pool.Pool
+	n               atomic.Int64
 }
 
 // held is how many of the pool's sandboxes are the pool's (not handed out):

@@ -526,7 +526,7 @@ func (p *Pool) Put(sb rt.Sandbox) {
 		p.mu.Unlock()
 		return
 	}
-	if len(p.ready)+p.comingLocked() >= p.targetLocked()+len(p.waiters) {
+	if !p.belowTargetLocked(now) {
 		// Enough is ready or on its way: a reset would only be followed
 		// by a destroy.
 		p.doomLocked(e)
@@ -535,8 +535,8 @@ func (p *Pool) Put(sb rt.Sandbox) {
 	}
 	e.state = stDirty
 	p.dirty = append(p.dirty, e)
-	// What is coming may cover the shortfall now: restart the refill
-	// clock then, or a refill timed from an earlier take would create a
+	// What is coming may cover the shortfall now: then the refill clock
+	// stops, or a refill timed from an earlier take would create a
 	// sandbox that this one makes useless.
 	p.belowTargetLocked(now)
 	p.cond.Broadcast()
