@@ -119,9 +119,23 @@ func newRegistry() *prometheus.Registry {
 
 // newMux returns the process's one mux with /metrics on it.
 func newMux(reg *prometheus.Registry) *http.ServeMux {
+	return newMuxHealth(reg, nil)
+}
+
+// newMuxHealth is newMux whose /healthz answers 503 with the reason while
+// ready returns an error.
+func newMuxHealth(reg *prometheus.Registry, ready func() error) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if ready != nil {
+			if err := ready(); err != nil {
+				http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
+				return
+			}
+		}
+		fmt.Fprintln(w, "ok")
+	})
 	return mux
 }
 

@@ -74,7 +74,15 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 			if err != nil {
 				return err
 			}
-			mux := newMux(reg)
+			// Healthy means usable: until the edge in this process has
+			// registered (its first heartbeat, over this very listener), a
+			// create would find no node.
+			mux := newMuxHealth(reg, func() error {
+				if srv.LiveNodes() == 0 {
+					return errors.New("the local edge has not registered yet")
+				}
+				return nil
+			})
 			srv.Mount(mux)
 			e.Mount(mux)
 
