@@ -94,21 +94,19 @@ func main() {
 
 func mainErr() error {
 	var (
-		n        = flag.Int("n", 50, "sequential: timed calls per row and round (after -warmup untimed ones)")
-		rounds   = flag.Int("rounds", 3, "rounds: each measures every row in turn, so that machine noise hits every row alike")
-		warmup   = flag.Int("warmup", 5, "sequential: untimed calls first, per row")
-		total    = flag.Int("total", 320, "concurrent: calls per row and round")
-		c        = flag.Int("c", 64, "concurrent: callers in flight")
-		rows     = flag.String("rows", strings.Join(allRows, ","), "rows to measure, in order: "+strings.Join(allRows, ", "))
-		rootfs   = flag.String("rootfs", DefaultLangRootfs, "the language rootfs (scripts/langimage.sh's output), imported by server path")
-		fnWarm   = flag.Int("fn-warm", edge.DefaultFnWarm, "dsec up --fn-warm: clean sandboxes the fncall pool keeps ready")
-		fnMax    = flag.Int("fn-max", edge.DefaultFnMax, "dsec up --fn-max: most sandboxes of the fncall pool")
-		fnQueue  = flag.Int("fn-queue", edge.DefaultFnQueue, "dsec up --fn-queue: most calls waiting for a sandbox")
-		asJSON   = flag.Bool("json", false, "print results as JSON instead of a table")
-		keep     = flag.Bool("keep", false, "keep the work dir (data dir, dsec up log) for debugging")
-		dsecBin  = flag.String("dsec", "", "use this dsec binary instead of building ./cmd/dsec (copied into the work dir)")
-		agentBin = flag.String("agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
+		n       = flag.Int("n", 50, "sequential: timed calls per row and round (after -warmup untimed ones)")
+		rounds  = flag.Int("rounds", 3, "rounds: each measures every row in turn, so that machine noise hits every row alike")
+		warmup  = flag.Int("warmup", 5, "sequential: untimed calls first, per row")
+		total   = flag.Int("total", 320, "concurrent: calls per row and round")
+		c       = flag.Int("c", 64, "concurrent: callers in flight")
+		rows    = flag.String("rows", strings.Join(allRows, ","), "rows to measure, in order: "+strings.Join(allRows, ", "))
+		rootfs  = flag.String("rootfs", DefaultLangRootfs, "the language rootfs (scripts/langimage.sh's output), imported by server path")
+		fnWarm  = flag.Int("fn-warm", edge.DefaultFnWarm, "dsec up --fn-warm: clean sandboxes the fncall pool keeps ready")
+		fnMax   = flag.Int("fn-max", edge.DefaultFnMax, "dsec up --fn-max: most sandboxes of the fncall pool")
+		fnQueue = flag.Int("fn-queue", edge.DefaultFnQueue, "dsec up --fn-queue: most calls waiting for a sandbox")
+		fl      dsecup.Flags
 	)
+	fl.Register()
 	flag.Parse()
 	if err := dsecup.CheckFlags(map[string]int{"n": *n, "rounds": *rounds, "total": *total, "c": *c, "fn-max": *fnMax, "fn-queue": *fnQueue}); err != nil {
 		return err
@@ -116,15 +114,9 @@ func mainErr() error {
 	if *warmup < 0 || *fnWarm < 0 || *fnWarm > *fnMax {
 		return fmt.Errorf("-warmup %d, -fn-warm %d: want warmup >= 0 and 0 <= fn-warm <= fn-max (%d)", *warmup, *fnWarm, *fnMax)
 	}
-	var sel []string
-	for _, r := range strings.Split(*rows, ",") {
-		r = strings.TrimSpace(r)
-		if !slices.Contains(allRows, r) {
-			return fmt.Errorf("-rows: unknown row %q (want %s)", r, strings.Join(allRows, ", "))
-		}
-		if !slices.Contains(sel, r) {
-			sel = append(sel, r)
-		}
+	sel, err := dsecup.ParseList("rows", *rows, allRows)
+	if err != nil {
+		return err
 	}
 	lang, err := fncall.Lookup("python")
 	if err != nil {
@@ -165,17 +157,9 @@ func mainErr() error {
 	}
 
 	func() {
-		bins, err := dsecup.BuildBinaries(ctx, root, filepath.Join(work, "bin"), *dsecBin, *agentBin)
-		if err == nil {
-			err = dsecup.RequireStatic(bins.Agent)
-		}
-		if err != nil {
-			fail(err)
-			return
-		}
 		// dsec up always seeds busybox:latest; nothing here uses it.
-		busybox := filepath.Join(work, "rootfs")
-		if err := dsecup.BuildRootfs(ctx, root, busybox); err != nil {
+		bins, busybox, err := dsecup.Prepare(ctx, root, work, fl)
+		if err != nil {
 			fail(err)
 			return
 		}
@@ -196,7 +180,7 @@ func mainErr() error {
 					rep.Leaks = &leaks
 					fail(fmt.Errorf("dsec up left %s (removed)", leaks))
 				}
-				if *keep {
+				if fl.Keep {
 					if err := os.WriteFile(filepath.Join(work, "dsec-up.log"), []byte(up.Log()), 0o644); err != nil {
 						fail(err)
 					}
@@ -245,7 +229,7 @@ func mainErr() error {
 		}
 	}()
 
-	if *keep {
+	if fl.Keep {
 		slog.Info("kept the work dir (-keep)", "dir", work)
 	} else if err := dsecup.RemoveDir(work); err != nil {
 		fail(fmt.Errorf("remove work dir: %w", err))
@@ -258,7 +242,7 @@ func mainErr() error {
 	for _, e := range errs {
 		rep.Errors = append(rep.Errors, e.Error())
 	}
-	if err := dsecup.PrintReport(*asJSON, "fnbench", rep, rep.print); err != nil {
+	if err := dsecup.PrintReport(fl.JSON, "fnbench", rep, rep.print); err != nil {
 		return err
 	}
 	return errors.Join(errs...)

@@ -1,13 +1,10 @@
 package main
 
 import (
-	"bufio"
 	"os"
 	"os/exec"
-	"regexp"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 
 	"github.com/dsec-dev/dsec/bench/internal/dsecup/dsecuptest"
@@ -99,55 +96,7 @@ func TestHarnessInterrupt(t *testing.T) {
 	// Prebuilt binaries this time (the end-to-end test covers the build).
 	cmd, tmp := harness(t, "-rootfs", rootfs, "-rows", "fresh", "-rounds", "1", "-n", "1", "-warmup", "0", "-total", "1000000", "-c", "4",
 		"-dsec", testutil.BuildBinary(t, "./cmd/dsec"), "-agent", testutil.BuildBinary(t, "./cmd/dsec-agent"))
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	pidRE := regexp.MustCompile(`started dsec up" pid=(\d+)`)
-	var (
-		log  strings.Builder
-		pids []int
-	)
-	sc := bufio.NewScanner(stderr)
-	concurrent := false
-	for sc.Scan() {
-		log.WriteString(sc.Text() + "\n")
-		if m := pidRE.FindStringSubmatch(sc.Text()); m != nil {
-			pid, _ := strconv.Atoi(m[1])
-			pids = append(pids, pid)
-		}
-		if strings.Contains(sc.Text(), "concurrent calls") {
-			concurrent = true
-			break
-		}
-	}
-	if !concurrent {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		t.Fatalf("harness never started its concurrent calls:\n%s", log.String())
-	}
-	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
-		t.Fatal(err)
-	}
-	for sc.Scan() {
-		log.WriteString(sc.Text() + "\n")
-	}
-	if err := cmd.Wait(); err == nil {
-		t.Errorf("interrupted harness exited 0")
-	}
-	if !strings.Contains(log.String(), "context canceled") {
-		t.Errorf("harness did not report the interruption")
-	}
-	if strings.Contains(log.String(), "dsec up left") || strings.Contains(log.String(), "no clean stop") {
-		t.Errorf("dsec up did not stop cleanly")
-	}
-	dsecuptest.AssertNoLeaks(t, tmp, pids)
-	if t.Failed() {
-		t.Logf("harness output:\n%s", log.String())
-	}
+	dsecuptest.Interrupt(t, cmd, tmp, "concurrent calls", 0)
 }
 
 // TestBadRootfs: a missing or wrong language rootfs is refused at once,

@@ -83,30 +83,22 @@ func main() {
 
 func mainErr() error {
 	var (
-		k        = flag.Int("k", 1000, "sandboxes in the job that FreezeJob/ThawJob act on (and freezer cgroups of the floor)")
-		peers    = flag.Int("peers", 100, "containers the crun/runc pause/resume peer pauses one after another")
-		reps     = flag.Int("reps", 10, "repetitions of every timed operation (snapshot, checkpoint, rollback, job freeze and thaw)")
-		batch    = flag.Int("batch", 100, "sandboxes per CreateMany call")
-		asJSON   = flag.Bool("json", false, "print results as JSON instead of a table")
-		keep     = flag.Bool("keep", false, "keep the work dir (data dir, dsec up log) for debugging")
-		phases   = flag.String("phases", strings.Join(allPhases, ","), "phases to run: pack, checkpoint, job")
-		runtime  = flag.String("runtime", "", "OCI runtime of the pause/resume peer: crun or runc (default: crun if installed, else runc, else the row is skipped)")
-		dsecBin  = flag.String("dsec", "", "use this dsec binary instead of building ./cmd/dsec (copied into the work dir)")
-		agentBin = flag.String("agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
+		k       = flag.Int("k", 1000, "sandboxes in the job that FreezeJob/ThawJob act on (and freezer cgroups of the floor)")
+		peers   = flag.Int("peers", 100, "containers the crun/runc pause/resume peer pauses one after another")
+		reps    = flag.Int("reps", 10, "repetitions of every timed operation (snapshot, checkpoint, rollback, job freeze and thaw)")
+		batch   = flag.Int("batch", 100, "sandboxes per CreateMany call")
+		phases  = flag.String("phases", strings.Join(allPhases, ","), "phases to run: pack, checkpoint, job")
+		runtime = flag.String("runtime", "", "OCI runtime of the pause/resume peer: crun or runc (default: crun if installed, else runc, else the row is skipped)")
+		fl      dsecup.Flags
 	)
+	fl.Register()
 	flag.Parse()
 	if err := dsecup.CheckFlags(map[string]int{"k": *k, "peers": *peers, "reps": *reps, "batch": *batch}); err != nil {
 		return err
 	}
-	var sel []string
-	for _, p := range strings.Split(*phases, ",") {
-		p = strings.TrimSpace(p)
-		if !slices.Contains(allPhases, p) {
-			return fmt.Errorf("-phases: unknown phase %q (want %s)", p, strings.Join(allPhases, ","))
-		}
-		if !slices.Contains(sel, p) {
-			sel = append(sel, p)
-		}
+	sel, err := dsecup.ParseList("phases", *phases, allPhases)
+	if err != nil {
+		return err
 	}
 	if os.Geteuid() != 0 {
 		return errors.New("must run as root (dsec up and the peers make namespaces, mounts and cgroups)")
@@ -149,17 +141,9 @@ func mainErr() error {
 	func() {
 		// Everything the run makes lives under work; its teardown runs
 		// whatever happened, Ctrl-C included.
-		bins, err := dsecup.BuildBinaries(ctx, root, filepath.Join(work, "bin"), *dsecBin, *agentBin)
-		if err == nil {
-			err = dsecup.RequireStatic(bins.Agent)
-		}
+		// The OCI peer's containers run on the same rootfs.
+		bins, rootfs, err := dsecup.Prepare(ctx, root, work, fl)
 		if err != nil {
-			fail(err)
-			return
-		}
-		rootfs := filepath.Join(work, "rootfs")
-		// The OCI peer's containers run on the same tree.
-		if err := dsecup.BuildRootfs(ctx, root, rootfs); err != nil {
 			fail(err)
 			return
 		}
@@ -177,7 +161,7 @@ func mainErr() error {
 					fail(fmt.Errorf("cleanup: %w", err))
 				}
 				rep.addLeaks(leaks)
-				if *keep {
+				if fl.Keep {
 					if err := os.WriteFile(filepath.Join(work, "dsec-up.log"), []byte(up.Log()), 0o644); err != nil {
 						fail(err)
 					}
@@ -223,7 +207,7 @@ func mainErr() error {
 	if rep.Leaks != nil {
 		fail(fmt.Errorf("leaked %s (removed)", rep.Leaks))
 	}
-	if *keep {
+	if fl.Keep {
 		slog.Info("kept the work dir (-keep)", "dir", work)
 	} else if err := dsecup.RemoveDir(work); err != nil {
 		fail(fmt.Errorf("remove work dir: %w", err))
@@ -236,7 +220,7 @@ func mainErr() error {
 	for _, e := range errs {
 		rep.Errors = append(rep.Errors, e.Error())
 	}
-	if err := dsecup.PrintReport(*asJSON, "statebench", rep, rep.print); err != nil {
+	if err := dsecup.PrintReport(fl.JSON, "statebench", rep, rep.print); err != nil {
 		return err
 	}
 	return errors.Join(errs...)

@@ -62,11 +62,9 @@ func mainErr() error {
 		execs     = flag.Int("execs", 20, "execs of /bin/true each sandbox runs back to back")
 		rounds    = flag.Int("rounds", 2, "rounds per mode, interleaved off, on, off, on...")
 		batch     = flag.Int("batch", 50, "sandboxes per CreateMany call")
-		asJSON    = flag.Bool("json", false, "print results as JSON instead of a table")
-		keep      = flag.Bool("keep", false, "keep the work dir (data dirs, dsec up logs) for debugging")
-		dsecBin   = flag.String("dsec", "", "use this dsec binary instead of building ./cmd/dsec (copied into the work dir)")
-		agentBin  = flag.String("agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
+		fl        dsecup.Flags
 	)
+	fl.Register()
 	flag.Parse()
 	if err := dsecup.CheckFlags(map[string]int{"sandboxes": *sandboxes, "execs": *execs, "rounds": *rounds, "batch": *batch}); err != nil {
 		return err
@@ -91,7 +89,7 @@ func mainErr() error {
 		return fmt.Errorf("work dir: %w", err)
 	}
 	defer func() {
-		if *keep {
+		if fl.Keep {
 			slog.Info("kept the work dir (-keep)", "dir", work)
 			return
 		}
@@ -101,12 +99,11 @@ func mainErr() error {
 	}()
 
 	started := time.Now()
-	bins, err := binariesFor(ctx, root, filepath.Join(work, "bin"), *dsecBin, *agentBin)
+	bins, rootfs, err := dsecup.Prepare(ctx, root, work, fl)
 	if err != nil {
 		return err
 	}
-	rootfs := filepath.Join(work, "rootfs")
-	if err := dsecup.BuildRootfs(ctx, root, rootfs); err != nil {
+	if err := checkTrajectoryFlag(ctx, bins); err != nil {
 		return err
 	}
 
@@ -119,7 +116,7 @@ rounds:
 				break
 			}
 			slog.Info("round", "round", i, "mode", mode, "sandboxes", cfg.Sandboxes, "execs", cfg.Execs)
-			r := runRound(ctx, cfg, bins, rootfs, filepath.Join(work, fmt.Sprintf("%d-%s", i, mode)), i, mode, *keep)
+			r := runRound(ctx, cfg, bins, rootfs, filepath.Join(work, fmt.Sprintf("%d-%s", i, mode)), i, mode, fl.Keep)
 			rep.Rounds = append(rep.Rounds, r)
 			if r.Err != "" {
 				errs = append(errs, fmt.Errorf("round %d %s: %s", i, mode, r.Err))
@@ -141,33 +138,21 @@ rounds:
 		errs = append(errs, ctx.Err())
 	}
 
-	if err := dsecup.PrintReport(*asJSON, "trajbench", rep, rep.print); err != nil {
+	if err := dsecup.PrintReport(fl.JSON, "trajbench", rep, rep.print); err != nil {
 		return err
 	}
 	return errors.Join(errs...)
 }
 
-// binariesFor puts dsec and dsec-agent into dir (see dsecup.BuildBinaries)
-// and checks that they can be measured: a static agent, and a dsec with
-// the --trajectory flag.
-func binariesFor(ctx context.Context, root, dir, dsecBin, agentBin string) (dsecup.Binaries, error) {
-	b, err := dsecup.BuildBinaries(ctx, root, dir, dsecBin, agentBin)
-	if err != nil {
-		return dsecup.Binaries{}, err
-	}
-	if err := dsecup.RequireStatic(b.Agent); err != nil {
-		if agentBin != "" {
-			return dsecup.Binaries{}, fmt.Errorf("-agent %s: %w", agentBin, err)
-		}
-		return dsecup.Binaries{}, err
-	}
-	// The "off" rounds need the --trajectory flag (issue 4).
+// checkTrajectoryFlag checks that the binaries can be measured: the "off"
+// rounds need dsec up's --trajectory flag (issue 4).
+func checkTrajectoryFlag(ctx context.Context, b dsecup.Binaries) error {
 	out, err := exec.CommandContext(ctx, b.Dsec, "up", "--help").CombinedOutput()
 	if err != nil {
-		return dsecup.Binaries{}, fmt.Errorf("%s up --help: %v\n%s", b.Dsec, err, out)
+		return fmt.Errorf("%s up --help: %v\n%s", b.Dsec, err, out)
 	}
 	if !bytes.Contains(out, []byte("--trajectory")) {
-		return dsecup.Binaries{}, errors.New("this dsec has no `up --trajectory` flag: too old to measure the log's overhead")
+		return errors.New("this dsec has no `up --trajectory` flag: too old to measure the log's overhead")
 	}
-	return b, nil
+	return nil
 }

@@ -4,13 +4,18 @@
 package dsecuptest
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	"github.com/dsec-dev/dsec/internal/testutil"
@@ -78,4 +83,62 @@ func RunJSON(t *testing.T, cmd *exec.Cmd, rep any) string {
 		t.Fatalf("harness JSON: %v\n%s", err, out)
 	}
 	return stderr.String()
+}
+
+// Interrupt starts cmd (from Harness), reads its log until a line
+// containing ready, waits settle, sends SIGINT as Ctrl-C would, and
+// checks that the harness reports the interruption, stops every dsec up it
+// started cleanly and leaves nothing behind (AssertNoLeaks on tmp).
+func Interrupt(t *testing.T, cmd *exec.Cmd, tmp, ready string, settle time.Duration) {
+	t.Helper()
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pidRE := regexp.MustCompile(`started dsec up" pid=(\d+)`)
+	var (
+		log  strings.Builder
+		pids []int
+	)
+	sc := bufio.NewScanner(stderr)
+	reached := false
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+		if m := pidRE.FindStringSubmatch(sc.Text()); m != nil {
+			pid, _ := strconv.Atoi(m[1])
+			pids = append(pids, pid)
+		}
+		if strings.Contains(sc.Text(), ready) {
+			reached = true
+			break
+		}
+	}
+	if !reached {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		t.Fatalf("harness never logged %q:\n%s", ready, log.String())
+	}
+	time.Sleep(settle)
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+	}
+	if err := cmd.Wait(); err == nil {
+		t.Errorf("interrupted harness exited 0")
+	}
+	if !strings.Contains(log.String(), "context canceled") {
+		t.Errorf("harness did not report the interruption")
+	}
+	if strings.Contains(log.String(), "dsec up left") || strings.Contains(log.String(), "no clean stop") {
+		t.Errorf("dsec up did not stop cleanly")
+	}
+	AssertNoLeaks(t, tmp, pids)
+	if t.Failed() {
+		t.Logf("harness output:\n%s", log.String())
+	}
 }
