@@ -11,13 +11,15 @@ all: build
 deps:
 	./scripts/deps.sh
 
-# Three binaries: dsec (the thin client CLI; `dsec up|server|edge` hands
-# over to the dsecd next to it), dsecd (the daemons) and dsec-agent (runs
-# in every sandbox).
+# Four binaries: dsec (the CLI's front: serves `dsec run` itself, hands
+# `dsec up|server|edge` to the dsecd next to it and every other command to
+# the dsec-cli next to it), dsec-cli (the full client), dsecd (the
+# daemons) and dsec-agent (runs in every sandbox).
 build:
 	@mkdir -p $(BIN)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/dsec-agent ./cmd/dsec-agent
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/dsecd ./cmd/dsecd
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/dsec-cli ./cmd/dsec-cli
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/dsec ./cmd/dsec
 
 vet:

@@ -11,11 +11,13 @@ import (
 	"testing"
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
+	"github.com/dsec-dev/dsec/cmd/dsec/cli/handoff"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
-// The daemon commands through the real binaries: dsec built from this tree
-// and, next to it, dsecd (testutil builds both).
+// The daemon commands through the real binaries: the front dsec built from
+// this tree and, next to it, dsecd and dsec-cli (testutil builds all
+// three).
 
 // runBin runs bin with args and env (nothing inherited but what env says)
 // and returns its output and exit code.
@@ -38,12 +40,13 @@ func runBin(t *testing.T, env []string, bin string, args ...string) (stdout, std
 }
 
 // baseEnv is the test's environment without what steers the search for
-// dsecd, and with an empty PATH.
+// dsecd and dsec-cli, and with an empty PATH.
 func baseEnv(t *testing.T, extra ...string) []string {
 	t.Helper()
 	var env []string
 	for _, kv := range os.Environ() {
-		if strings.HasPrefix(kv, cli.DaemonEnv+"=") || strings.HasPrefix(kv, "PATH=") || strings.HasPrefix(kv, "GODEBUG=") {
+		if strings.HasPrefix(kv, cli.DaemonEnv+"=") || strings.HasPrefix(kv, handoff.ClientEnv+"=") ||
+			strings.HasPrefix(kv, "PATH=") || strings.HasPrefix(kv, "GODEBUG=") {
 			continue
 		}
 		env = append(env, kv)
@@ -51,8 +54,8 @@ func baseEnv(t *testing.T, extra ...string) []string {
 	return append(append(env, "PATH="+t.TempDir()), extra...)
 }
 
-// loneDsec copies dsec into a directory of its own, with no dsecd next to
-// it.
+// loneDsec copies dsec into a directory of its own, with no dsecd or
+// dsec-cli next to it.
 func loneDsec(t *testing.T, dsec string) string {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "dsec")
@@ -179,4 +182,35 @@ func lastLines(s string) string {
 		lines = lines[len(lines)-5:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// TestMissingClient: without dsec-cli, the front serves nothing but the
+// fast path of run, and says where it looked.
+func TestMissingClient(t *testing.T) {
+	dsec := testutil.BuildBinary(t, "./cmd/dsec")
+	lone := loneDsec(t, dsec)
+	for _, tc := range []struct {
+		name string
+		env  []string
+		args []string
+		want []string // in stderr
+	}{
+		{"nowhere", nil, []string{"sandbox", "ls"}, []string{"dsec: this command needs the full client, a separate binary, dsec-cli, and none was found",
+			filepath.Join(filepath.Dir(lone), "dsec-cli"), "$PATH", "make build", "./cmd/dsec-cli", "$DSEC_CLI"}},
+		// The fast path hands a run whose server is down to dsec-cli.
+		{"run, server down", []string{"DSEC_ENDPOINT=127.0.0.1:1"}, []string{"run", "--image", "x:1", "--", "true"}, []string{"needs the full client"}},
+		{"DSEC_CLI is dsec", []string{"DSEC_CLI=" + lone}, []string{"--help"}, []string{"$DSEC_CLI=" + lone, "dsec itself"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, errOut, code := runBin(t, baseEnv(t, tc.env...), lone, tc.args...)
+			if code != cli.ExitError || out != "" {
+				t.Errorf("exit %d, stdout %q; want exit %d and nothing", code, out, cli.ExitError)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(errOut, w) {
+					t.Errorf("stderr lacks %q: %s", w, errOut)
+				}
+			}
+		})
+	}
 }

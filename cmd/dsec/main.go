@@ -1,8 +1,22 @@
-// Command dsec is DSec's client CLI (tenant, image, sandbox, run, fn, pool,
-// job, gc, trajectory, replay) over the public API. It is kept thin, so
-// that every call starts in a few milliseconds: the daemons (up, server,
-// edge) are in the separate binary dsecd, and `dsec up|server|edge ARGS...`
-// replaces itself with `dsecd up|server|edge ARGS...` (see daemon.go).
+// Command dsec is DSec's command-line front. It serves the common form of
+// `dsec run --image NAME:TAG [flags] -- CMD [ARG...]` itself, as one Run
+// API call, and replaces itself (exec(2): same PID, environment and
+// arguments) with another binary for everything else: dsecd for the
+// daemon commands (up, server, edge) and dsec-cli, the full client, for
+// every other command and for any `run` it does not fully understand
+// (--help, an unknown flag, a value dsec-cli would refuse, an endpoint
+// that needs DNS, TLS or a proxy, or a server it cannot connect to).
+// Both are found as $DSEC_DAEMON / $DSEC_CLI, else next to dsec, else on
+// $PATH.
+//
+// Why a front: every Go package linked into a binary runs its
+// initialisation on every start, and on the VMs DSec targets each page
+// fault costs tens of microseconds. The full client (cobra, protobuf,
+// Connect, net/http, crypto) takes ~18 ms to start; this binary links the
+// standard library's basics only and starts in about the time of a hello
+// world, so that `dsec run` costs little more than the sandbox itself.
+// dsec-cli stays the source of truth: the fast path's output, messages and
+// exit codes are dsec-cli's (TestRunPathsAgree compares the two).
 //
 // Exit codes: exec and run exit with the command's own exit code (128+N
 // when it was killed by signal N, 124 when it timed out). DSec itself uses
@@ -14,93 +28,43 @@
 package main
 
 import (
-	"context"
-	"fmt"
 	"os"
-	"os/signal"
+	"runtime"
 	"strings"
-	"syscall"
 
-	"github.com/spf13/cobra"
-
-	"github.com/dsec-dev/dsec/cmd/dsec/cli"
-	"github.com/dsec-dev/dsec/sdk/go/dsec"
+	"github.com/dsec-dev/dsec/cmd/dsec/cli/handoff"
 )
 
-// globals are the client flags shared by every client command.
-type globals struct {
-	endpoint  string
-	token     string
-	tokenFile string
-}
-
-func (g *globals) client() (*dsec.Client, error) {
-	token := g.token
-	if token == "" && g.tokenFile != "" {
-		b, err := os.ReadFile(g.tokenFile)
-		if err != nil {
-			return nil, fmt.Errorf("--token-file: %w", err)
-		}
-		token = strings.TrimSpace(string(b))
-	}
-	return dsec.New(g.endpoint, token), nil
-}
-
-func newRoot() *cobra.Command {
-	g := &globals{}
-	root := &cobra.Command{
-		Use:   "dsec",
-		Short: "DSec: elastic sandboxes for agentic RL",
-		Long: `DSec runs isolated, stateful sandboxes for agent rollouts.
-
-Start a single-node service with "dsec up" (it runs dsecd, the daemons'
-binary: $DSEC_DAEMON, else next to dsec, else on $PATH), then use the
-client commands.
-Clients read DSEC_ENDPOINT (default http://127.0.0.1:7110) and DSEC_TOKEN
-(default: the admin token in /var/lib/dsec/admin.token when readable).
-
-Exit codes: exec and run exit with the command's exit code (128+N if it was
-killed by signal N, 124 if it timed out); 125 means DSec could not run it
-(API error or infra_error: the sandbox or its node failed). Other commands
-exit 1 on error and 2 on bad usage; "trajectory verify" exits 1 on a broken
-hash chain, "replay" when a step diverged.`,
-		SilenceUsage:  true,
-		SilenceErrors: true,
-	}
-	root.PersistentFlags().StringVar(&g.endpoint, "endpoint", "", "API endpoint (default $DSEC_ENDPOINT or "+dsec.DefaultEndpoint+")")
-	root.PersistentFlags().StringVar(&g.token, "token", "", "bearer token (default $DSEC_TOKEN or the local admin token)")
-	root.PersistentFlags().StringVar(&g.tokenFile, "token-file", "", "read the bearer token from this file")
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return cli.UsageError{Err: err} })
-	root.AddCommand(newDaemonCmds()...)
-	root.AddCommand(
-		newTenantCmd(g),
-		newImageCmd(g),
-		newSandboxCmd(g),
-		newJobCmd(g),
-		newRunCmd(g),
-		newTrajectoryCmd(g),
-		newReplayCmd(g),
-		newGCCmd(g),
-		newPoolCmd(g), newFnCmd(g),
-	)
-	return root
-}
-
 func main() {
-	// The daemon commands live in dsecd: hand the process over before
-	// anything else runs (see daemon.go).
-	if len(os.Args) > 1 && isDaemonCmd(os.Args[1]) {
-		os.Exit(report(execDaemon(os.Args[1:])))
+	args := os.Args[1:]
+	if len(args) > 0 && args[0] == "run" {
+		// One P: the call is one goroutine waiting on a socket, and with
+		// two the runtime starts extra threads to run its background
+		// goroutines while it waits (~25 more page faults, measured).
+		runtime.GOMAXPROCS(1)
+		if code, ok := fastRun(args[1:]); ok {
+			os.Exit(code)
+		}
 	}
-	// Shell completion of a daemon command's flags is dsecd's too.
-	if len(os.Args) > 2 && strings.HasPrefix(os.Args[1], "__complete") && isDaemonCmd(os.Args[2]) {
-		os.Exit(report(execDaemon(os.Args[1:])))
+	// The daemon commands go straight to dsecd (and so does shell
+	// completion of their flags).
+	if len(args) > 0 && handoff.IsDaemon(args[0]) ||
+		len(args) > 1 && strings.HasPrefix(args[0], "__complete") && handoff.IsDaemon(args[1]) {
+		path, err := handoff.FindDaemon()
+		if err == nil {
+			err = handoff.Exec(path, args)
+		}
+		fatal(args[0] + ": " + err.Error())
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := newRoot().ExecuteContext(ctx)
-	stop()
-	os.Exit(report(err))
+	path, err := handoff.FindClient()
+	if err == nil {
+		err = handoff.Exec(path, args)
+	}
+	fatal(err.Error())
 }
 
-// report prints err (if any) and returns the process exit code.
-func report(err error) int { return cli.Report(os.Stderr, "dsec", err) }
+// fatal reports a failed handover as dsec-cli reports errors (exit 1).
+func fatal(msg string) {
+	os.Stderr.WriteString("dsec: " + msg + "\n")
+	os.Exit(1)
+}

@@ -37,15 +37,17 @@ var (
 
 // BuildBinary builds the main package at pkg (e.g. "./cmd/dsec-agent") once
 // per test process, statically (CGO off), and returns the binary's path.
-// Building "./cmd/dsec" also builds "./cmd/dsecd" into the same directory:
-// dsec's daemon commands (up, server, edge) hand over to the dsecd found
-// next to it.
+// Building "./cmd/dsec" also builds "./cmd/dsecd" and "./cmd/dsec-cli"
+// into the same directory: dsec is a front that hands its daemon commands
+// (up, server, edge) over to the dsecd found next to it, and every client
+// command but the common form of run to the dsec-cli next to it.
 func BuildBinary(t testing.TB, pkg string) string {
 	t.Helper()
 	buildMu.Lock()
 	defer buildMu.Unlock()
 	if pkg == "./cmd/dsec" {
 		buildLocked(t, "./cmd/dsecd")
+		buildLocked(t, "./cmd/dsec-cli")
 	}
 	return buildLocked(t, pkg)
 }

@@ -1223,6 +1223,185 @@ func (*ExecStreamResponse_Stderr) isExecStreamResponse_Event() {}
 
 func (*ExecStreamResponse_Result) isExecStreamResponse_Event() {}
 
+// RunRequest is a one-shot command: a sandbox created from spec, the
+// command run in it, the sandbox destroyed, in one call.
+type RunRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Spec  *SandboxSpec           `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
+	// The command. sandbox_id and seq must be empty: the sandbox is new and
+	// lives for this one command.
+	Exec          *ExecRequest `protobuf:"bytes,2,opt,name=exec,proto3" json:"exec,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunRequest) Reset() {
+	*x = RunRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunRequest) ProtoMessage() {}
+
+func (x *RunRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
+func (*RunRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *RunRequest) GetSpec() *SandboxSpec {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *RunRequest) GetExec() *ExecRequest {
+	if x != nil {
+		return x.Exec
+	}
+	return nil
+}
+
+// RunResponse is one event of a Run: first a message with only sandbox_id
+// (the sandbox exists), then output chunks as the command writes them,
+// then the result (again with sandbox_id), sent once the sandbox is
+// destroyed.
+type RunResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*RunResponse_Stdout
+	//	*RunResponse_Stderr
+	//	*RunResponse_Result
+	Event isRunResponse_Event `protobuf_oneof:"event"`
+	// The sandbox the command ran in.
+	SandboxId string `protobuf:"bytes,4,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// Set with the result when destroying the sandbox failed; the result
+	// stands (the command ran), the failure is only reported.
+	DestroyError  string `protobuf:"bytes,5,opt,name=destroy_error,json=destroyError,proto3" json:"destroy_error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunResponse) Reset() {
+	*x = RunResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunResponse) ProtoMessage() {}
+
+func (x *RunResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
+func (*RunResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *RunResponse) GetEvent() isRunResponse_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *RunResponse) GetStdout() []byte {
+	if x != nil {
+		if x, ok := x.Event.(*RunResponse_Stdout); ok {
+			return x.Stdout
+		}
+	}
+	return nil
+}
+
+func (x *RunResponse) GetStderr() []byte {
+	if x != nil {
+		if x, ok := x.Event.(*RunResponse_Stderr); ok {
+			return x.Stderr
+		}
+	}
+	return nil
+}
+
+func (x *RunResponse) GetResult() *ExecResult {
+	if x != nil {
+		if x, ok := x.Event.(*RunResponse_Result); ok {
+			return x.Result
+		}
+	}
+	return nil
+}
+
+func (x *RunResponse) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *RunResponse) GetDestroyError() string {
+	if x != nil {
+		return x.DestroyError
+	}
+	return ""
+}
+
+type isRunResponse_Event interface {
+	isRunResponse_Event()
+}
+
+type RunResponse_Stdout struct {
+	Stdout []byte `protobuf:"bytes,1,opt,name=stdout,proto3,oneof"`
+}
+
+type RunResponse_Stderr struct {
+	Stderr []byte `protobuf:"bytes,2,opt,name=stderr,proto3,oneof"`
+}
+
+type RunResponse_Result struct {
+	// The result's stdout and stderr are empty: the output went out as
+	// chunks. infra_error when the sandbox or its node failed.
+	Result *ExecResult `protobuf:"bytes,3,opt,name=result,proto3,oneof"`
+}
+
+func (*RunResponse_Stdout) isRunResponse_Event() {}
+
+func (*RunResponse_Stderr) isRunResponse_Event() {}
+
+func (*RunResponse_Result) isRunResponse_Event() {}
+
 type WriteFileRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -1239,7 +1418,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1251,7 +1430,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1264,7 +1443,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WriteFileRequest) GetSandboxId() string {
@@ -1319,7 +1498,7 @@ type WriteFileResponse struct {
 
 func (x *WriteFileResponse) Reset() {
 	*x = WriteFileResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1331,7 +1510,7 @@ func (x *WriteFileResponse) String() string {
 func (*WriteFileResponse) ProtoMessage() {}
 
 func (x *WriteFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1344,7 +1523,7 @@ func (x *WriteFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileResponse.ProtoReflect.Descriptor instead.
 func (*WriteFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *WriteFileResponse) GetSeq() uint64 {
@@ -1376,7 +1555,7 @@ type ReadFileRequest struct {
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1388,7 +1567,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1401,7 +1580,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -1450,7 +1629,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1462,7 +1641,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1475,7 +1654,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ReadFileResponse) GetData() []byte {
@@ -1513,7 +1692,7 @@ type SubmitRewardRequest struct {
 
 func (x *SubmitRewardRequest) Reset() {
 	*x = SubmitRewardRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1525,7 +1704,7 @@ func (x *SubmitRewardRequest) String() string {
 func (*SubmitRewardRequest) ProtoMessage() {}
 
 func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1538,7 +1717,7 @@ func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardRequest.ProtoReflect.Descriptor instead.
 func (*SubmitRewardRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SubmitRewardRequest) GetSandboxId() string {
@@ -1586,7 +1765,7 @@ type SubmitRewardResponse struct {
 
 func (x *SubmitRewardResponse) Reset() {
 	*x = SubmitRewardResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1598,7 +1777,7 @@ func (x *SubmitRewardResponse) String() string {
 func (*SubmitRewardResponse) ProtoMessage() {}
 
 func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1611,7 +1790,7 @@ func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardResponse.ProtoReflect.Descriptor instead.
 func (*SubmitRewardResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SubmitRewardResponse) GetSeq() uint64 {
@@ -1644,7 +1823,7 @@ type GetTrajectoryRequest struct {
 
 func (x *GetTrajectoryRequest) Reset() {
 	*x = GetTrajectoryRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1656,7 +1835,7 @@ func (x *GetTrajectoryRequest) String() string {
 func (*GetTrajectoryRequest) ProtoMessage() {}
 
 func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1669,7 +1848,7 @@ func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*GetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *GetTrajectoryRequest) GetSandboxId() string {
@@ -1715,7 +1894,7 @@ type GetTrajectoryResponse struct {
 
 func (x *GetTrajectoryResponse) Reset() {
 	*x = GetTrajectoryResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1727,7 +1906,7 @@ func (x *GetTrajectoryResponse) String() string {
 func (*GetTrajectoryResponse) ProtoMessage() {}
 
 func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1740,7 +1919,7 @@ func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrajectoryResponse.ProtoReflect.Descriptor instead.
 func (*GetTrajectoryResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *GetTrajectoryResponse) GetRecords() []string {
@@ -1773,7 +1952,7 @@ type DestroySandboxRequest struct {
 
 func (x *DestroySandboxRequest) Reset() {
 	*x = DestroySandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1785,7 +1964,7 @@ func (x *DestroySandboxRequest) String() string {
 func (*DestroySandboxRequest) ProtoMessage() {}
 
 func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1798,7 +1977,7 @@ func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxRequest.ProtoReflect.Descriptor instead.
 func (*DestroySandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *DestroySandboxRequest) GetId() string {
@@ -1816,7 +1995,7 @@ type DestroySandboxResponse struct {
 
 func (x *DestroySandboxResponse) Reset() {
 	*x = DestroySandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1828,7 +2007,7 @@ func (x *DestroySandboxResponse) String() string {
 func (*DestroySandboxResponse) ProtoMessage() {}
 
 func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1841,7 +2020,7 @@ func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxResponse.ProtoReflect.Descriptor instead.
 func (*DestroySandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
 }
 
 type BatchDestroySandboxesRequest struct {
@@ -1853,7 +2032,7 @@ type BatchDestroySandboxesRequest struct {
 
 func (x *BatchDestroySandboxesRequest) Reset() {
 	*x = BatchDestroySandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1865,7 +2044,7 @@ func (x *BatchDestroySandboxesRequest) String() string {
 func (*BatchDestroySandboxesRequest) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1878,7 +2057,7 @@ func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesRequest.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *BatchDestroySandboxesRequest) GetIds() []string {
@@ -1898,7 +2077,7 @@ type BatchDestroyResult struct {
 
 func (x *BatchDestroyResult) Reset() {
 	*x = BatchDestroyResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1910,7 +2089,7 @@ func (x *BatchDestroyResult) String() string {
 func (*BatchDestroyResult) ProtoMessage() {}
 
 func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1923,7 +2102,7 @@ func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroyResult.ProtoReflect.Descriptor instead.
 func (*BatchDestroyResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *BatchDestroyResult) GetId() string {
@@ -1949,7 +2128,7 @@ type BatchDestroySandboxesResponse struct {
 
 func (x *BatchDestroySandboxesResponse) Reset() {
 	*x = BatchDestroySandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1961,7 +2140,7 @@ func (x *BatchDestroySandboxesResponse) String() string {
 func (*BatchDestroySandboxesResponse) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1974,7 +2153,7 @@ func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesResponse.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *BatchDestroySandboxesResponse) GetResults() []*BatchDestroyResult {
@@ -1998,7 +2177,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2010,7 +2189,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2023,7 +2202,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -2065,7 +2244,7 @@ type SnapshotResponse struct {
 
 func (x *SnapshotResponse) Reset() {
 	*x = SnapshotResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2077,7 +2256,7 @@ func (x *SnapshotResponse) String() string {
 func (*SnapshotResponse) ProtoMessage() {}
 
 func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2090,7 +2269,7 @@ func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotResponse.ProtoReflect.Descriptor instead.
 func (*SnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SnapshotResponse) GetImage() *Image {
@@ -2125,7 +2304,7 @@ type CheckpointRequest struct {
 
 func (x *CheckpointRequest) Reset() {
 	*x = CheckpointRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2137,7 +2316,7 @@ func (x *CheckpointRequest) String() string {
 func (*CheckpointRequest) ProtoMessage() {}
 
 func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2150,7 +2329,7 @@ func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointRequest.ProtoReflect.Descriptor instead.
 func (*CheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CheckpointRequest) GetSandboxId() string {
@@ -2186,7 +2365,7 @@ type CheckpointResponse struct {
 
 func (x *CheckpointResponse) Reset() {
 	*x = CheckpointResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2198,7 +2377,7 @@ func (x *CheckpointResponse) String() string {
 func (*CheckpointResponse) ProtoMessage() {}
 
 func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2211,7 +2390,7 @@ func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointResponse.ProtoReflect.Descriptor instead.
 func (*CheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CheckpointResponse) GetCheckpointId() string {
@@ -2247,7 +2426,7 @@ type RollbackRequest struct {
 
 func (x *RollbackRequest) Reset() {
 	*x = RollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2259,7 +2438,7 @@ func (x *RollbackRequest) String() string {
 func (*RollbackRequest) ProtoMessage() {}
 
 func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2272,7 +2451,7 @@ func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RollbackRequest.ProtoReflect.Descriptor instead.
 func (*RollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *RollbackRequest) GetSandboxId() string {
@@ -2313,7 +2492,7 @@ type RollbackResponse struct {
 
 func (x *RollbackResponse) Reset() {
 	*x = RollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2325,7 +2504,7 @@ func (x *RollbackResponse) String() string {
 func (*RollbackResponse) ProtoMessage() {}
 
 func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2338,7 +2517,7 @@ func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RollbackResponse.ProtoReflect.Descriptor instead.
 func (*RollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *RollbackResponse) GetSeq() uint64 {
@@ -2365,7 +2544,7 @@ type DeleteCheckpointRequest struct {
 
 func (x *DeleteCheckpointRequest) Reset() {
 	*x = DeleteCheckpointRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2377,7 +2556,7 @@ func (x *DeleteCheckpointRequest) String() string {
 func (*DeleteCheckpointRequest) ProtoMessage() {}
 
 func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2390,7 +2569,7 @@ func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*DeleteCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *DeleteCheckpointRequest) GetSandboxId() string {
@@ -2415,7 +2594,7 @@ type DeleteCheckpointResponse struct {
 
 func (x *DeleteCheckpointResponse) Reset() {
 	*x = DeleteCheckpointResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2427,7 +2606,7 @@ func (x *DeleteCheckpointResponse) String() string {
 func (*DeleteCheckpointResponse) ProtoMessage() {}
 
 func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2440,7 +2619,7 @@ func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteCheckpointResponse.ProtoReflect.Descriptor instead.
 func (*DeleteCheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
 }
 
 type FreezeRequest struct {
@@ -2452,7 +2631,7 @@ type FreezeRequest struct {
 
 func (x *FreezeRequest) Reset() {
 	*x = FreezeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2464,7 +2643,7 @@ func (x *FreezeRequest) String() string {
 func (*FreezeRequest) ProtoMessage() {}
 
 func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2477,7 +2656,7 @@ func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeRequest.ProtoReflect.Descriptor instead.
 func (*FreezeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *FreezeRequest) GetSandboxId() string {
@@ -2496,7 +2675,7 @@ type FreezeResponse struct {
 
 func (x *FreezeResponse) Reset() {
 	*x = FreezeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2508,7 +2687,7 @@ func (x *FreezeResponse) String() string {
 func (*FreezeResponse) ProtoMessage() {}
 
 func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2521,7 +2700,7 @@ func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeResponse.ProtoReflect.Descriptor instead.
 func (*FreezeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *FreezeResponse) GetSandbox() *Sandbox {
@@ -2540,7 +2719,7 @@ type ThawRequest struct {
 
 func (x *ThawRequest) Reset() {
 	*x = ThawRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2552,7 +2731,7 @@ func (x *ThawRequest) String() string {
 func (*ThawRequest) ProtoMessage() {}
 
 func (x *ThawRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2565,7 +2744,7 @@ func (x *ThawRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawRequest.ProtoReflect.Descriptor instead.
 func (*ThawRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ThawRequest) GetSandboxId() string {
@@ -2584,7 +2763,7 @@ type ThawResponse struct {
 
 func (x *ThawResponse) Reset() {
 	*x = ThawResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2596,7 +2775,7 @@ func (x *ThawResponse) String() string {
 func (*ThawResponse) ProtoMessage() {}
 
 func (x *ThawResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2609,7 +2788,7 @@ func (x *ThawResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawResponse.ProtoReflect.Descriptor instead.
 func (*ThawResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ThawResponse) GetSandbox() *Sandbox {
@@ -2630,7 +2809,7 @@ type JobRequest struct {
 
 func (x *JobRequest) Reset() {
 	*x = JobRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2642,7 +2821,7 @@ func (x *JobRequest) String() string {
 func (*JobRequest) ProtoMessage() {}
 
 func (x *JobRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2655,7 +2834,7 @@ func (x *JobRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobRequest.ProtoReflect.Descriptor instead.
 func (*JobRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *JobRequest) GetLabels() map[string]string {
@@ -2675,7 +2854,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2687,7 +2866,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2700,7 +2879,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *JobResult) GetId() string {
@@ -2726,7 +2905,7 @@ type JobResponse struct {
 
 func (x *JobResponse) Reset() {
 	*x = JobResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2738,7 +2917,7 @@ func (x *JobResponse) String() string {
 func (*JobResponse) ProtoMessage() {}
 
 func (x *JobResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2751,7 +2930,7 @@ func (x *JobResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResponse.ProtoReflect.Descriptor instead.
 func (*JobResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *JobResponse) GetResults() []*JobResult {
@@ -2771,7 +2950,7 @@ type AcquireRequest struct {
 
 func (x *AcquireRequest) Reset() {
 	*x = AcquireRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2783,7 +2962,7 @@ func (x *AcquireRequest) String() string {
 func (*AcquireRequest) ProtoMessage() {}
 
 func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2796,7 +2975,7 @@ func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireRequest.ProtoReflect.Descriptor instead.
 func (*AcquireRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *AcquireRequest) GetSpec() *SandboxSpec {
@@ -2822,7 +3001,7 @@ type AcquireResponse struct {
 
 func (x *AcquireResponse) Reset() {
 	*x = AcquireResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2834,7 +3013,7 @@ func (x *AcquireResponse) String() string {
 func (*AcquireResponse) ProtoMessage() {}
 
 func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2847,7 +3026,7 @@ func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireResponse.ProtoReflect.Descriptor instead.
 func (*AcquireResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *AcquireResponse) GetResults() []*BatchCreateResult {
@@ -2866,7 +3045,7 @@ type BatchExecRequest struct {
 
 func (x *BatchExecRequest) Reset() {
 	*x = BatchExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2878,7 +3057,7 @@ func (x *BatchExecRequest) String() string {
 func (*BatchExecRequest) ProtoMessage() {}
 
 func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2891,7 +3070,7 @@ func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecRequest.ProtoReflect.Descriptor instead.
 func (*BatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *BatchExecRequest) GetRequests() []*ExecRequest {
@@ -2914,7 +3093,7 @@ type BatchExecItem struct {
 
 func (x *BatchExecItem) Reset() {
 	*x = BatchExecItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2926,7 +3105,7 @@ func (x *BatchExecItem) String() string {
 func (*BatchExecItem) ProtoMessage() {}
 
 func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2939,7 +3118,7 @@ func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecItem.ProtoReflect.Descriptor instead.
 func (*BatchExecItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *BatchExecItem) GetSandboxId() string {
@@ -2972,7 +3151,7 @@ type BatchExecResponse struct {
 
 func (x *BatchExecResponse) Reset() {
 	*x = BatchExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2984,7 +3163,7 @@ func (x *BatchExecResponse) String() string {
 func (*BatchExecResponse) ProtoMessage() {}
 
 func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2997,7 +3176,7 @@ func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecResponse.ProtoReflect.Descriptor instead.
 func (*BatchExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *BatchExecResponse) GetResults() []*BatchExecItem {
@@ -3016,7 +3195,7 @@ type BatchRollbackRequest struct {
 
 func (x *BatchRollbackRequest) Reset() {
 	*x = BatchRollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3028,7 +3207,7 @@ func (x *BatchRollbackRequest) String() string {
 func (*BatchRollbackRequest) ProtoMessage() {}
 
 func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3041,7 +3220,7 @@ func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*BatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *BatchRollbackRequest) GetRequests() []*RollbackRequest {
@@ -3062,7 +3241,7 @@ type BatchRollbackItem struct {
 
 func (x *BatchRollbackItem) Reset() {
 	*x = BatchRollbackItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3074,7 +3253,7 @@ func (x *BatchRollbackItem) String() string {
 func (*BatchRollbackItem) ProtoMessage() {}
 
 func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3087,7 +3266,7 @@ func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackItem.ProtoReflect.Descriptor instead.
 func (*BatchRollbackItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *BatchRollbackItem) GetSandboxId() string {
@@ -3120,7 +3299,7 @@ type BatchRollbackResponse struct {
 
 func (x *BatchRollbackResponse) Reset() {
 	*x = BatchRollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3132,7 +3311,7 @@ func (x *BatchRollbackResponse) String() string {
 func (*BatchRollbackResponse) ProtoMessage() {}
 
 func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3145,7 +3324,7 @@ func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackResponse.ProtoReflect.Descriptor instead.
 func (*BatchRollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *BatchRollbackResponse) GetResults() []*BatchRollbackItem {
@@ -3164,7 +3343,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3176,7 +3355,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3189,7 +3368,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ReleaseRequest) GetIds() []string {
@@ -3208,7 +3387,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3220,7 +3399,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3233,7 +3412,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ReleaseResponse) GetResults() []*BatchDestroyResult {
@@ -3259,7 +3438,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3271,7 +3450,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3284,7 +3463,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *Image) GetRef() string {
@@ -3342,7 +3521,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3354,7 +3533,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3367,7 +3546,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -3426,7 +3605,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3438,7 +3617,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3451,7 +3630,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -3484,7 +3663,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3496,7 +3675,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3509,7 +3688,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -3527,7 +3706,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3539,7 +3718,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3552,7 +3731,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 type ListImagesResponse struct {
@@ -3564,7 +3743,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3576,7 +3755,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3589,7 +3768,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -3608,7 +3787,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3620,7 +3799,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3633,7 +3812,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -3652,7 +3831,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3664,7 +3843,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3677,7 +3856,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -3697,7 +3876,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3709,7 +3888,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3722,7 +3901,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -3748,7 +3927,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3760,7 +3939,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3773,7 +3952,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -3792,7 +3971,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3804,7 +3983,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3817,7 +3996,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -3835,7 +4014,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3847,7 +4026,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3860,7 +4039,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -3882,7 +4061,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3894,7 +4073,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3907,7 +4086,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -3951,7 +4130,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3963,7 +4142,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3976,7 +4155,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -4093,7 +4272,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4105,7 +4284,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4118,7 +4297,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *Pool) GetId() string {
@@ -4217,7 +4396,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4229,7 +4408,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4242,7 +4421,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -4282,7 +4461,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4294,7 +4473,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4307,7 +4486,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -4325,7 +4504,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4337,7 +4516,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4350,7 +4529,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 type ListPoolsResponse struct {
@@ -4362,7 +4541,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4374,7 +4553,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4387,7 +4566,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -4406,7 +4585,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4418,7 +4597,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4431,7 +4610,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -4449,7 +4628,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4461,7 +4640,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4474,7 +4653,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -4508,7 +4687,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4520,7 +4699,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4533,7 +4712,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -4634,7 +4813,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4646,7 +4825,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4659,7 +4838,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -4742,7 +4921,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4754,7 +4933,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4767,7 +4946,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -4817,7 +4996,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4829,7 +5008,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4842,7 +5021,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -4876,7 +5055,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4888,7 +5067,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4901,7 +5080,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -4929,7 +5108,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4941,7 +5120,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4954,7 +5133,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5074,6 +5253,18 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06stdout\x18\x01 \x01(\fH\x00R\x06stdout\x12\x18\n" +
 	"\x06stderr\x18\x02 \x01(\fH\x00R\x06stderr\x12-\n" +
 	"\x06result\x18\x03 \x01(\v2\x13.dsec.v1.ExecResultH\x00R\x06resultB\a\n" +
+	"\x05event\"`\n" +
+	"\n" +
+	"RunRequest\x12(\n" +
+	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12(\n" +
+	"\x04exec\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\"\xbd\x01\n" +
+	"\vRunResponse\x12\x18\n" +
+	"\x06stdout\x18\x01 \x01(\fH\x00R\x06stdout\x12\x18\n" +
+	"\x06stderr\x18\x02 \x01(\fH\x00R\x06stderr\x12-\n" +
+	"\x06result\x18\x03 \x01(\v2\x13.dsec.v1.ExecResultH\x00R\x06result\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x04 \x01(\tR\tsandboxId\x12#\n" +
+	"\rdestroy_error\x18\x05 \x01(\tR\fdestroyErrorB\a\n" +
 	"\x05event\"\x9e\x01\n" +
 	"\x10WriteFileRequest\x12\x1d\n" +
 	"\n" +
@@ -5356,7 +5547,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\"@\n" +
 	"\x14CreateTenantResponse\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
-	"\x05token\x18\x02 \x01(\tR\x05token2\x91\r\n" +
+	"\x05token\x18\x02 \x01(\tR\x05token2\xc5\r\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -5364,7 +5555,8 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x04List\x12\x1d.dsec.v1.ListSandboxesRequest\x1a\x1e.dsec.v1.ListSandboxesResponse\x123\n" +
 	"\x04Exec\x12\x14.dsec.v1.ExecRequest\x1a\x15.dsec.v1.ExecResponse\x12A\n" +
 	"\n" +
-	"ExecStream\x12\x14.dsec.v1.ExecRequest\x1a\x1b.dsec.v1.ExecStreamResponse0\x01\x12B\n" +
+	"ExecStream\x12\x14.dsec.v1.ExecRequest\x1a\x1b.dsec.v1.ExecStreamResponse0\x01\x122\n" +
+	"\x03Run\x12\x13.dsec.v1.RunRequest\x1a\x14.dsec.v1.RunResponse0\x01\x12B\n" +
 	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x1a.dsec.v1.WriteFileResponse\x12?\n" +
 	"\bReadFile\x12\x18.dsec.v1.ReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse\x12J\n" +
 	"\aDestroy\x12\x1e.dsec.v1.DestroySandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse\x12]\n" +
@@ -5412,7 +5604,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 88)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 90)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -5431,88 +5623,90 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*ExecResult)(nil),                    // 14: dsec.v1.ExecResult
 	(*ExecResponse)(nil),                  // 15: dsec.v1.ExecResponse
 	(*ExecStreamResponse)(nil),            // 16: dsec.v1.ExecStreamResponse
-	(*WriteFileRequest)(nil),              // 17: dsec.v1.WriteFileRequest
-	(*WriteFileResponse)(nil),             // 18: dsec.v1.WriteFileResponse
-	(*ReadFileRequest)(nil),               // 19: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),              // 20: dsec.v1.ReadFileResponse
-	(*SubmitRewardRequest)(nil),           // 21: dsec.v1.SubmitRewardRequest
-	(*SubmitRewardResponse)(nil),          // 22: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryRequest)(nil),          // 23: dsec.v1.GetTrajectoryRequest
-	(*GetTrajectoryResponse)(nil),         // 24: dsec.v1.GetTrajectoryResponse
-	(*DestroySandboxRequest)(nil),         // 25: dsec.v1.DestroySandboxRequest
-	(*DestroySandboxResponse)(nil),        // 26: dsec.v1.DestroySandboxResponse
-	(*BatchDestroySandboxesRequest)(nil),  // 27: dsec.v1.BatchDestroySandboxesRequest
-	(*BatchDestroyResult)(nil),            // 28: dsec.v1.BatchDestroyResult
-	(*BatchDestroySandboxesResponse)(nil), // 29: dsec.v1.BatchDestroySandboxesResponse
-	(*SnapshotRequest)(nil),               // 30: dsec.v1.SnapshotRequest
-	(*SnapshotResponse)(nil),              // 31: dsec.v1.SnapshotResponse
-	(*CheckpointRequest)(nil),             // 32: dsec.v1.CheckpointRequest
-	(*CheckpointResponse)(nil),            // 33: dsec.v1.CheckpointResponse
-	(*RollbackRequest)(nil),               // 34: dsec.v1.RollbackRequest
-	(*RollbackResponse)(nil),              // 35: dsec.v1.RollbackResponse
-	(*DeleteCheckpointRequest)(nil),       // 36: dsec.v1.DeleteCheckpointRequest
-	(*DeleteCheckpointResponse)(nil),      // 37: dsec.v1.DeleteCheckpointResponse
-	(*FreezeRequest)(nil),                 // 38: dsec.v1.FreezeRequest
-	(*FreezeResponse)(nil),                // 39: dsec.v1.FreezeResponse
-	(*ThawRequest)(nil),                   // 40: dsec.v1.ThawRequest
-	(*ThawResponse)(nil),                  // 41: dsec.v1.ThawResponse
-	(*JobRequest)(nil),                    // 42: dsec.v1.JobRequest
-	(*JobResult)(nil),                     // 43: dsec.v1.JobResult
-	(*JobResponse)(nil),                   // 44: dsec.v1.JobResponse
-	(*AcquireRequest)(nil),                // 45: dsec.v1.AcquireRequest
-	(*AcquireResponse)(nil),               // 46: dsec.v1.AcquireResponse
-	(*BatchExecRequest)(nil),              // 47: dsec.v1.BatchExecRequest
-	(*BatchExecItem)(nil),                 // 48: dsec.v1.BatchExecItem
-	(*BatchExecResponse)(nil),             // 49: dsec.v1.BatchExecResponse
-	(*BatchRollbackRequest)(nil),          // 50: dsec.v1.BatchRollbackRequest
-	(*BatchRollbackItem)(nil),             // 51: dsec.v1.BatchRollbackItem
-	(*BatchRollbackResponse)(nil),         // 52: dsec.v1.BatchRollbackResponse
-	(*ReleaseRequest)(nil),                // 53: dsec.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),               // 54: dsec.v1.ReleaseResponse
-	(*Image)(nil),                         // 55: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 56: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 57: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 58: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 59: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 60: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 61: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 62: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 63: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 64: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 65: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 66: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 67: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 68: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 69: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 70: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 71: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 72: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 73: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 74: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 75: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 76: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 77: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 78: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 79: dsec.v1.Quota
-	(*CreateTenantRequest)(nil),           // 80: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 81: dsec.v1.CreateTenantResponse
-	nil,                                   // 82: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 83: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 84: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 85: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 86: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 87: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 88: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 89: google.protobuf.Timestamp
+	(*RunRequest)(nil),                    // 17: dsec.v1.RunRequest
+	(*RunResponse)(nil),                   // 18: dsec.v1.RunResponse
+	(*WriteFileRequest)(nil),              // 19: dsec.v1.WriteFileRequest
+	(*WriteFileResponse)(nil),             // 20: dsec.v1.WriteFileResponse
+	(*ReadFileRequest)(nil),               // 21: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),              // 22: dsec.v1.ReadFileResponse
+	(*SubmitRewardRequest)(nil),           // 23: dsec.v1.SubmitRewardRequest
+	(*SubmitRewardResponse)(nil),          // 24: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryRequest)(nil),          // 25: dsec.v1.GetTrajectoryRequest
+	(*GetTrajectoryResponse)(nil),         // 26: dsec.v1.GetTrajectoryResponse
+	(*DestroySandboxRequest)(nil),         // 27: dsec.v1.DestroySandboxRequest
+	(*DestroySandboxResponse)(nil),        // 28: dsec.v1.DestroySandboxResponse
+	(*BatchDestroySandboxesRequest)(nil),  // 29: dsec.v1.BatchDestroySandboxesRequest
+	(*BatchDestroyResult)(nil),            // 30: dsec.v1.BatchDestroyResult
+	(*BatchDestroySandboxesResponse)(nil), // 31: dsec.v1.BatchDestroySandboxesResponse
+	(*SnapshotRequest)(nil),               // 32: dsec.v1.SnapshotRequest
+	(*SnapshotResponse)(nil),              // 33: dsec.v1.SnapshotResponse
+	(*CheckpointRequest)(nil),             // 34: dsec.v1.CheckpointRequest
+	(*CheckpointResponse)(nil),            // 35: dsec.v1.CheckpointResponse
+	(*RollbackRequest)(nil),               // 36: dsec.v1.RollbackRequest
+	(*RollbackResponse)(nil),              // 37: dsec.v1.RollbackResponse
+	(*DeleteCheckpointRequest)(nil),       // 38: dsec.v1.DeleteCheckpointRequest
+	(*DeleteCheckpointResponse)(nil),      // 39: dsec.v1.DeleteCheckpointResponse
+	(*FreezeRequest)(nil),                 // 40: dsec.v1.FreezeRequest
+	(*FreezeResponse)(nil),                // 41: dsec.v1.FreezeResponse
+	(*ThawRequest)(nil),                   // 42: dsec.v1.ThawRequest
+	(*ThawResponse)(nil),                  // 43: dsec.v1.ThawResponse
+	(*JobRequest)(nil),                    // 44: dsec.v1.JobRequest
+	(*JobResult)(nil),                     // 45: dsec.v1.JobResult
+	(*JobResponse)(nil),                   // 46: dsec.v1.JobResponse
+	(*AcquireRequest)(nil),                // 47: dsec.v1.AcquireRequest
+	(*AcquireResponse)(nil),               // 48: dsec.v1.AcquireResponse
+	(*BatchExecRequest)(nil),              // 49: dsec.v1.BatchExecRequest
+	(*BatchExecItem)(nil),                 // 50: dsec.v1.BatchExecItem
+	(*BatchExecResponse)(nil),             // 51: dsec.v1.BatchExecResponse
+	(*BatchRollbackRequest)(nil),          // 52: dsec.v1.BatchRollbackRequest
+	(*BatchRollbackItem)(nil),             // 53: dsec.v1.BatchRollbackItem
+	(*BatchRollbackResponse)(nil),         // 54: dsec.v1.BatchRollbackResponse
+	(*ReleaseRequest)(nil),                // 55: dsec.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),               // 56: dsec.v1.ReleaseResponse
+	(*Image)(nil),                         // 57: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 58: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 59: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 60: dsec.v1.ImportImageResponse
+	(*ListImagesRequest)(nil),             // 61: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 62: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 63: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 64: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 65: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 66: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 67: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 68: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 69: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 70: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 71: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 72: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 73: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 74: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 75: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 76: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 77: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 78: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 79: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 80: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 81: dsec.v1.Quota
+	(*CreateTenantRequest)(nil),           // 82: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 83: dsec.v1.CreateTenantResponse
+	nil,                                   // 84: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 85: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 86: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 87: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 88: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 89: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 90: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 91: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	82, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	88, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	88, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	84, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	90, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	90, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	89, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	89, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	91, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	91, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	1,  // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,  // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,  // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -5520,127 +5714,132 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	6,  // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	7,  // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,  // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	83, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	85, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,  // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	88, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	88, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	90, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	90, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	14, // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	14, // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	84, // 20: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
-	6,  // 21: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
-	28, // 22: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	55, // 23: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
-	2,  // 24: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
-	2,  // 25: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	85, // 26: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
-	6,  // 27: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
-	43, // 28: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	1,  // 29: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
-	7,  // 30: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
-	13, // 31: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
-	14, // 32: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
-	6,  // 33: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
-	48, // 34: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
-	34, // 35: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
-	35, // 36: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
-	6,  // 37: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
-	51, // 38: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
-	28, // 39: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	89, // 40: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	57, // 41: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	55, // 42: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	55, // 43: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	55, // 44: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	55, // 45: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	88, // 46: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,  // 47: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	88, // 48: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,  // 49: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	88, // 50: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	69, // 51: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	69, // 52: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	88, // 53: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	88, // 54: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	86, // 55: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	77, // 56: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	77, // 57: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	87, // 58: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	79, // 59: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	3,  // 60: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,  // 61: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,  // 62: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11, // 63: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13, // 64: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13, // 65: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17, // 66: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	19, // 67: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	25, // 68: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	27, // 69: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	21, // 70: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	23, // 71: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	30, // 72: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	32, // 73: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	34, // 74: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	36, // 75: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	38, // 76: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	40, // 77: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	42, // 78: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	42, // 79: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	45, // 80: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	47, // 81: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	50, // 82: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	53, // 83: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	56, // 84: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	59, // 85: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	61, // 86: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	63, // 87: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	65, // 88: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	67, // 89: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	70, // 90: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	72, // 91: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	74, // 92: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	76, // 93: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	80, // 94: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	4,  // 95: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,  // 96: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10, // 97: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12, // 98: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15, // 99: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16, // 100: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18, // 101: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	20, // 102: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 103: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	29, // 104: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	22, // 105: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	24, // 106: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	31, // 107: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	33, // 108: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	35, // 109: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	37, // 110: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	39, // 111: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	41, // 112: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	44, // 113: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	44, // 114: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	46, // 115: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	49, // 116: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	52, // 117: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	54, // 118: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	58, // 119: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	60, // 120: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	62, // 121: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	64, // 122: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	66, // 123: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	68, // 124: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	71, // 125: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	73, // 126: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	75, // 127: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	78, // 128: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	81, // 129: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	95, // [95:130] is the sub-list for method output_type
-	60, // [60:95] is the sub-list for method input_type
-	60, // [60:60] is the sub-list for extension type_name
-	60, // [60:60] is the sub-list for extension extendee
-	0,  // [0:60] is the sub-list for field type_name
+	1,  // 20: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	13, // 21: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
+	14, // 22: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
+	86, // 23: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	6,  // 24: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
+	30, // 25: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	57, // 26: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	2,  // 27: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
+	2,  // 28: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
+	87, // 29: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	6,  // 30: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	45, // 31: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	1,  // 32: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	7,  // 33: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	13, // 34: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	14, // 35: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	6,  // 36: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	50, // 37: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	36, // 38: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	37, // 39: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	6,  // 40: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	53, // 41: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	30, // 42: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	91, // 43: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	59, // 44: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	57, // 45: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	57, // 46: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	57, // 47: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	57, // 48: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	90, // 49: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,  // 50: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	90, // 51: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,  // 52: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	90, // 53: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	71, // 54: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	71, // 55: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	90, // 56: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	90, // 57: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	88, // 58: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	79, // 59: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	79, // 60: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	89, // 61: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	81, // 62: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	3,  // 63: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	5,  // 64: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	9,  // 65: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	11, // 66: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	13, // 67: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	13, // 68: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	17, // 69: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	19, // 70: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	21, // 71: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	27, // 72: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	29, // 73: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	23, // 74: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	25, // 75: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	32, // 76: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	34, // 77: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	36, // 78: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	38, // 79: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	40, // 80: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	42, // 81: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	44, // 82: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	44, // 83: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	47, // 84: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	49, // 85: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	52, // 86: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	55, // 87: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	58, // 88: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	61, // 89: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	63, // 90: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	65, // 91: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	67, // 92: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	69, // 93: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	72, // 94: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	74, // 95: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	76, // 96: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	78, // 97: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	82, // 98: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	4,  // 99: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	8,  // 100: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	10, // 101: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	12, // 102: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	15, // 103: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	16, // 104: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	18, // 105: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	20, // 106: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	22, // 107: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	28, // 108: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	31, // 109: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	24, // 110: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	26, // 111: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	33, // 112: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	35, // 113: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	37, // 114: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	39, // 115: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	41, // 116: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	43, // 117: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	46, // 118: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	46, // 119: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	48, // 120: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	51, // 121: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	54, // 122: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	56, // 123: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	60, // 124: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	62, // 125: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	64, // 126: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	66, // 127: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	68, // 128: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	70, // 129: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	73, // 130: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	75, // 131: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	77, // 132: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	80, // 133: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	83, // 134: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	99, // [99:135] is the sub-list for method output_type
+	63, // [63:99] is the sub-list for method input_type
+	63, // [63:63] is the sub-list for extension type_name
+	63, // [63:63] is the sub-list for extension extendee
+	0,  // [0:63] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -5653,7 +5852,12 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ExecStreamResponse_Stderr)(nil),
 		(*ExecStreamResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[56].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[18].OneofWrappers = []any{
+		(*RunResponse_Stdout)(nil),
+		(*RunResponse_Stderr)(nil),
+		(*RunResponse_Result)(nil),
+	}
+	file_dsec_v1_dsec_proto_msgTypes[58].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
@@ -5663,7 +5867,7 @@ func file_dsec_v1_dsec_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   88,
+			NumMessages:   90,
 			NumExtensions: 0,
 			NumServices:   5,
 		},

@@ -297,6 +297,76 @@ func (x *EdgeExecRequest) GetRequest() *ExecRequest {
 	return nil
 }
 
+type EdgeRunRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	// Chosen by the server; names this edge's node.
+	SandboxId string       `protobuf:"bytes,2,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Spec      *SandboxSpec `protobuf:"bytes,3,opt,name=spec,proto3" json:"spec,omitempty"`
+	// The command (its sandbox_id is ignored).
+	Exec          *ExecRequest `protobuf:"bytes,4,opt,name=exec,proto3" json:"exec,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeRunRequest) Reset() {
+	*x = EdgeRunRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeRunRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeRunRequest) ProtoMessage() {}
+
+func (x *EdgeRunRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeRunRequest.ProtoReflect.Descriptor instead.
+func (*EdgeRunRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *EdgeRunRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeRunRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *EdgeRunRequest) GetSpec() *SandboxSpec {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *EdgeRunRequest) GetExec() *ExecRequest {
+	if x != nil {
+		return x.Exec
+	}
+	return nil
+}
+
 type EdgeWriteFileRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -307,7 +377,7 @@ type EdgeWriteFileRequest struct {
 
 func (x *EdgeWriteFileRequest) Reset() {
 	*x = EdgeWriteFileRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[5]
+	mi := &file_dsec_v1_edge_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -319,7 +389,7 @@ func (x *EdgeWriteFileRequest) String() string {
 func (*EdgeWriteFileRequest) ProtoMessage() {}
 
 func (x *EdgeWriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[5]
+	mi := &file_dsec_v1_edge_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -332,7 +402,7 @@ func (x *EdgeWriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeWriteFileRequest.ProtoReflect.Descriptor instead.
 func (*EdgeWriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *EdgeWriteFileRequest) GetCaller() *Caller {
@@ -359,7 +429,7 @@ type EdgeReadFileRequest struct {
 
 func (x *EdgeReadFileRequest) Reset() {
 	*x = EdgeReadFileRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -371,7 +441,7 @@ func (x *EdgeReadFileRequest) String() string {
 func (*EdgeReadFileRequest) ProtoMessage() {}
 
 func (x *EdgeReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -384,7 +454,7 @@ func (x *EdgeReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeReadFileRequest.ProtoReflect.Descriptor instead.
 func (*EdgeReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *EdgeReadFileRequest) GetCaller() *Caller {
@@ -411,7 +481,7 @@ type EdgeSubmitRewardRequest struct {
 
 func (x *EdgeSubmitRewardRequest) Reset() {
 	*x = EdgeSubmitRewardRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -423,7 +493,7 @@ func (x *EdgeSubmitRewardRequest) String() string {
 func (*EdgeSubmitRewardRequest) ProtoMessage() {}
 
 func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -436,7 +506,7 @@ func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSubmitRewardRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSubmitRewardRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *EdgeSubmitRewardRequest) GetCaller() *Caller {
@@ -466,7 +536,7 @@ type EdgeSnapshotRequest struct {
 
 func (x *EdgeSnapshotRequest) Reset() {
 	*x = EdgeSnapshotRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -478,7 +548,7 @@ func (x *EdgeSnapshotRequest) String() string {
 func (*EdgeSnapshotRequest) ProtoMessage() {}
 
 func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -491,7 +561,7 @@ func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *EdgeSnapshotRequest) GetCaller() *Caller {
@@ -525,7 +595,7 @@ type EdgeCheckpointRequest struct {
 
 func (x *EdgeCheckpointRequest) Reset() {
 	*x = EdgeCheckpointRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -537,7 +607,7 @@ func (x *EdgeCheckpointRequest) String() string {
 func (*EdgeCheckpointRequest) ProtoMessage() {}
 
 func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -550,7 +620,7 @@ func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*EdgeCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *EdgeCheckpointRequest) GetCaller() *Caller {
@@ -577,7 +647,7 @@ type EdgeRollbackRequest struct {
 
 func (x *EdgeRollbackRequest) Reset() {
 	*x = EdgeRollbackRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -589,7 +659,7 @@ func (x *EdgeRollbackRequest) String() string {
 func (*EdgeRollbackRequest) ProtoMessage() {}
 
 func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -602,7 +672,7 @@ func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRollbackRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *EdgeRollbackRequest) GetCaller() *Caller {
@@ -629,7 +699,7 @@ type EdgeDeleteCheckpointRequest struct {
 
 func (x *EdgeDeleteCheckpointRequest) Reset() {
 	*x = EdgeDeleteCheckpointRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -641,7 +711,7 @@ func (x *EdgeDeleteCheckpointRequest) String() string {
 func (*EdgeDeleteCheckpointRequest) ProtoMessage() {}
 
 func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -654,7 +724,7 @@ func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeDeleteCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*EdgeDeleteCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EdgeDeleteCheckpointRequest) GetCaller() *Caller {
@@ -681,7 +751,7 @@ type EdgeGetTrajectoryRequest struct {
 
 func (x *EdgeGetTrajectoryRequest) Reset() {
 	*x = EdgeGetTrajectoryRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -693,7 +763,7 @@ func (x *EdgeGetTrajectoryRequest) String() string {
 func (*EdgeGetTrajectoryRequest) ProtoMessage() {}
 
 func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -706,7 +776,7 @@ func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeGetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*EdgeGetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *EdgeGetTrajectoryRequest) GetCaller() *Caller {
@@ -733,7 +803,7 @@ type EdgeBatchExecRequest struct {
 
 func (x *EdgeBatchExecRequest) Reset() {
 	*x = EdgeBatchExecRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -745,7 +815,7 @@ func (x *EdgeBatchExecRequest) String() string {
 func (*EdgeBatchExecRequest) ProtoMessage() {}
 
 func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -758,7 +828,7 @@ func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeBatchExecRequest.ProtoReflect.Descriptor instead.
 func (*EdgeBatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *EdgeBatchExecRequest) GetCaller() *Caller {
@@ -785,7 +855,7 @@ type EdgeBatchRollbackRequest struct {
 
 func (x *EdgeBatchRollbackRequest) Reset() {
 	*x = EdgeBatchRollbackRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -797,7 +867,7 @@ func (x *EdgeBatchRollbackRequest) String() string {
 func (*EdgeBatchRollbackRequest) ProtoMessage() {}
 
 func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -810,7 +880,7 @@ func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeBatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*EdgeBatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *EdgeBatchRollbackRequest) GetCaller() *Caller {
@@ -839,7 +909,7 @@ type EdgeCreatePoolRequest struct {
 
 func (x *EdgeCreatePoolRequest) Reset() {
 	*x = EdgeCreatePoolRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -851,7 +921,7 @@ func (x *EdgeCreatePoolRequest) String() string {
 func (*EdgeCreatePoolRequest) ProtoMessage() {}
 
 func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -864,7 +934,7 @@ func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeCreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*EdgeCreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *EdgeCreatePoolRequest) GetCaller() *Caller {
@@ -898,7 +968,7 @@ type EdgeDeletePoolRequest struct {
 
 func (x *EdgeDeletePoolRequest) Reset() {
 	*x = EdgeDeletePoolRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -910,7 +980,7 @@ func (x *EdgeDeletePoolRequest) String() string {
 func (*EdgeDeletePoolRequest) ProtoMessage() {}
 
 func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -923,7 +993,7 @@ func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeDeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*EdgeDeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EdgeDeletePoolRequest) GetCaller() *Caller {
@@ -953,7 +1023,7 @@ type EdgeRunCodeRequest struct {
 
 func (x *EdgeRunCodeRequest) Reset() {
 	*x = EdgeRunCodeRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -965,7 +1035,7 @@ func (x *EdgeRunCodeRequest) String() string {
 func (*EdgeRunCodeRequest) ProtoMessage() {}
 
 func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -978,7 +1048,7 @@ func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRunCodeRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *EdgeRunCodeRequest) GetCaller() *Caller {
@@ -1020,7 +1090,7 @@ type BackendCapacity struct {
 
 func (x *BackendCapacity) Reset() {
 	*x = BackendCapacity{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[18]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1032,7 +1102,7 @@ func (x *BackendCapacity) String() string {
 func (*BackendCapacity) ProtoMessage() {}
 
 func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[18]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1045,7 +1115,7 @@ func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackendCapacity.ProtoReflect.Descriptor instead.
 func (*BackendCapacity) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BackendCapacity) GetBackend() string {
@@ -1112,7 +1182,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[19]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1124,7 +1194,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[19]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1137,7 +1207,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -1212,7 +1282,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1224,7 +1294,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1237,7 +1307,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -1317,7 +1387,7 @@ type PoolSummary struct {
 
 func (x *PoolSummary) Reset() {
 	*x = PoolSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1329,7 +1399,7 @@ func (x *PoolSummary) String() string {
 func (*PoolSummary) ProtoMessage() {}
 
 func (x *PoolSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1342,7 +1412,7 @@ func (x *PoolSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolSummary.ProtoReflect.Descriptor instead.
 func (*PoolSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *PoolSummary) GetId() string {
@@ -1390,7 +1460,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1402,7 +1472,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1415,7 +1485,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -1450,7 +1520,13 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"j\n" +
 	"\x0fEdgeExecRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12.\n" +
-	"\arequest\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\arequest\"t\n" +
+	"\arequest\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\arequest\"\xac\x01\n" +
+	"\x0eEdgeRunRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x02 \x01(\tR\tsandboxId\x12(\n" +
+	"\x04spec\x18\x03 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12(\n" +
+	"\x04exec\x18\x04 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\"t\n" +
 	"\x14EdgeWriteFileRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x123\n" +
 	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.WriteFileRequestR\arequest\"r\n" +
@@ -1529,7 +1605,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x05ready\x18\x04 \x01(\x05R\x05ready\x12\x12\n" +
 	"\x04size\x18\x05 \x01(\x05R\x04size\">\n" +
 	"\x11HeartbeatResponse\x12)\n" +
-	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xbe\x0e\n" +
+	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xfc\x0e\n" +
 	"\vEdgeService\x12J\n" +
 	"\fCreateOnEdge\x12\x1a.dsec.v1.EdgeCreateRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12E\n" +
 	"\tGetOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1b.dsec.v1.GetSandboxResponse\x12F\n" +
@@ -1537,7 +1613,8 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"ListOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x1e.dsec.v1.ListSandboxesResponse\x12=\n" +
 	"\n" +
 	"ExecOnEdge\x12\x18.dsec.v1.EdgeExecRequest\x1a\x15.dsec.v1.ExecResponse\x12K\n" +
-	"\x10ExecStreamOnEdge\x12\x18.dsec.v1.EdgeExecRequest\x1a\x1b.dsec.v1.ExecStreamResponse0\x01\x12L\n" +
+	"\x10ExecStreamOnEdge\x12\x18.dsec.v1.EdgeExecRequest\x1a\x1b.dsec.v1.ExecStreamResponse0\x01\x12<\n" +
+	"\tRunOnEdge\x12\x17.dsec.v1.EdgeRunRequest\x1a\x14.dsec.v1.RunResponse0\x01\x12L\n" +
 	"\x0fWriteFileOnEdge\x12\x1d.dsec.v1.EdgeWriteFileRequest\x1a\x1a.dsec.v1.WriteFileResponse\x12I\n" +
 	"\x0eReadFileOnEdge\x12\x1c.dsec.v1.EdgeReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse\x12M\n" +
 	"\rDestroyOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1f.dsec.v1.DestroySandboxResponse\x12U\n" +
@@ -1573,163 +1650,170 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_dsec_v1_edge_proto_goTypes = []any{
 	(*Caller)(nil),                      // 0: dsec.v1.Caller
 	(*EdgeCreateRequest)(nil),           // 1: dsec.v1.EdgeCreateRequest
 	(*EdgeSandboxRequest)(nil),          // 2: dsec.v1.EdgeSandboxRequest
 	(*EdgeListRequest)(nil),             // 3: dsec.v1.EdgeListRequest
 	(*EdgeExecRequest)(nil),             // 4: dsec.v1.EdgeExecRequest
-	(*EdgeWriteFileRequest)(nil),        // 5: dsec.v1.EdgeWriteFileRequest
-	(*EdgeReadFileRequest)(nil),         // 6: dsec.v1.EdgeReadFileRequest
-	(*EdgeSubmitRewardRequest)(nil),     // 7: dsec.v1.EdgeSubmitRewardRequest
-	(*EdgeSnapshotRequest)(nil),         // 8: dsec.v1.EdgeSnapshotRequest
-	(*EdgeCheckpointRequest)(nil),       // 9: dsec.v1.EdgeCheckpointRequest
-	(*EdgeRollbackRequest)(nil),         // 10: dsec.v1.EdgeRollbackRequest
-	(*EdgeDeleteCheckpointRequest)(nil), // 11: dsec.v1.EdgeDeleteCheckpointRequest
-	(*EdgeGetTrajectoryRequest)(nil),    // 12: dsec.v1.EdgeGetTrajectoryRequest
-	(*EdgeBatchExecRequest)(nil),        // 13: dsec.v1.EdgeBatchExecRequest
-	(*EdgeBatchRollbackRequest)(nil),    // 14: dsec.v1.EdgeBatchRollbackRequest
-	(*EdgeCreatePoolRequest)(nil),       // 15: dsec.v1.EdgeCreatePoolRequest
-	(*EdgeDeletePoolRequest)(nil),       // 16: dsec.v1.EdgeDeletePoolRequest
-	(*EdgeRunCodeRequest)(nil),          // 17: dsec.v1.EdgeRunCodeRequest
-	(*BackendCapacity)(nil),             // 18: dsec.v1.BackendCapacity
-	(*SandboxSummary)(nil),              // 19: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),            // 20: dsec.v1.HeartbeatRequest
-	(*PoolSummary)(nil),                 // 21: dsec.v1.PoolSummary
-	(*HeartbeatResponse)(nil),           // 22: dsec.v1.HeartbeatResponse
-	nil,                                 // 23: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                                 // 24: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),                 // 25: dsec.v1.SandboxSpec
-	(*ExecRequest)(nil),                 // 26: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),            // 27: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),             // 28: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),         // 29: dsec.v1.SubmitRewardRequest
-	(*SnapshotRequest)(nil),             // 30: dsec.v1.SnapshotRequest
-	(*CheckpointRequest)(nil),           // 31: dsec.v1.CheckpointRequest
-	(*RollbackRequest)(nil),             // 32: dsec.v1.RollbackRequest
-	(*DeleteCheckpointRequest)(nil),     // 33: dsec.v1.DeleteCheckpointRequest
-	(*GetTrajectoryRequest)(nil),        // 34: dsec.v1.GetTrajectoryRequest
-	(*BatchExecRequest)(nil),            // 35: dsec.v1.BatchExecRequest
-	(*BatchRollbackRequest)(nil),        // 36: dsec.v1.BatchRollbackRequest
-	(*CreatePoolRequest)(nil),           // 37: dsec.v1.CreatePoolRequest
-	(*RunCodeRequest)(nil),              // 38: dsec.v1.RunCodeRequest
-	(*CreateSandboxResponse)(nil),       // 39: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 40: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 41: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 42: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 43: dsec.v1.ExecStreamResponse
-	(*WriteFileResponse)(nil),           // 44: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 45: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 46: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 47: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 48: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 49: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 50: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 51: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 52: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 53: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 54: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 55: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 56: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 57: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 58: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 59: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 60: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 61: dsec.v1.RunCodeResponse
+	(*EdgeRunRequest)(nil),              // 5: dsec.v1.EdgeRunRequest
+	(*EdgeWriteFileRequest)(nil),        // 6: dsec.v1.EdgeWriteFileRequest
+	(*EdgeReadFileRequest)(nil),         // 7: dsec.v1.EdgeReadFileRequest
+	(*EdgeSubmitRewardRequest)(nil),     // 8: dsec.v1.EdgeSubmitRewardRequest
+	(*EdgeSnapshotRequest)(nil),         // 9: dsec.v1.EdgeSnapshotRequest
+	(*EdgeCheckpointRequest)(nil),       // 10: dsec.v1.EdgeCheckpointRequest
+	(*EdgeRollbackRequest)(nil),         // 11: dsec.v1.EdgeRollbackRequest
+	(*EdgeDeleteCheckpointRequest)(nil), // 12: dsec.v1.EdgeDeleteCheckpointRequest
+	(*EdgeGetTrajectoryRequest)(nil),    // 13: dsec.v1.EdgeGetTrajectoryRequest
+	(*EdgeBatchExecRequest)(nil),        // 14: dsec.v1.EdgeBatchExecRequest
+	(*EdgeBatchRollbackRequest)(nil),    // 15: dsec.v1.EdgeBatchRollbackRequest
+	(*EdgeCreatePoolRequest)(nil),       // 16: dsec.v1.EdgeCreatePoolRequest
+	(*EdgeDeletePoolRequest)(nil),       // 17: dsec.v1.EdgeDeletePoolRequest
+	(*EdgeRunCodeRequest)(nil),          // 18: dsec.v1.EdgeRunCodeRequest
+	(*BackendCapacity)(nil),             // 19: dsec.v1.BackendCapacity
+	(*SandboxSummary)(nil),              // 20: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),            // 21: dsec.v1.HeartbeatRequest
+	(*PoolSummary)(nil),                 // 22: dsec.v1.PoolSummary
+	(*HeartbeatResponse)(nil),           // 23: dsec.v1.HeartbeatResponse
+	nil,                                 // 24: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                                 // 25: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),                 // 26: dsec.v1.SandboxSpec
+	(*ExecRequest)(nil),                 // 27: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 28: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 29: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 30: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 31: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 32: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 33: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 34: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 35: dsec.v1.GetTrajectoryRequest
+	(*BatchExecRequest)(nil),            // 36: dsec.v1.BatchExecRequest
+	(*BatchRollbackRequest)(nil),        // 37: dsec.v1.BatchRollbackRequest
+	(*CreatePoolRequest)(nil),           // 38: dsec.v1.CreatePoolRequest
+	(*RunCodeRequest)(nil),              // 39: dsec.v1.RunCodeRequest
+	(*CreateSandboxResponse)(nil),       // 40: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 41: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 42: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 43: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 44: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 45: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 46: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 47: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 48: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 49: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 50: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 51: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 52: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 53: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 54: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 55: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 56: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 57: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 58: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 59: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 60: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 61: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 62: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 63: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	25, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	26, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
 	0,  // 2: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 3: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	23, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	24, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
 	0,  // 5: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	26, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
-	0,  // 7: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	27, // 8: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
-	0,  // 9: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	28, // 10: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
-	0,  // 11: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	29, // 12: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
-	0,  // 13: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
-	30, // 14: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
-	0,  // 15: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	31, // 16: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
-	0,  // 17: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
-	32, // 18: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
-	0,  // 19: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	33, // 20: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
-	0,  // 21: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	34, // 22: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
-	0,  // 23: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
-	35, // 24: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
-	0,  // 25: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
-	36, // 26: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
-	0,  // 27: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
-	37, // 28: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
-	0,  // 29: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
-	0,  // 30: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
-	38, // 31: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
-	24, // 32: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	18, // 33: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	19, // 34: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	21, // 35: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	1,  // 36: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 37: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 38: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 39: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 40: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 41: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	6,  // 42: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 43: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	7,  // 44: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	12, // 45: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	8,  // 46: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	9,  // 47: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	10, // 48: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	11, // 49: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 50: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 51: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 52: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 53: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	13, // 54: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	14, // 55: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	15, // 56: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	3,  // 57: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	16, // 58: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	17, // 59: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	20, // 60: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	39, // 61: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	40, // 62: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	41, // 63: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	42, // 64: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	43, // 65: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	44, // 66: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	45, // 67: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	46, // 68: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	47, // 69: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	48, // 70: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	49, // 71: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	50, // 72: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	51, // 73: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	52, // 74: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	53, // 75: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	54, // 76: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	55, // 77: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	55, // 78: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	56, // 79: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	57, // 80: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	58, // 81: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	59, // 82: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	60, // 83: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	61, // 84: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	22, // 85: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	61, // [61:86] is the sub-list for method output_type
-	36, // [36:61] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	27, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	0,  // 7: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
+	26, // 8: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	27, // 9: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
+	0,  // 10: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
+	28, // 11: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	0,  // 12: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
+	29, // 13: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	0,  // 14: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
+	30, // 15: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	0,  // 16: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
+	31, // 17: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	0,  // 18: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	32, // 19: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	0,  // 20: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
+	33, // 21: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	0,  // 22: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	34, // 23: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	0,  // 24: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
+	35, // 25: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	0,  // 26: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
+	36, // 27: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
+	0,  // 28: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
+	37, // 29: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
+	0,  // 30: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
+	38, // 31: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
+	0,  // 32: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 33: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
+	39, // 34: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
+	25, // 35: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	19, // 36: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	20, // 37: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	22, // 38: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	1,  // 39: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 40: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 41: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 42: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 43: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 44: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	6,  // 45: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	7,  // 46: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 47: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	8,  // 48: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	13, // 49: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	9,  // 50: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	10, // 51: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	11, // 52: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	12, // 53: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 54: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 55: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 56: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 57: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	14, // 58: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	15, // 59: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	16, // 60: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	3,  // 61: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	17, // 62: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	18, // 63: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	21, // 64: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	40, // 65: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	41, // 66: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	42, // 67: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	43, // 68: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	44, // 69: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	45, // 70: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	46, // 71: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	47, // 72: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	48, // 73: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	49, // 74: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	50, // 75: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	51, // 76: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	52, // 77: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	53, // 78: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	54, // 79: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	55, // 80: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	56, // 81: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	57, // 82: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	57, // 83: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	58, // 84: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	59, // 85: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	60, // 86: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	61, // 87: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	62, // 88: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	63, // 89: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	23, // 90: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	65, // [65:91] is the sub-list for method output_type
+	39, // [39:65] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -1744,7 +1828,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

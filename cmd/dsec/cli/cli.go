@@ -1,7 +1,9 @@
-// Package cli is the command-line plumbing both DSec binaries share: the
-// client dsec and the daemons' dsecd. It holds exit codes, usage errors,
-// argument checks and the parsing of CPU and size flags, and nothing that
-// links a server-side package: dsec imports it, and dsec must start fast.
+// Package cli is the command-line plumbing DSec's cobra binaries share: the
+// full client dsec-cli and the daemons' dsecd. It holds exit codes, usage
+// errors, argument checks and the parsing of CPU and size flags, and
+// nothing that links a server-side package: dsec-cli imports it, and
+// dsec-cli must start fast. (The front binary dsec links cobra-free
+// packages only: flagval and handoff.)
 //
 // Exit codes: exec and run exit with the command's own exit code (128+N
 // when it was killed by signal N, 124 when it timed out). DSec itself uses
@@ -18,6 +20,9 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+
+	"github.com/dsec-dev/dsec/cmd/dsec/cli/flagval"
+	"github.com/dsec-dev/dsec/cmd/dsec/cli/handoff"
 )
 
 // Exit codes; see the package comment.
@@ -78,20 +83,21 @@ func Report(stderr io.Writer, prog string, err error) int {
 	return ExitError
 }
 
-// Daemon is a command of dsecd, the daemons' binary. The client dsec lists
-// these too and hands them over to dsecd (see cmd/dsec/daemon.go), so that
-// `dsec up` keeps working and `dsec --help` still shows it.
-type Daemon struct{ Name, Short string }
+// Daemon is a command of dsecd, the daemons' binary (see package handoff).
+type Daemon = handoff.Daemon
 
 // Daemons are dsecd's commands.
-var Daemons = []Daemon{
-	{"up", "Run a server and one edge in one process: a one-node DSec with no configuration"},
-	{"server", "Run a control-plane replica (API, IAM, placement); edges heartbeat to it"},
-	{"edge", "Run a node agent: own this node's sandboxes, heartbeat to every server"},
-}
+var Daemons = handoff.Daemons
 
 // DaemonBinary is the file name of the daemons' binary.
-const DaemonBinary = "dsecd"
+const DaemonBinary = handoff.DaemonBinary
 
 // DaemonEnv names the environment variable that points dsec at dsecd.
-const DaemonEnv = "DSEC_DAEMON"
+const DaemonEnv = handoff.DaemonEnv
+
+// ParseCPU turns a core count ("1", "0.5", "2.25") into milliCPU.
+func ParseCPU(flag, s string) (int64, error) { return flagval.ParseCPU(flag, s) }
+
+// ParseSize turns "512m", "1g", "1GiB", "1.5g" or a plain byte count into
+// bytes.
+func ParseSize(flag, s string) (int64, error) { return flagval.ParseSize(flag, s) }

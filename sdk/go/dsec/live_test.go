@@ -129,6 +129,7 @@ func smallSpec(env ...string) dsec.Spec {
 
 func TestLive(t *testing.T) {
 	c := startUp(t)
+	t.Run("run", func(t *testing.T) { testLiveRun(t, c) })
 	t.Run("batch", func(t *testing.T) { testLiveBatch(t, c) })
 	t.Run("pool", func(t *testing.T) { testLivePool(t, c) })
 	t.Run("runcode", func(t *testing.T) { testLiveRunCode(t, c) })

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -369,6 +370,72 @@ class DSecClient:
             return result
 
         return await self._send(body, sandbox, attempt)
+
+    async def run(
+        self,
+        spec: SandboxSpec,
+        cmd: Union[str, Sequence[str]],
+        timeout: Optional[float] = None,
+        *,
+        env: Union[Mapping[str, str], Sequence[str], None] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        stdin: Union[bytes, str, None] = None,
+        max_output_bytes: Optional[int] = None,
+        on_output: Optional[OutputCallback] = None,
+    ) -> ExecResult:
+        """Creates a sandbox from ``spec``, runs ``cmd`` in it and destroys
+        it, in one request (``dsec run``): the server does create, exec and
+        destroy back to back, and destroys the sandbox even if the command
+        fails or this call is abandoned.
+
+        ``cmd`` and the keyword arguments are as for :meth:`exec`. Output
+        goes to ``on_output(stream, data)`` as it is produced when given;
+        otherwise it is collected into the result's ``stdout``/``stderr``.
+        A failure before the command could start (bad spec, quota, no room)
+        raises; a sandbox or node failing afterwards, or the connection
+        breaking mid-run, gives a result with ``outcome == "infra_error"``.
+        Nothing is re-sent: a Run that may have started is never repeated.
+        """
+        body: Dict[str, Any] = {"spec": spec.to_json(), "exec": _exec_body(None, cmd, timeout, env, cwd, user, stdin, max_output_bytes)}
+        http_timeout = None if timeout is None else timeout + _EXEC_GRACE_S + 120.0
+        out: Dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        result: Optional[ExecResult] = None
+        started = False
+        start = time.monotonic()
+        try:
+            async for msg in self._t.server_stream(f"{_SANDBOX}/Run", body, timeout=http_timeout):
+                started = True
+                if "result" in msg:
+                    result = ExecResult.from_json(msg["result"] or {})
+                    continue
+                for stream in ("stdout", "stderr"):
+                    if stream in msg:
+                        data = b64decode(msg[stream])
+                        if on_output is None:
+                            out[stream] += data
+                        else:
+                            r = on_output(stream, data)
+                            if asyncio.iscoroutine(r):
+                                await r
+        except DSecError as e:
+            # Once the sandbox exists, a broken stream is the
+            # infrastructure's failure, as for exec.
+            if started and e.code in INFRA_CODES:
+                return ExecResult.infra_failure(str(e), time.monotonic() - start)
+            raise
+        if result is None:
+            raise error_for("internal", "Run ended without a result")
+        if on_output is None:
+            o, e = bytes(out["stdout"]), bytes(out["stderr"])
+            result = dataclasses.replace(
+                result,
+                stdout_bytes=o,
+                stderr_bytes=e,
+                stdout=o.decode("utf-8", errors="replace"),
+                stderr=e.decode("utf-8", errors="replace"),
+            )
+        return result
 
     def write_file(
         self,
@@ -1198,7 +1265,7 @@ def _per_item(items: List[Any], return_exceptions: bool) -> List[Any]:
 
 
 def _exec_body(
-    sandbox: Union[str, Sandbox],
+    sandbox: Union[str, Sandbox, None],
     cmd: Union[str, Sequence[str]],
     timeout: Optional[float],
     env: Union[Mapping[str, str], Sequence[str], None],
@@ -1207,8 +1274,9 @@ def _exec_body(
     stdin: Union[bytes, str, None],
     max_output_bytes: Optional[int],
 ) -> Dict[str, Any]:
-    """The ExecRequest JSON of one command, checked, without its number."""
-    body: Dict[str, Any] = {"sandboxId": _id(sandbox)}
+    """The ExecRequest JSON of one command, checked, without its number
+    (and without a sandbox id when ``sandbox`` is None: Run's)."""
+    body: Dict[str, Any] = {} if sandbox is None else {"sandboxId": _id(sandbox)}
     if isinstance(cmd, str):
         if not cmd:
             raise ValueError("cmd must not be empty")

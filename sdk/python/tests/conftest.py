@@ -3,7 +3,7 @@ per session, and a tiny hook that runs ``async def`` tests with asyncio (so
 no pytest plugin beyond Debian's python3-pytest is needed).
 
 Environment:
-  DSEC_BIN        a built dsec binary, with dsecd next to it (else the fixture builds both with go)
+  DSEC_BIN        a built dsec binary, with dsecd and dsec-cli next to it (else the fixture builds them with go)
   DSEC_AGENT_BIN  a built static dsec-agent (else next to DSEC_BIN, else built)
 """
 
@@ -72,8 +72,14 @@ def _build(out_dir: Path) -> tuple[str, str]:
     dsec = out_dir / "dsec"
     agent = out_dir / "dsec-agent"
     env = dict(os.environ, CGO_ENABLED="0")
-    # dsec hands `dsec up` over to the dsecd next to it.
-    for pkg, out in (("./cmd/dsec", dsec), ("./cmd/dsecd", out_dir / "dsecd"), ("./cmd/dsec-agent", agent)):
+    # dsec hands `dsec up` over to the dsecd next to it, and the client
+    # commands (but the common form of run) to the dsec-cli next to it.
+    for pkg, out in (
+        ("./cmd/dsec", dsec),
+        ("./cmd/dsecd", out_dir / "dsecd"),
+        ("./cmd/dsec-cli", out_dir / "dsec-cli"),
+        ("./cmd/dsec-agent", agent),
+    ):
         p = subprocess.run([_go(), "build", "-o", str(out), pkg], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if p.returncode != 0:
             pytest.fail(f"go build {pkg} failed:\n{p.stderr}")

@@ -233,3 +233,17 @@ async def test_tenants_are_isolated_and_quota_limited(server):
                     with pytest.raises(ResourceExhaustedError):
                         await tenant.create(spec())
             assert await admins.is_alive()
+
+
+async def test_run_creates_runs_and_destroys_in_one_call(server):
+    async with await connect(server) as client:
+        res = await client.run(spec(env={"X": "spec"}), "echo out $X; echo err >&2; exit 4")
+        assert (res.outcome, res.exit_code, res.stdout, res.stderr) == ("failed", 4, "out spec\n", "err\n")
+        got = []
+        res = await client.run(spec(), ["sh", "-c", "echo a; echo b >&2"], on_output=lambda s, d: got.append((s, d)))
+        assert res.ok and res.stdout == ""
+        assert b"".join(d for s, d in got if s == "stdout") == b"a\n"
+        assert b"".join(d for s, d in got if s == "stderr") == b"b\n"
+        with pytest.raises(NotFoundError):
+            await client.run(SandboxSpec(base_image="nope:1"), "true")
+        assert await client.list() == []

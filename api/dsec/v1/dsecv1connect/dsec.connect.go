@@ -59,6 +59,8 @@ const (
 	// SandboxServiceExecStreamProcedure is the fully-qualified name of the SandboxService's ExecStream
 	// RPC.
 	SandboxServiceExecStreamProcedure = "/dsec.v1.SandboxService/ExecStream"
+	// SandboxServiceRunProcedure is the fully-qualified name of the SandboxService's Run RPC.
+	SandboxServiceRunProcedure = "/dsec.v1.SandboxService/Run"
 	// SandboxServiceWriteFileProcedure is the fully-qualified name of the SandboxService's WriteFile
 	// RPC.
 	SandboxServiceWriteFileProcedure = "/dsec.v1.SandboxService/WriteFile"
@@ -137,6 +139,14 @@ type SandboxServiceClient interface {
 	List(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
 	Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResponse], error)
 	ExecStream(context.Context, *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecStreamResponse], error)
+	// Run creates a sandbox from a spec, runs one command in it streaming its
+	// output, and destroys it: Create, ExecStream and Destroy in one round
+	// trip, with their semantics (auth, quota, admission queue, placement
+	// preferring warm sandboxes, infra_error when the node fails). The
+	// sandbox is destroyed even when the command fails or the caller goes
+	// away. Errors before the sandbox exists end the stream as Create's
+	// would; after that, failures are results with outcome infra_error.
+	Run(context.Context, *connect.Request[v1.RunRequest]) (*connect.ServerStreamForClient[v1.RunResponse], error)
 	WriteFile(context.Context, *connect.Request[v1.WriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error)
 	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	Destroy(context.Context, *connect.Request[v1.DestroySandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
@@ -225,6 +235,12 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			httpClient,
 			baseURL+SandboxServiceExecStreamProcedure,
 			connect.WithSchema(sandboxServiceMethods.ByName("ExecStream")),
+			connect.WithClientOptions(opts...),
+		),
+		run: connect.NewClient[v1.RunRequest, v1.RunResponse](
+			httpClient,
+			baseURL+SandboxServiceRunProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Run")),
 			connect.WithClientOptions(opts...),
 		),
 		writeFile: connect.NewClient[v1.WriteFileRequest, v1.WriteFileResponse](
@@ -346,6 +362,7 @@ type sandboxServiceClient struct {
 	list             *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
 	exec             *connect.Client[v1.ExecRequest, v1.ExecResponse]
 	execStream       *connect.Client[v1.ExecRequest, v1.ExecStreamResponse]
+	run              *connect.Client[v1.RunRequest, v1.RunResponse]
 	writeFile        *connect.Client[v1.WriteFileRequest, v1.WriteFileResponse]
 	readFile         *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
 	destroy          *connect.Client[v1.DestroySandboxRequest, v1.DestroySandboxResponse]
@@ -394,6 +411,11 @@ func (c *sandboxServiceClient) Exec(ctx context.Context, req *connect.Request[v1
 // ExecStream calls dsec.v1.SandboxService.ExecStream.
 func (c *sandboxServiceClient) ExecStream(ctx context.Context, req *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecStreamResponse], error) {
 	return c.execStream.CallServerStream(ctx, req)
+}
+
+// Run calls dsec.v1.SandboxService.Run.
+func (c *sandboxServiceClient) Run(ctx context.Context, req *connect.Request[v1.RunRequest]) (*connect.ServerStreamForClient[v1.RunResponse], error) {
+	return c.run.CallServerStream(ctx, req)
 }
 
 // WriteFile calls dsec.v1.SandboxService.WriteFile.
@@ -494,6 +516,14 @@ type SandboxServiceHandler interface {
 	List(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
 	Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResponse], error)
 	ExecStream(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecStreamResponse]) error
+	// Run creates a sandbox from a spec, runs one command in it streaming its
+	// output, and destroys it: Create, ExecStream and Destroy in one round
+	// trip, with their semantics (auth, quota, admission queue, placement
+	// preferring warm sandboxes, infra_error when the node fails). The
+	// sandbox is destroyed even when the command fails or the caller goes
+	// away. Errors before the sandbox exists end the stream as Create's
+	// would; after that, failures are results with outcome infra_error.
+	Run(context.Context, *connect.Request[v1.RunRequest], *connect.ServerStream[v1.RunResponse]) error
 	WriteFile(context.Context, *connect.Request[v1.WriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error)
 	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	Destroy(context.Context, *connect.Request[v1.DestroySandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
@@ -578,6 +608,12 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		SandboxServiceExecStreamProcedure,
 		svc.ExecStream,
 		connect.WithSchema(sandboxServiceMethods.ByName("ExecStream")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceRunHandler := connect.NewServerStreamHandler(
+		SandboxServiceRunProcedure,
+		svc.Run,
+		connect.WithSchema(sandboxServiceMethods.ByName("Run")),
 		connect.WithHandlerOptions(opts...),
 	)
 	sandboxServiceWriteFileHandler := connect.NewUnaryHandler(
@@ -702,6 +738,8 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceExecHandler.ServeHTTP(w, r)
 		case SandboxServiceExecStreamProcedure:
 			sandboxServiceExecStreamHandler.ServeHTTP(w, r)
+		case SandboxServiceRunProcedure:
+			sandboxServiceRunHandler.ServeHTTP(w, r)
 		case SandboxServiceWriteFileProcedure:
 			sandboxServiceWriteFileHandler.ServeHTTP(w, r)
 		case SandboxServiceReadFileProcedure:
@@ -769,6 +807,10 @@ func (UnimplementedSandboxServiceHandler) Exec(context.Context, *connect.Request
 
 func (UnimplementedSandboxServiceHandler) ExecStream(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecStreamResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ExecStream is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Run(context.Context, *connect.Request[v1.RunRequest], *connect.ServerStream[v1.RunResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Run is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) WriteFile(context.Context, *connect.Request[v1.WriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error) {

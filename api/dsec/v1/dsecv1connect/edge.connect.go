@@ -52,6 +52,8 @@ const (
 	// EdgeServiceExecStreamOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// ExecStreamOnEdge RPC.
 	EdgeServiceExecStreamOnEdgeProcedure = "/dsec.v1.EdgeService/ExecStreamOnEdge"
+	// EdgeServiceRunOnEdgeProcedure is the fully-qualified name of the EdgeService's RunOnEdge RPC.
+	EdgeServiceRunOnEdgeProcedure = "/dsec.v1.EdgeService/RunOnEdge"
 	// EdgeServiceWriteFileOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// WriteFileOnEdge RPC.
 	EdgeServiceWriteFileOnEdgeProcedure = "/dsec.v1.EdgeService/WriteFileOnEdge"
@@ -120,6 +122,9 @@ type EdgeServiceClient interface {
 	ListOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
 	ExecOnEdge(context.Context, *connect.Request[v1.EdgeExecRequest]) (*connect.Response[v1.ExecResponse], error)
 	ExecStreamOnEdge(context.Context, *connect.Request[v1.EdgeExecRequest]) (*connect.ServerStreamForClient[v1.ExecStreamResponse], error)
+	// RunOnEdge is Run on this node: create (sandbox_id chosen by the
+	// server), exec, destroy.
+	RunOnEdge(context.Context, *connect.Request[v1.EdgeRunRequest]) (*connect.ServerStreamForClient[v1.RunResponse], error)
 	WriteFileOnEdge(context.Context, *connect.Request[v1.EdgeWriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error)
 	ReadFileOnEdge(context.Context, *connect.Request[v1.EdgeReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
@@ -185,6 +190,12 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			httpClient,
 			baseURL+EdgeServiceExecStreamOnEdgeProcedure,
 			connect.WithSchema(edgeServiceMethods.ByName("ExecStreamOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		runOnEdge: connect.NewClient[v1.EdgeRunRequest, v1.RunResponse](
+			httpClient,
+			baseURL+EdgeServiceRunOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("RunOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
 		writeFileOnEdge: connect.NewClient[v1.EdgeWriteFileRequest, v1.WriteFileResponse](
@@ -311,6 +322,7 @@ type edgeServiceClient struct {
 	listOnEdge             *connect.Client[v1.EdgeListRequest, v1.ListSandboxesResponse]
 	execOnEdge             *connect.Client[v1.EdgeExecRequest, v1.ExecResponse]
 	execStreamOnEdge       *connect.Client[v1.EdgeExecRequest, v1.ExecStreamResponse]
+	runOnEdge              *connect.Client[v1.EdgeRunRequest, v1.RunResponse]
 	writeFileOnEdge        *connect.Client[v1.EdgeWriteFileRequest, v1.WriteFileResponse]
 	readFileOnEdge         *connect.Client[v1.EdgeReadFileRequest, v1.ReadFileResponse]
 	destroyOnEdge          *connect.Client[v1.EdgeSandboxRequest, v1.DestroySandboxResponse]
@@ -355,6 +367,11 @@ func (c *edgeServiceClient) ExecOnEdge(ctx context.Context, req *connect.Request
 // ExecStreamOnEdge calls dsec.v1.EdgeService.ExecStreamOnEdge.
 func (c *edgeServiceClient) ExecStreamOnEdge(ctx context.Context, req *connect.Request[v1.EdgeExecRequest]) (*connect.ServerStreamForClient[v1.ExecStreamResponse], error) {
 	return c.execStreamOnEdge.CallServerStream(ctx, req)
+}
+
+// RunOnEdge calls dsec.v1.EdgeService.RunOnEdge.
+func (c *edgeServiceClient) RunOnEdge(ctx context.Context, req *connect.Request[v1.EdgeRunRequest]) (*connect.ServerStreamForClient[v1.RunResponse], error) {
+	return c.runOnEdge.CallServerStream(ctx, req)
 }
 
 // WriteFileOnEdge calls dsec.v1.EdgeService.WriteFileOnEdge.
@@ -460,6 +477,9 @@ type EdgeServiceHandler interface {
 	ListOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
 	ExecOnEdge(context.Context, *connect.Request[v1.EdgeExecRequest]) (*connect.Response[v1.ExecResponse], error)
 	ExecStreamOnEdge(context.Context, *connect.Request[v1.EdgeExecRequest], *connect.ServerStream[v1.ExecStreamResponse]) error
+	// RunOnEdge is Run on this node: create (sandbox_id chosen by the
+	// server), exec, destroy.
+	RunOnEdge(context.Context, *connect.Request[v1.EdgeRunRequest], *connect.ServerStream[v1.RunResponse]) error
 	WriteFileOnEdge(context.Context, *connect.Request[v1.EdgeWriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error)
 	ReadFileOnEdge(context.Context, *connect.Request[v1.EdgeReadFileRequest]) (*connect.Response[v1.ReadFileResponse], error)
 	DestroyOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.DestroySandboxResponse], error)
@@ -521,6 +541,12 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		EdgeServiceExecStreamOnEdgeProcedure,
 		svc.ExecStreamOnEdge,
 		connect.WithSchema(edgeServiceMethods.ByName("ExecStreamOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceRunOnEdgeHandler := connect.NewServerStreamHandler(
+		EdgeServiceRunOnEdgeProcedure,
+		svc.RunOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("RunOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
 	edgeServiceWriteFileOnEdgeHandler := connect.NewUnaryHandler(
@@ -649,6 +675,8 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceExecOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceExecStreamOnEdgeProcedure:
 			edgeServiceExecStreamOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceRunOnEdgeProcedure:
+			edgeServiceRunOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceWriteFileOnEdgeProcedure:
 			edgeServiceWriteFileOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceReadFileOnEdgeProcedure:
@@ -714,6 +742,10 @@ func (UnimplementedEdgeServiceHandler) ExecOnEdge(context.Context, *connect.Requ
 
 func (UnimplementedEdgeServiceHandler) ExecStreamOnEdge(context.Context, *connect.Request[v1.EdgeExecRequest], *connect.ServerStream[v1.ExecStreamResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ExecStreamOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) RunOnEdge(context.Context, *connect.Request[v1.EdgeRunRequest], *connect.ServerStream[v1.RunResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.RunOnEdge is not implemented"))
 }
 
 func (UnimplementedEdgeServiceHandler) WriteFileOnEdge(context.Context, *connect.Request[v1.EdgeWriteFileRequest]) (*connect.Response[v1.WriteFileResponse], error) {

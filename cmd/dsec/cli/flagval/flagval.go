@@ -1,4 +1,9 @@
-package cli
+// Package flagval parses and checks the values of DSec's command-line
+// flags (CPU, sizes, labels, environment). It links only the standard
+// library, so that the front binary dsec, which serves `dsec run` itself
+// and must start in a few milliseconds, parses exactly as the full client
+// dsec-cli does.
+package flagval
 
 import (
 	"fmt"
@@ -63,4 +68,34 @@ func ParseSize(flag, s string) (int64, error) {
 		return 0, fmt.Errorf("--%s %q: too large", flag, s)
 	}
 	return int64(math.Round(b)), nil
+}
+
+// ParseLabels turns repeated KEY=VALUE flags into a map (nil for none).
+func ParseLabels(flag string, kvs []string) (map[string]string, error) {
+	if len(kvs) == 0 {
+		return nil, nil
+	}
+	m := make(map[string]string, len(kvs))
+	for _, kv := range kvs {
+		k, v, ok := strings.Cut(kv, "=")
+		k = strings.TrimSpace(k)
+		if !ok || k == "" {
+			return nil, fmt.Errorf("--%s %q: want KEY=VALUE", flag, kv)
+		}
+		if old, dup := m[k]; dup && old != v {
+			return nil, fmt.Errorf("--%s %q: key %q given twice", flag, kv, k)
+		}
+		m[k] = v
+	}
+	return m, nil
+}
+
+// CheckEnv validates repeated K=V flags.
+func CheckEnv(flag string, kvs []string) error {
+	for _, kv := range kvs {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return fmt.Errorf("--%s %q: want KEY=VALUE", flag, kv)
+		}
+	}
+	return nil
 }

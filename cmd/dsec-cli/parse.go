@@ -4,38 +4,17 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/dsec-dev/dsec/cmd/dsec/cli/flagval"
 	"github.com/dsec-dev/dsec/internal/ids"
 )
 
 // parseLabels turns repeated k=v flags into a map.
 func parseLabels(flag string, kvs []string) (map[string]string, error) {
-	if len(kvs) == 0 {
-		return nil, nil
-	}
-	m := make(map[string]string, len(kvs))
-	for _, kv := range kvs {
-		k, v, ok := strings.Cut(kv, "=")
-		k = strings.TrimSpace(k)
-		if !ok || k == "" {
-			return nil, fmt.Errorf("--%s %q: want KEY=VALUE", flag, kv)
-		}
-		if old, dup := m[k]; dup && old != v {
-			return nil, fmt.Errorf("--%s %q: key %q given twice", flag, kv, k)
-		}
-		m[k] = v
-	}
-	return m, nil
+	return flagval.ParseLabels(flag, kvs)
 }
 
 // checkEnv validates repeated K=V flags.
-func checkEnv(flag string, kvs []string) error {
-	for _, kv := range kvs {
-		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
-			return fmt.Errorf("--%s %q: want KEY=VALUE", flag, kv)
-		}
-	}
-	return nil
-}
+func checkEnv(flag string, kvs []string) error { return flagval.CheckEnv(flag, kvs) }
 
 // location is one side of `dsec sandbox cp`: a local path, "-" for
 // stdin/stdout, or a path inside a sandbox.
