@@ -37,13 +37,15 @@ func RepoRoot() (string, error) {
 	}
 }
 
-// Binaries are the dsec, dsecd and dsec-agent executables a run measures,
-// all in Dir (dsec hands its daemon commands over to the dsecd next to it).
-type Binaries struct{ Dsec, Dsecd, Agent, Dir string }
+// Binaries are the dsec, dsec-cli, dsecd and dsec-agent executables a run
+// measures, all in Dir (the dsec front hands its daemon commands over to
+// the dsecd next to it, and its other commands to the dsec-cli there).
+type Binaries struct{ Dsec, DsecCLI, Dsecd, Agent, Dir string }
 
-// BuildBinaries puts dsec, dsecd and dsec-agent into dir: built from the
-// working tree at root, statically, as the e2e tests do, or copied from the
-// given paths (when not ""; dsecd is copied from next to dsecBin). Either
+// BuildBinaries puts dsec, dsec-cli, dsecd and dsec-agent into dir: built
+// from the working tree at root, statically, as the e2e tests do, or copied
+// from the given paths (when not ""; dsec-cli and dsecd are copied from
+// next to dsecBin). Either
 // way every process started from dir is this run's, which the leak check
 // relies on (a shared bin/ may be running other people's dsec). The caller
 // checks the agent with RequireStatic.
@@ -51,17 +53,21 @@ func BuildBinaries(ctx context.Context, root, dir, dsecBin, agentBin string) (Bi
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return Binaries{}, err
 	}
-	b := Binaries{Dsec: filepath.Join(dir, "dsec"), Dsecd: filepath.Join(dir, "dsecd"), Agent: filepath.Join(dir, "dsec-agent"), Dir: dir}
-	dsecdBin := ""
+	b := Binaries{Dsec: filepath.Join(dir, "dsec"), DsecCLI: filepath.Join(dir, "dsec-cli"), Dsecd: filepath.Join(dir, "dsecd"),
+		Agent: filepath.Join(dir, "dsec-agent"), Dir: dir}
+	dsecdBin, cliBin := "", ""
 	if dsecBin != "" {
 		dsecdBin = filepath.Join(filepath.Dir(dsecBin), "dsecd")
-		if _, err := os.Stat(dsecdBin); err != nil {
-			return Binaries{}, fmt.Errorf("-dsec %s: the daemons' binary dsecd must be next to it (make build puts both in bin/): %w", dsecBin, err)
+		cliBin = filepath.Join(filepath.Dir(dsecBin), "dsec-cli")
+		for _, p := range []string{dsecdBin, cliBin} {
+			if _, err := os.Stat(p); err != nil {
+				return Binaries{}, fmt.Errorf("-dsec %s: %s must be next to it (make build puts them all in bin/): %w", dsecBin, filepath.Base(p), err)
+			}
 		}
 	}
 	var pkgs []string
 	for _, x := range []struct{ from, to, pkg string }{
-		{dsecBin, b.Dsec, "./cmd/dsec"}, {dsecdBin, b.Dsecd, "./cmd/dsecd"}, {agentBin, b.Agent, "./cmd/dsec-agent"},
+		{dsecBin, b.Dsec, "./cmd/dsec"}, {cliBin, b.DsecCLI, "./cmd/dsec-cli"}, {dsecdBin, b.Dsecd, "./cmd/dsecd"}, {agentBin, b.Agent, "./cmd/dsec-agent"},
 	} {
 		if x.from == "" {
 			pkgs = append(pkgs, x.pkg)

@@ -22,7 +22,7 @@ type Flags struct {
 func (f *Flags) Register() {
 	flag.BoolVar(&f.JSON, "json", false, "print results as JSON instead of a table")
 	flag.BoolVar(&f.Keep, "keep", false, "keep the work dir (data dirs, dsec up logs) for debugging")
-	flag.StringVar(&f.Dsec, "dsec", "", "use this dsec binary, and the dsecd next to it, instead of building ./cmd/dsec and ./cmd/dsecd (copied into the work dir)")
+	flag.StringVar(&f.Dsec, "dsec", "", "use this dsec binary, and the dsec-cli and dsecd next to it, instead of building ./cmd/dsec, ./cmd/dsec-cli and ./cmd/dsecd (copied into the work dir)")
 	flag.StringVar(&f.Agent, "agent", "", "use this dsec-agent binary instead of building ./cmd/dsec-agent (copied into the work dir)")
 }
 
