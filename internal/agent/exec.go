@@ -39,9 +39,9 @@ func (srv *server) prepare(r *execRequest) (*execSpec, error) {
 	} else if !filepath.IsAbs(dir) {
 		dir = filepath.Join(srv.opts.Workdir, dir)
 	}
-	if fi, err := os.Stat(dir); err != nil {
-		return nil, errorf(codeOf(err), "exec: cwd %s: %v", dir, unwrapPath(err))
-	} else if !fi.IsDir() {
+	if mode, err := statMode(dir); err != nil {
+		return nil, errorf(codeOf(err), "exec: cwd %s: %v", dir, err)
+	} else if mode&unix.S_IFMT != unix.S_IFDIR {
 		return nil, errorf(CodeInvalidArgument, "exec: cwd %s is not a directory", dir)
 	}
 
@@ -85,30 +85,14 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 		maxOut = DefaultMaxOutputBytes
 	}
 
-	// The child's ends of the pipes are blocking (taken with Fd), ours stay
-	// in the runtime poller so deadlines work.
-	var pipes [6]*os.File
-	closeAll := func() {
-		for _, f := range pipes {
-			if f != nil {
-				f.Close()
-			}
-		}
+	pp, err := newExecPipes(r.hasStdin)
+	if err != nil {
+		return errResponse(errorf(CodeUnavailable, "exec %s: pipe: %v", sp.argv[0], err))
 	}
-	for i := 0; i < 6; i += 2 {
-		if pipes[i], pipes[i+1], err = os.Pipe(); err != nil {
-			closeAll()
-			return errResponse(errorf(CodeUnavailable, "exec %s: pipe: %v", sp.argv[0], err))
-		}
-	}
-	stdinR, stdinW := pipes[0], pipes[1]
-	outR, outW := pipes[2], pipes[3]
-	errR, errW := pipes[4], pipes[5]
-
 	attr := &syscall.ProcAttr{
 		Dir:   sp.dir,
 		Env:   sp.env,
-		Files: []uintptr{stdinR.Fd(), outW.Fd(), errW.Fd()},
+		Files: []uintptr{uintptr(pp.child[0]), uintptr(pp.child[1]), uintptr(pp.child[2])},
 		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: sp.cred},
 	}
 	started := time.Now()
@@ -123,11 +107,12 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 	} else {
 		err = start()
 	}
-	stdinR.Close()
-	outW.Close()
-	errW.Close()
+	pp.closeChild()
+	stdinW, outR, errR := pp.stdin, pp.stdout, pp.stderr
 	if err != nil {
-		stdinW.Close()
+		if stdinW != nil {
+			stdinW.Close()
+		}
 		outR.Close()
 		errR.Close()
 		return errResponse(startError(sp.argv[0], sp.path, err))
@@ -140,7 +125,7 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 
 	// stdin: feed the request body, then keep draining it after the
 	// process stops reading so the client's sender never stalls.
-	if r.hasStdin {
+	if stdinW != nil {
 		s.bg.Add(1)
 		go func() {
 			defer s.bg.Done()
@@ -160,8 +145,6 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 				}
 			}
 		}()
-	} else {
-		stdinW.Close()
 	}
 
 	res := &execResult{}
@@ -218,7 +201,9 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 	errR.Close()
 	// A background child may hold stdin open without reading it; stop
 	// writing to it (the stdin goroutine then just drains the body).
-	stdinW.SetWriteDeadline(time.Now())
+	if stdinW != nil {
+		stdinW.SetWriteDeadline(time.Now())
+	}
 	return &response{exec: res}
 }
 
@@ -228,7 +213,10 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 // limit is counted but sent only when the client streams everything.
 // It reports whether the output exceeded limit.
 func (srv *server) pump(s *stream, f *os.File, ch channel, sendAll bool, limit int64) bool {
-	buf := make([]byte, MaxChunk)
+	// Most commands print little: start small, and take a whole chunk's
+	// buffer only when a read fills the small one (every byte allocated per
+	// exec is garbage the agent's eager GC then collects).
+	buf := make([]byte, smallRead)
 	var total int64
 	sendFailed := false
 	emit := func(p []byte) {
@@ -247,6 +235,9 @@ func (srv *server) pump(s *stream, f *os.File, ch channel, sendAll bool, limit i
 		n, err := f.Read(buf)
 		if n > 0 {
 			emit(buf[:n])
+			if n == len(buf) && len(buf) < MaxChunk {
+				buf = make([]byte, MaxChunk)
+			}
 		}
 		if err == nil {
 			continue
@@ -255,6 +246,85 @@ func (srv *server) pump(s *stream, f *os.File, ch channel, sendAll bool, limit i
 			drainNow(f, buf, emit)
 		}
 		return total > limit
+	}
+}
+
+// smallRead is the first read buffer of an exec's output pipe.
+const smallRead = 2 << 10
+
+// execPipes are an exec's standard streams. The child's ends are plain
+// blocking descriptors that never enter the runtime poller (registering
+// them and switching them back to blocking for the child cost five system
+// calls each); the agent's ends are non-blocking *os.Files in the poller,
+// so deadlines work. Without stdin the child gets the read end of a pipe
+// whose write end is already closed: end of file at once.
+type execPipes struct {
+	child                 [3]int
+	stdin, stdout, stderr *os.File // stdin nil without stdin
+}
+
+func newExecPipes(withStdin bool) (*execPipes, error) {
+	pp := &execPipes{child: [3]int{-1, -1, -1}}
+	fail := func(err error) (*execPipes, error) {
+		pp.closeChild()
+		for _, f := range []*os.File{pp.stdin, pp.stdout, pp.stderr} {
+			if f != nil {
+				f.Close()
+			}
+		}
+		return nil, err
+	}
+	var p [2]int
+	if withStdin {
+		c, ours, err := pipeFor(true)
+		if err != nil {
+			return fail(err)
+		}
+		pp.child[0], pp.stdin = c, ours
+	} else {
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			return fail(err)
+		}
+		unix.Close(p[1])
+		pp.child[0] = p[0]
+	}
+	for i, f := range []**os.File{&pp.stdout, &pp.stderr} {
+		c, ours, err := pipeFor(false)
+		if err != nil {
+			return fail(err)
+		}
+		pp.child[i+1], *f = c, ours
+	}
+	return pp, nil
+}
+
+// pipeFor makes a pipe and returns the child's end (the read end if
+// childReads), blocking, and the agent's end, non-blocking in the poller.
+func pipeFor(childReads bool) (int, *os.File, error) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
+		return -1, nil, err
+	}
+	child, ours := p[1], p[0]
+	if childReads {
+		child, ours = p[0], p[1]
+	}
+	// F_SETFL changes only the status flags: this clears O_NONBLOCK.
+	if _, err := unix.FcntlInt(uintptr(child), unix.F_SETFL, 0); err != nil {
+		unix.Close(p[0])
+		unix.Close(p[1])
+		return -1, nil, err
+	}
+	return child, os.NewFile(uintptr(ours), "exec-pipe"), nil
+}
+
+// closeChild closes the child's ends (once it has them, or on failure).
+func (pp *execPipes) closeChild() {
+	for i, fd := range pp.child {
+		if fd >= 0 {
+			unix.Close(fd)
+			pp.child[i] = -1
+		}
 	}
 }
 
@@ -317,11 +387,25 @@ func lookPath(name, pathEnv, dir string) (string, error) {
 		if !filepath.IsAbs(cand) {
 			cand = filepath.Join(dir, cand)
 		}
-		if fi, err := os.Stat(cand); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+		if mode, err := statMode(cand); err == nil && mode&unix.S_IFMT == unix.S_IFREG && mode&0o111 != 0 {
 			return cand, nil
 		}
 	}
 	return "", errorf(CodeNotFound, "exec %s: executable file not found in PATH %q", name, pathEnv)
+}
+
+// statMode is the mode of path (symbolic links followed), from one stat
+// system call that allocates nothing: prepare stats the working directory
+// and every PATH candidate of every exec.
+func statMode(path string) (uint32, error) {
+	var st unix.Stat_t
+	for {
+		err := unix.Stat(path, &st)
+		if err == unix.EINTR {
+			continue
+		}
+		return st.Mode, err
+	}
 }
 
 // mergeEnv appends extra to base, later entries replacing earlier ones with
@@ -348,14 +432,4 @@ func envGet(env []string, key string) string {
 		}
 	}
 	return ""
-}
-
-// unwrapPath drops the *PathError wrapper when the message names the path
-// itself already.
-func unwrapPath(err error) error {
-	var pe *os.PathError
-	if errors.As(err, &pe) {
-		return pe.Err
-	}
-	return err
 }

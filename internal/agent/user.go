@@ -1,11 +1,12 @@
 package agent
 
 import (
-	"bufio"
-	"os"
+	"bytes"
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // identity is who an exec runs as, resolved from the sandbox's own
@@ -102,21 +103,73 @@ func findEntry(path string, col int, val string) []string {
 	return found
 }
 
+// eachEntry calls fn with the fields of each line of a colon-separated
+// database until fn returns false. The file is read with plain system
+// calls into one buffer: every exec without HOME in its environment looks
+// its user up, and an *os.File, a bufio.Scanner and a string per line cost
+// more than the lookup.
 func eachEntry(path string, fn func([]string) bool) {
-	f, err := os.Open(path)
-	if err != nil {
+	b, ok := readSmall(path)
+	if !ok {
 		return
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" || line[0] == '#' {
+	var fields [8]string
+	for len(b) > 0 {
+		line := b
+		if i := bytes.IndexByte(b, '\n'); i >= 0 {
+			line, b = b[:i], b[i+1:]
+		} else {
+			b = nil
+		}
+		line = bytes.TrimSuffix(line, []byte{'\r'}) // as bufio.ScanLines did
+		if len(line) == 0 || line[0] == '#' {
 			continue
 		}
-		if !fn(strings.Split(line, ":")) {
+		// One string per line; the fields are slices of it.
+		l := string(line)
+		f := fields[:0]
+		for {
+			i := strings.IndexByte(l, ':')
+			if i < 0 || len(f) == len(fields)-1 {
+				f = append(f, l)
+				break
+			}
+			f = append(f, l[:i])
+			l = l[i+1:]
+		}
+		if len(f) == len(fields) {
+			f = strings.Split(string(line), ":") // more fields than any database has
+		}
+		if !fn(f) {
 			return
 		}
+	}
+}
+
+// readSmall reads a whole file (a passwd or group database) with plain
+// system calls: open, reads until end of file, close.
+func readSmall(path string) ([]byte, bool) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, false
+	}
+	defer unix.Close(fd)
+	buf := make([]byte, 0, 4096)
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		n, err := unix.Read(fd, buf[len(buf):cap(buf)])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return nil, false
+		}
+		if n == 0 {
+			return buf, true
+		}
+		buf = buf[:len(buf)+n]
 	}
 }
 

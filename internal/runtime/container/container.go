@@ -19,14 +19,15 @@
 // is most of a create. It is done from the edge, not by the agent: the
 // agent has given up the right to mount and must not be trusted after a
 // hostile user anyway. The user's processes are killed through the user
-// cgroup, and the root file system is replaced, not cleaned: the overlay's
-// upper directory must not change while it is mounted, so a new overlay
-// over a fresh upper directory is built detached (new mount API) in the
-// host's namespace, where the layer paths resolve, then moved into the
-// sandbox's mount namespace, with the sandbox's own /proc and /sys and a
-// fresh /dev, and made its root with pivot_root, which moves the agent
-// along. The old overlay goes with the old root; its directories are
-// removed in the background.
+// cgroup. A root file system nobody wrote to (its fingerprint, taken when
+// the sandbox was fresh, is unchanged) is kept; otherwise it is replaced,
+// not cleaned: the overlay's upper directory must not change while it is
+// mounted, so a new overlay over a fresh upper directory is built detached
+// (new mount API) in the host's namespace, where the layer paths resolve,
+// then moved into the sandbox's mount namespace, with the sandbox's own
+// /proc and /sys and a fresh /dev, and made its root with pivot_root,
+// which moves the agent along. The old overlay goes with the old root; its
+// directories are removed in the background.
 package container
 
 import (
@@ -111,6 +112,9 @@ type Backend struct {
 	stop       chan struct{}
 	fillerDone chan struct{}
 	closeOnce  sync.Once
+
+	// ipc runs Reset's IPC clearing in sandboxes' IPC namespaces.
+	ipc ipcThread
 }
 
 var _ rt.Backend = (*Backend)(nil)
@@ -330,6 +334,9 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
 		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
 		res: spec.Resources, resKnown: true}
+	// Taken before anyone can use the sandbox: what a Reset that finds
+	// nothing changed keeps.
+	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work)
 	b.mu.Lock()
 	b.live[spec.ID] = sb
 	b.mu.Unlock()
@@ -494,10 +501,12 @@ func (b *Backend) fillWarm() {
 	}
 }
 
-// Close stops the warm pool and removes its agents. Live sandboxes are the
-// caller's to destroy.
+// Close stops the warm pool and removes its agents, and ends the IPC
+// thread. Live sandboxes are the caller's to destroy (a Reset after Close
+// still works, on a thread of its own).
 func (b *Backend) Close() error {
 	b.closeOnce.Do(func() {
+		b.ipc.close()
 		close(b.stop)
 		if b.fillerDone != nil {
 			<-b.fillerDone
@@ -589,8 +598,15 @@ type sandbox struct {
 	lower []string
 	// attrs are the agent's inheritable attributes after Create.
 	attrs *agentAttrs
-	// resetMu serialises Reset with itself and with the end of Destroy.
+	// resetMu serialises Reset with itself and with the end of Destroy,
+	// and guards pristine.
 	resetMu sync.Mutex
+	// pristine is the sandbox's state as Create or the last full Reset left
+	// it (nil: none could be taken; every Reset builds a new root).
+	pristine *pristine
+	// resetsKept and resetsRebuilt count Resets that found nothing changed
+	// and kept the root, and those that built a new one.
+	resetsKept, resetsRebuilt atomic.Int64
 	// fsMu guards the current overlay's directories, which Reset replaces
 	// (generation gen; 0 is Create's "upper" and "work"), the root prepared
 	// for the next Reset, and destroyed.

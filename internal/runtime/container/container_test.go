@@ -31,6 +31,13 @@ type env struct {
 func newEnv(t testing.TB, warm int) *env {
 	t.Helper()
 	testutil.RequireRoot(t)
+	return newEnvRootfs(t, warm, testsuite.BusyboxRootfs(t))
+}
+
+// newEnvRootfs is newEnv over a layer made of the directory rootfs.
+func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
+	t.Helper()
+	testutil.RequireRoot(t)
 	agentBin := testutil.BuildBinary(t, "./cmd/dsec-agent")
 	// Not t.TempDir: the state lives on the same file system as a real
 	// node's, and its removal is checked by the leak snapshot, not by the
@@ -45,7 +52,7 @@ func newEnv(t testing.TB, warm int) *env {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	desc, err := layer.Build(ctx, store, testsuite.BusyboxRootfs(t))
+	desc, err := layer.Build(ctx, store, rootfs)
 	if err != nil {
 		t.Fatal(err)
 	}

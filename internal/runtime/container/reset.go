@@ -34,6 +34,8 @@ var (
 
 // Reset implements runtime.Resetter: the sandbox keeps its agent, its
 // namespaces and its cgroup, and gets back the state Create left it in.
+// Its cost is what the previous user changed: a user who wrote nothing
+// costs a kill pass and a comparison, not a new root file system.
 //
 //  1. Every process in the user cgroup (where every process the agent
 //     starts is born, and which nothing inside can leave) is SIGKILLed
@@ -43,24 +45,67 @@ var (
 //     priority, which every process it forks inherits, and its OOM score:
 //     a process of the same user may change them) is put back as it was
 //     after Create.
-//  2. On a throw-away OS thread of the edge: System V IPC objects and POSIX
-//     message queues of the sandbox's IPC namespace are removed; the thread
-//     joins the sandbox's mount namespace, stacks a new overlay with a fresh
-//     upper and work directory on the old root, moves the existing /proc and
-//     /sys over (they belong to the sandbox's PID and network namespaces),
-//     mounts a fresh /dev as the agent's set-up does, pivots into the new
-//     root (which moves the root and working directory of the agent with
-//     it) and detaches the old root with everything the previous user left
-//     mounted under it. The overlay is built detached, in the host's mount
-//     namespace where the layer paths resolve (new mount API), usually
-//     ahead of time (step 3).
-//  3. In the background: the old overlay is released, its upper and work
-//     directories are removed, and the next Reset's overlay is built.
-//     Destroy waits for that.
+//  2. System V IPC objects and POSIX message queues of the sandbox's IPC
+//     namespace are removed (one system call per kind says whether there
+//     is any), on the backend's IPC thread (ipcThread).
+//  3. If the sandbox is still in its pristine state (see pristine), that
+//     is all. Otherwise, on a throw-away OS thread of the edge that joins
+//     the sandbox's mount namespace, a new overlay with a fresh upper and
+//     work directory is stacked on the old root, the existing /proc and
+//     /sys are moved over (they belong to the sandbox's PID and network
+//     namespaces), a fresh /dev is mounted as the agent's set-up does, the
+//     thread pivots into the new root (which moves the root and working
+//     directory of the agent with it) and detaches the old root with
+//     everything the previous user left mounted under it. The overlay is
+//     built detached, in the host's mount namespace where the layer paths
+//     resolve (new mount API), usually ahead of time (step 4). Then the new
+//     pristine state is taken.
+//  4. In the background, after a new root: the old overlay is released,
+//     its upper and work directories are removed, and the next Reset's
+//     overlay is built (after a Reset that kept the root, only the latter,
+//     once). Destroy waits for that.
 //
 // The old overlay is never modified while mounted (overlayfs does not
 // allow changing its upper directory underneath it), and the host's mount
 // table is never touched.
+//
+// Why keeping the root when the fingerprint is unchanged is exact, not a
+// guess. Everything a sandbox process can write is in the fingerprint's
+// trees: the overlay's upper directory (every write to the root file
+// system, /tmp included, lands there: a new or changed file is created or
+// copied up into it, a deletion leaves a whiteout, an attribute change
+// copies the entry up; the lower layers are read-only), its work
+// directory (where copy-ups are staged), and the tmpfs mounts under /dev.
+// /proc and /sys are kept by both paths alike; the mount table, which a
+// sandbox cannot change without CAP_SYS_ADMIN, is compared byte for byte
+// anyway, so an unexpected mount (or a layer mount propagated from the
+// host) also takes the full path. Those trees hold only directories,
+// device nodes, symbolic links and empty files when the pristine state is
+// taken (a tree holding data gets no pristine state), and the content of
+// each of those is wholly in what is compared: a directory's content is
+// its entries, listed recursively; a device node has none; a symbolic
+// link's target cannot change without making a new inode; an empty file's
+// is its size, 0. So a change
+// must show in an entry's existence, inode number, type, mode, owner,
+// link count, size, mtime or extended attributes (user.* xattrs, or the
+// opaque/whiteout markers overlayfs writes), each compared as it is, and
+// every one of those changes also moves the ctime, which is compared too:
+// a user can put mtime back with utimensat (a same-value touch changes
+// nothing else), but not ctime, which the kernel sets to the current time
+// and which only a clock change (CAP_SYS_TIME, not granted) could set
+// back. Hard links cannot point out of a tree: a link to a lower file
+// copies it up first (a new entry), and a link's target and the link
+// count are in the fingerprint. Nothing can change a tree after the check
+// either: every user process is dead and reaped, so no descriptor, mapping,
+// lock or pending write of theirs is left (files are closed before a task
+// becomes a zombie), and the agent writes only while serving a request,
+// which the caller has no longer in flight when it resets (as with the
+// full path, whose new root a racing request would write into too). The
+// free blocks and inodes of the /dev tmpfs mounts are compared as a check
+// that nothing unlisted (an unlinked file still held open) remains. Not
+// compared are access times: reading a directory moves its atime (once,
+// under relatime), which tells the next user at most that a directory was
+// listed, no more than a fresh root's times tell anyway.
 func (s *sandbox) Reset(ctx context.Context) error {
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
@@ -75,6 +120,34 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	if err := s.attrs.restore(s.cmd.Process.Pid); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
+	if err := s.clearIPCNamespace(); err != nil {
+		return s.gone(fmt.Errorf("reset: %w", err))
+	}
+	s.fsMu.Lock()
+	upper, work := s.upper, s.work
+	s.fsMu.Unlock()
+	if s.pristine != nil {
+		err := s.unchanged(s.pristine, upper, work)
+		if err == nil {
+			s.resetsKept.Add(1)
+			// A sandbox that is reset is a pooled one: its next user may
+			// write, so the root a full Reset would need is prepared once
+			// (it waits until one does).
+			s.fsMu.Lock()
+			prepared := s.next != nil
+			s.fsMu.Unlock()
+			if !prepared {
+				s.bg.Add(1)
+				go func() {
+					defer s.bg.Done()
+					s.prepareNext()
+				}()
+			}
+			return nil
+		}
+		s.b.log.Debug("reset: new root", "sandbox", s.id, "why", err)
+	}
+	s.pristine = nil
 	root := s.takeNext()
 	if root == nil {
 		var err error
@@ -93,6 +166,8 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	oldUpper, oldWork := s.upper, s.work
 	s.upper, s.work = root.upper, root.work
 	s.fsMu.Unlock()
+	s.resetsRebuilt.Add(1)
+	s.pristine = s.pristineOrNil(root.upper, root.work)
 
 	s.bg.Add(1)
 	go func() {
@@ -110,6 +185,28 @@ func (s *sandbox) Reset(ctx context.Context) error {
 		s.prepareNext()
 	}()
 	return nil
+}
+
+// pristineOrNil takes the sandbox's pristine state; without one (a tree
+// that cannot have one, or an error), the next Reset takes the full path.
+func (s *sandbox) pristineOrNil(upper, work string) *pristine {
+	p, err := s.takePristine(upper, work)
+	if err != nil {
+		s.b.log.Debug("no pristine state: every reset builds a new root", "sandbox", s.id, "err", err)
+		return nil
+	}
+	return p
+}
+
+// clearIPCNamespace removes the IPC objects of the sandbox's IPC namespace
+// (clearIPC) on the backend's IPC thread.
+func (s *sandbox) clearIPCNamespace() error {
+	fd, done, err := s.nsFD("ipc")
+	if err != nil {
+		return err
+	}
+	defer done()
+	return s.b.ipc.do(fd, s.clearIPC)
 }
 
 // overlayRoot is a detached overlay mount over its own fresh upper and
@@ -228,7 +325,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 		}
 	}
 	kill := func() (int, error) {
-		b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+		b, err := readFileRaw(filepath.Join(dir, "cgroup.procs"), 512)
 		if err != nil {
 			return 0, fmt.Errorf("list user processes: %w", err)
 		}
@@ -307,7 +404,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 // included until reaped) is down to the threads listed in it (the agent's
 // spawner thread on v1, none on v2).
 func allReaped(dir, threadsFile string) (bool, error) {
-	cur, err := os.ReadFile(filepath.Join(dir, "pids.current"))
+	cur, err := readFileRaw(filepath.Join(dir, "pids.current"), 32)
 	if err != nil {
 		return false, fmt.Errorf("read user pids count: %w", err)
 	}
@@ -315,7 +412,7 @@ func allReaped(dir, threadsFile string) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("user pids count %q: %w", cur, err)
 	}
-	threads, err := os.ReadFile(filepath.Join(dir, threadsFile))
+	threads, err := readFileRaw(filepath.Join(dir, threadsFile), 128)
 	if err != nil {
 		return false, fmt.Errorf("list user threads: %w", err)
 	}
@@ -366,14 +463,14 @@ func (s *sandbox) swapRootLocked(root int) (int, error) {
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
 		return -1, fmt.Errorf("unshare fs: %w", err)
 	}
-	if err := s.setns(unix.CLONE_NEWIPC, "ipc"); err != nil {
+	fd, done, err := s.nsFD("mnt")
+	if err != nil {
 		return -1, err
 	}
-	if err := s.clearIPC(); err != nil {
-		return -1, err
-	}
-	if err := s.setns(unix.CLONE_NEWNS, "mnt"); err != nil {
-		return -1, err
+	err = unix.Setns(fd, unix.CLONE_NEWNS)
+	done()
+	if err != nil {
+		return -1, fmt.Errorf("join the sandbox's mnt namespace: %w", err)
 	}
 	// The thread's root and working directory are now the sandbox's root.
 	old, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -426,23 +523,19 @@ func swapMounts(root int) error {
 	return nil
 }
 
-// setns moves the calling thread into the agent's namespace of type nstype
-// (a CLONE_NEW* flag; name is its /proc/PID/ns name). The agent's pidfd
-// names the agent for sure; a PID could have been reused.
-func (s *sandbox) setns(nstype int, name string) error {
-	fd := s.pidfd
-	if fd < 0 {
-		var err error
-		fd, err = unix.Open(fmt.Sprintf("/proc/%d/ns/%s", s.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("open %s namespace: %w", name, err)
-		}
-		defer unix.Close(fd)
+// nsFD returns a descriptor that names the agent's namespaces for setns:
+// its pidfd, which names the agent for sure (a PID could have been
+// reused), or, on kernels without pidfds, its namespace file name (a
+// /proc/PID/ns name); done releases it.
+func (s *sandbox) nsFD(name string) (fd int, done func(), err error) {
+	if s.pidfd >= 0 {
+		return s.pidfd, func() {}, nil
 	}
-	if err := unix.Setns(fd, nstype); err != nil {
-		return fmt.Errorf("join the sandbox's %s namespace: %w", name, err)
+	fd, err = unix.Open(fmt.Sprintf("/proc/%d/ns/%s", s.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, nil, fmt.Errorf("open %s namespace: %w", name, err)
 	}
-	return nil
+	return fd, func() { unix.Close(fd) }, nil
 }
 
 // moveMount moves the mount at from (in the old root) onto to (relative to
@@ -537,7 +630,7 @@ const (
 // clearIPC removes every System V shared memory segment, semaphore set and
 // message queue, and every POSIX message queue, of the calling thread's IPC
 // namespace (the sandbox's). Every user process is dead by now, so removed
-// segments are freed at once.
+// segments are freed at once. It runs on the backend's IPC thread.
 func (s *sandbox) clearIPC() error {
 	for _, k := range []struct {
 		file  string
@@ -738,18 +831,35 @@ func (a *agentAttrs) restore(pid int) error {
 			return fmt.Errorf("restore agent rlimit %d: %w", r, err)
 		}
 	}
-	if err := os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", pid), a.oomScore, 0); err != nil {
+	// Plain system calls: os.WriteFile and os.Open would stat the files
+	// and try to register them with the runtime poller, on every Reset.
+	proc := "/proc/" + strconv.Itoa(pid)
+	fd, err := unix.Open(proc+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
+	if err == nil {
+		_, err = unix.Write(fd, a.oomScore)
+		unix.Close(fd)
+	}
+	if err != nil {
 		return fmt.Errorf("restore agent OOM score: %w", err)
 	}
-	d, err := os.Open(fmt.Sprintf("/proc/%d/task", pid))
+	fd, err = unix.Open(proc+"/task", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("list agent threads: %w", err)
 	}
-	tids, err := d.Readdirnames(-1)
-	d.Close()
-	if err != nil {
-		return fmt.Errorf("list agent threads: %w", err)
+	var tids []string
+	buf := make([]byte, 1024)
+	for {
+		n, err := unix.ReadDirent(fd, buf)
+		if err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("list agent threads: %w", err)
+		}
+		if n <= 0 {
+			break
+		}
+		_, _, tids = unix.ParseDirent(buf[:n], -1, tids)
 	}
+	unix.Close(fd)
 	for _, t := range tids {
 		tid, err := strconv.Atoi(t)
 		if err != nil {

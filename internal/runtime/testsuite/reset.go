@@ -30,6 +30,7 @@ func (s *suite) testReset(t *testing.T) {
 	t.Run("processes", s.testResetProcesses)
 	t.Run("rootfs", s.testResetRootfs)
 	t.Run("scratch", s.testResetScratch)
+	t.Run("times", s.testResetTimes)
 	t.Run("ipc", s.testResetIPC)
 	t.Run("unchanged", s.testResetUnchanged)
 	t.Run("agent", s.testResetAgent)
@@ -297,6 +298,42 @@ rm /dev/null`)
 		t.Errorf("/dev and /tmp after Reset differ from the fresh sandbox's:\n%s", lineDiff(fresh, got))
 	}
 	s.sh(t, sb, `echo discard > /dev/null && test -z "$(ls -A /dev/shm)" && test -z "$(ls -A /tmp)"`)
+}
+
+// testResetTimes checks that times the previous user set do not survive:
+// a change of times alone (nothing added, removed or rewritten) is a
+// change, on the root file system, /tmp and /dev alike. A backend that
+// keeps what was not written must see it.
+func (s *suite) testResetTimes(t *testing.T) {
+	sb := s.create(t, nil)
+	const paths = "/ /tmp /etc/hosts /dev /dev/shm"
+	const probe = "stat -c '%n %Y' " + paths
+	fresh := s.sh(t, sb, probe)
+	// 2001-02-03 04:05:06 UTC.
+	const stamp = "981173106"
+	s.sh(t, sb, "touch -d '2001-02-03 04:05:06' "+paths)
+	if got := s.sh(t, sb, probe); strings.Count(got, " "+stamp+"\n") != 5 {
+		t.Fatalf("touch did not set the times (the check below could not fail): %q", got)
+	}
+
+	s.reset(t, sb)
+
+	got := s.sh(t, sb, probe)
+	if strings.Contains(got, " "+stamp+"\n") {
+		t.Errorf("times set by the previous user survive Reset:\n%s", lineDiff(fresh, got))
+	}
+	// A file of the image gets the image's times back.
+	hosts := func(listing string) string {
+		for _, l := range strings.Split(listing, "\n") {
+			if strings.HasPrefix(l, "/etc/hosts ") {
+				return l
+			}
+		}
+		return ""
+	}
+	if hosts(got) != hosts(fresh) {
+		t.Errorf("/etc/hosts after Reset: %q; fresh: %q", hosts(got), hosts(fresh))
+	}
 }
 
 func (s *suite) testResetIPC(t *testing.T) {
