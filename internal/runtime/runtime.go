@@ -33,6 +33,9 @@ var (
 	// ErrSandboxGone is returned by operations on a sandbox that was destroyed
 	// or whose init process died: an infrastructure failure, not a task failure.
 	ErrSandboxGone = errors.New("sandbox is gone")
+	// ErrForkServer: the sandbox could not start or reach its fork server
+	// (ForkExec); the caller may run the exec the ordinary way.
+	ErrForkServer = errors.New("fork server unavailable")
 )
 
 // Layer is one read-only layer of a sandbox's root filesystem: an EROFS
@@ -138,6 +141,28 @@ type Resetter interface {
 // while they run (fncall's per-call memory limit).
 type Updater interface {
 	Update(ctx context.Context, r Resources) error
+}
+
+// ForkServer describes a fork server: a long-lived process in a sandbox
+// that runs each exec as a fork of itself, so that an exec pays a fork
+// instead of a program's start-up (an interpreter's, for fncall's Python).
+// The server speaks the backend's protocol (see the container backend's
+// forkserver.go); the backend adds one last argument to Argv, the name of
+// the abstract Unix socket it must listen on.
+type ForkServer struct {
+	Argv []string
+	Env  []string
+}
+
+// Forker is implemented by sandboxes that can keep a fork server across
+// Resets (a Reset spares it and checks that the previous user left it as
+// it was; anything it cannot vouch for ends the server).
+type Forker interface {
+	// ForkExec runs req as a fork of the sandbox's fork server, starting
+	// server first when the sandbox has none (or one started from another
+	// ForkServer). req.Argv is what the server runs; Shell and User must be
+	// empty. The result means what Exec's does, streaming aside.
+	ForkExec(ctx context.Context, server ForkServer, req ExecRequest) (ExecResult, error)
 }
 
 // Backend creates sandboxes of one kind.

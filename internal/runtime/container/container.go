@@ -629,6 +629,11 @@ type sandbox struct {
 	// frozen is set from Freeze until a Thaw succeeds: Reset skips the
 	// thaw of a sandbox that was not frozen.
 	frozen atomic.Bool
+	// forkMu serialises ForkExec (one exec through the fork server at a
+	// time); forkSrvMu guards forkSrv, the running fork server or nil.
+	forkMu    sync.Mutex
+	forkSrvMu sync.Mutex
+	forkSrv   *forkServer
 
 	destroyOnce sync.Once
 	destroyErr  error
@@ -667,24 +672,32 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	if err != nil {
 		return res, s.gone(err)
 	}
-	// The cgroup's OOM-kill counter is read only when a process died of
-	// SIGKILL, not around every exec: a new kill since the last one we saw
-	// is this exec's (or a concurrent one's: the kernel does not say whose).
-	if res.Signal == int(syscall.SIGKILL) && !res.TimedOut {
-		if n, err := s.cg.oomKills(); err == nil {
-			for {
-				seen := s.oomSeen.Load()
-				if n <= seen {
-					break
-				}
-				if s.oomSeen.CompareAndSwap(seen, n) {
-					res.OOMKilled = true
-					break
-				}
-			}
+	s.noteOOM(&res)
+	return res, nil
+}
+
+// noteOOM sets res.OOMKilled if the exec's process died of the OOM killer.
+// The cgroup's OOM-kill counter is read only when a process died of
+// SIGKILL, not around every exec: a new kill since the last one we saw is
+// this exec's (or a concurrent one's: the kernel does not say whose).
+func (s *sandbox) noteOOM(res *rt.ExecResult) {
+	if res.Signal != int(syscall.SIGKILL) || res.TimedOut {
+		return
+	}
+	n, err := s.cg.oomKills()
+	if err != nil {
+		return
+	}
+	for {
+		seen := s.oomSeen.Load()
+		if n <= seen {
+			return
+		}
+		if s.oomSeen.CompareAndSwap(seen, n) {
+			res.OOMKilled = true
+			return
 		}
 	}
-	return res, nil
 }
 
 // Freeze stops the sandbox with the cgroup freezer, its agent included:
@@ -751,6 +764,7 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		<-s.done
 		s.client.Close()
 		s.conn.Close()
+		s.dropForkServer()
 		// A Reset in flight fails quickly now that init is gone; after it,
 		// no new directory can appear, and the removals it started finish.
 		s.resetMu.Lock()

@@ -120,6 +120,7 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	if err := s.attrs.restore(s.cmd.Process.Pid); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
+	s.checkForkServer()
 	if err := s.clearIPCNamespace(); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
@@ -314,14 +315,19 @@ func (s *sandbox) dropNext() {
 func (s *sandbox) killUser(ctx context.Context) error {
 	dir := s.cg.userDir()
 	agentPid := s.cmd.Process.Pid
+	// The fork server is spared (see forkserver.go); whether it was
+	// left as it should be is checkForkServer's business.
+	spare := s.forkServerPid()
 	threadsFile := "tasks"
 	if cgroupMode() == cgroups.Unified {
 		threadsFile = "cgroup.threads"
 		// v2 kills the whole cgroup in one write (Linux 5.14+); the loop
 		// below still waits for the reaping, and kills by hand if the file
-		// does not exist.
-		if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("kill user cgroup: %w", err)
+		// does not exist, or when a fork server is to be spared.
+		if spare == 0 {
+			if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("kill user cgroup: %w", err)
+			}
 		}
 	}
 	kill := func() (int, error) {
@@ -333,6 +339,9 @@ func (s *sandbox) killUser(ctx context.Context) error {
 		for _, f := range strings.Fields(string(b)) {
 			pid, err := strconv.Atoi(f)
 			if err != nil || pid == agentPid {
+				continue
+			}
+			if pid == spare {
 				continue
 			}
 			n++
@@ -402,7 +411,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 
 // allReaped reports whether the user cgroup's pids count (tasks, zombies
 // included until reaped) is down to the threads listed in it (the agent's
-// spawner thread on v1, none on v2).
+// spawner thread on v1, none on v2; a spared fork server's).
 func allReaped(dir, threadsFile string) (bool, error) {
 	cur, err := readFileRaw(filepath.Join(dir, "pids.current"), 32)
 	if err != nil {

@@ -273,15 +273,31 @@ func Call(ctx context.Context, sb rt.Sandbox, lang Language, req Request, base r
 	for i, e := range lang.Env {
 		env[i] = expand(e)
 	}
-	step := func(argv []string, timeout time.Duration, stdin []byte) (*CommandResult, error) {
-		res, err := sb.Exec(ctx, rt.ExecRequest{
+	step := func(argv []string, timeout time.Duration, stdin []byte, fork bool) (*CommandResult, error) {
+		er := rt.ExecRequest{
 			Argv:           argv,
 			Env:            env,
 			Cwd:            WorkDir,
 			Stdin:          stdin,
 			Timeout:        timeout,
 			MaxOutputBytes: req.MaxOutputBytes,
-		}, nil)
+		}
+		var (
+			res rt.ExecResult
+			err error
+		)
+		forker, ok := sb.(rt.Forker)
+		if server := forkServerArgv(lang); fork && ok && server != nil {
+			// The sandbox keeps the server across resets: a call forks a
+			// pre-started interpreter instead of starting one.
+			res, err = forker.ForkExec(ctx, rt.ForkServer{Argv: server, Env: env}, er)
+			fork = !errors.Is(err, rt.ErrForkServer)
+		} else {
+			fork = false
+		}
+		if !fork {
+			res, err = sb.Exec(ctx, er, nil)
+		}
 		cr := &CommandResult{
 			Status:          CommandFinished,
 			ExecutionTime:   res.Duration,
@@ -308,7 +324,7 @@ func Call(ctx context.Context, sb rt.Sandbox, lang Language, req Request, base r
 			argv[i] = expand(a)
 		}
 		timeout := orDefault(req.CompileTimeout, DefaultCompileTimeout)
-		resp.Compile, err = step(argv, timeout, nil)
+		resp.Compile, err = step(argv, timeout, nil, false)
 		if err != nil {
 			return fail("compile: %v", err)
 		}
@@ -325,7 +341,7 @@ func Call(ctx context.Context, sb rt.Sandbox, lang Language, req Request, base r
 	}
 	argv = append(argv, req.Args...)
 	timeout := orDefault(req.RunTimeout, DefaultRunTimeout)
-	resp.Run, err = step(argv, timeout, req.Stdin)
+	resp.Run, err = step(argv, timeout, req.Stdin, true)
 	if err != nil {
 		return fail("run: %v", err)
 	}

@@ -2,7 +2,7 @@ package fncall
 
 import (
 	"bytes"
-	_ "embed"
+	"embed"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -38,6 +38,11 @@ type Language struct {
 	Packages []string `json:"packages,omitempty"`
 	// Image overrides DefaultImage; Lookup fills it in.
 	Image string `json:"image,omitempty"`
+	// ForkServer names a fork server in forkservers/ (e.g. "python.py"):
+	// a program for Run's interpreter that, started once per sandbox, runs
+	// each call as a fork of itself instead of a new interpreter (see
+	// runtime.Forker). Only for a run of the form [INTERPRETER, "{source}"].
+	ForkServer string `json:"fork_server,omitempty"`
 }
 
 // Compiled reports whether the language has a compile step.
@@ -45,6 +50,23 @@ func (l Language) Compiled() bool { return len(l.Compile) > 0 }
 
 //go:embed languages.json
 var tableJSON []byte
+
+// forkServers holds the fork servers a language may name.
+//
+//go:embed forkservers
+var forkServers embed.FS
+
+// forkServerArgv is the argv that starts lang's fork server, or nil.
+func forkServerArgv(l Language) []string {
+	if l.ForkServer == "" {
+		return nil
+	}
+	script, err := forkServers.ReadFile("forkservers/" + l.ForkServer)
+	if err != nil {
+		return nil // parseTable refused such a table
+	}
+	return []string{l.Run[0], "-c", string(script)}
+}
 
 // table is the parsed language table, by canonical name and by alias.
 var table = mustParseTable(tableJSON)
@@ -101,6 +123,14 @@ func parseTable(b []byte) (languageTable, error) {
 		for _, e := range l.Env {
 			if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
 				return t, fmt.Errorf("language %s: env entry %q is not K=V", l.Name, e)
+			}
+		}
+		if l.ForkServer != "" {
+			if _, err := forkServers.ReadFile("forkservers/" + l.ForkServer); err != nil || strings.ContainsRune(l.ForkServer, '/') {
+				return t, fmt.Errorf("language %s: fork_server %q is not a file in forkservers/", l.Name, l.ForkServer)
+			}
+			if len(l.Run) != 2 || l.Run[1] != "{source}" {
+				return t, fmt.Errorf("language %s: fork_server needs run = [INTERPRETER, \"{source}\"], got %q", l.Name, l.Run)
 			}
 		}
 		if l.Image == "" {

@@ -54,6 +54,9 @@ func TestParseTableRefuses(t *testing.T) {
 		{"no run", `{"languages":[{"name":"x","source":"x"}]}`, "run is empty"},
 		{"bad placeholder", `{"languages":[{"name":"x","source":"x","run":["{src}"]}]}`, "unknown placeholder {src}"},
 		{"bad env", `{"languages":[{"name":"x","source":"x","run":["x"],"env":["NOEQUALS"]}]}`, "not K=V"},
+		{"unknown fork server", `{"languages":[{"name":"x","source":"x","run":["x","{source}"],"fork_server":"nope.py"}]}`, "not a file in forkservers/"},
+		{"fork server path", `{"languages":[{"name":"x","source":"x","run":["x","{source}"],"fork_server":"../languages.json"}]}`, "not a file in forkservers/"},
+		{"fork server run", `{"languages":[{"name":"x","source":"x","run":["x","-u","{source}"],"fork_server":"python.py"}]}`, "fork_server needs run"},
 		{"duplicate", `{"languages":[{"name":"x","source":"x","run":["x"]},{"name":"y","aliases":["x"],"source":"x","run":["x"]}]}`, `"x" is used twice`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1,0 +1,660 @@
+package container
+
+// Fork servers (runtime.Forker): one long-lived process per sandbox that
+// runs execs as forks of itself, kept across Resets.
+//
+// Protocol, over a SOCK_SEQPACKET connection (one message per datagram):
+//
+//	edge -> server: "run\0" CWD "\0" ARGC "\0" ARGV...
+//	                with SCM_RIGHTS: the child's stdin, stdout and stderr
+//	                (the child keeps the server's environment: ForkExec
+//	                requires the exec's to be the server's)
+//	server -> edge: "pid N" with SCM_RIGHTS a pidfd of the child, then
+//	                "exit S" (S: its wait status) once it has exited; or
+//	                "error MESSAGE" if it could not run the request.
+//
+// The server is started through the agent like any exec (so it is born in
+// the sandbox's namespaces, cgroup, seccomp filter and capability set),
+// with the name of an abstract Unix socket as its last argument. It
+// listens there, writes "ready\n" to stdout, accepts exactly one
+// connection (ours: we connect from a thread that joined the sandbox's
+// network namespace) and closes the listener, so nothing started later in
+// the sandbox can reach it. The child's pipes are the edge's own: output
+// is read here, without the agent in the way.
+//
+// Why a Reset may spare it: the server makes itself non-dumpable before it
+// serves (it changes its effective group and back, which resets the flag to
+// fs.suid_dumpable, checked to be 0), so later processes of the sandbox,
+// which lack CAP_SYS_PTRACE, cannot ptrace it or open its /proc/PID/mem or
+// fds; nothing else of it is writable from outside but what a process of
+// the same user may change about another (its rlimits, nice value,
+// scheduling, affinity, I/O priority and OOM score), which Reset puts back
+// as they were when it started, and signals, which can only stop or end
+// it: Reset ends a server that is not running or sleeping, and one that
+// died is started again by the next ForkExec. Its file system view moves
+// with the agent's at Reset's pivot_root (its root and working directory
+// are the sandbox's root), and it opens nothing after it starts.
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/agent"
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+)
+
+var _ rt.Forker = (*sandbox)(nil)
+
+// forkServerStart bounds a fork server's start-up (an interpreter's).
+const forkServerStart = 30 * time.Second
+
+// outputGrace is how long the output of an exec that has exited is read
+// for: a background process it left may hold the pipes open.
+const outputGrace = 100 * time.Millisecond
+
+// forkServer is a sandbox's running fork server.
+type forkServer struct {
+	key   string // what it was started from (argv and env)
+	conn  *net.UnixConn
+	pid   int // in the host's PID namespace
+	pidfd int
+	attrs *agentAttrs
+	// done is closed when the exec that runs it returned.
+	done chan struct{}
+}
+
+// close drops the connection (the server then exits) and the pidfd.
+func (f *forkServer) close() {
+	f.conn.Close()
+	unix.Close(f.pidfd)
+}
+
+// alive reports whether the server process still exists.
+func (f *forkServer) alive() bool {
+	select {
+	case <-f.done:
+		return false
+	default:
+	}
+	// A pidfd polls readable once the process has exited.
+	fds := []unix.PollFd{{Fd: int32(f.pidfd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n == 0
+}
+
+func forkServerKey(d rt.ForkServer) string {
+	return strings.Join(d.Argv, "\x00") + "\x01" + strings.Join(d.Env, "\x00")
+}
+
+// ForkExec implements runtime.Forker.
+func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequest) (rt.ExecResult, error) {
+	switch {
+	case len(d.Argv) == 0:
+		return rt.ExecResult{}, fmt.Errorf("%w: fork server: argv is empty", rt.ErrInvalidSpec)
+	case len(req.Argv) == 0 || req.Shell != "":
+		return rt.ExecResult{}, fmt.Errorf("%w: fork exec: needs argv, not a shell string", rt.ErrInvalidSpec)
+	case req.User != "":
+		return rt.ExecResult{}, fmt.Errorf("%w: fork exec: runs as the fork server's user; user %q cannot be set", rt.ErrInvalidSpec, req.User)
+	case !slices.Equal(req.Env, d.Env):
+		return rt.ExecResult{}, fmt.Errorf("%w: fork exec: the environment must be the fork server's", rt.ErrInvalidSpec)
+	}
+	s.forkMu.Lock()
+	defer s.forkMu.Unlock()
+	f, err := s.forkServerFor(ctx, d)
+	if err != nil {
+		if errors.Is(err, rt.ErrSandboxGone) || ctx.Err() != nil {
+			return rt.ExecResult{}, err
+		}
+		if err := s.gone(err); errors.Is(err, rt.ErrSandboxGone) {
+			return rt.ExecResult{}, err
+		}
+		return rt.ExecResult{}, fmt.Errorf("%w: %v", rt.ErrForkServer, err)
+	}
+	if req.Cwd == "" {
+		req.Cwd = s.spec.Workdir
+	}
+	if req.Cwd == "" {
+		req.Cwd = "/"
+	}
+	res, err := f.run(ctx, req)
+	if errors.Is(err, errServerLost) {
+		// The program stopped or ended the server it was forked from:
+		// its own doing, reported as its failure, not the sandbox's.
+		s.b.log.Info("fork server lost during an exec; the exec is reported killed", "sandbox", s.id, "err", err)
+		s.dropForkServer()
+		return res, nil
+	}
+	if err != nil {
+		// Whatever state it is in, it is not trusted with the next exec.
+		s.dropForkServer()
+		return res, s.gone(err)
+	}
+	s.noteOOM(&res)
+	return res, nil
+}
+
+// forkServerFor returns the running server started from d, starting it if
+// there is none (or one started from something else, which is ended).
+func (s *sandbox) forkServerFor(ctx context.Context, d rt.ForkServer) (*forkServer, error) {
+	key := forkServerKey(d)
+	s.forkSrvMu.Lock()
+	f := s.forkSrv
+	s.forkSrvMu.Unlock()
+	if f != nil && f.key == key && f.alive() {
+		return f, nil
+	}
+	s.dropForkServer()
+	f, err := s.startForkServer(ctx, d, key)
+	if err != nil {
+		return nil, err
+	}
+	s.forkSrvMu.Lock()
+	s.forkSrv = f
+	s.forkSrvMu.Unlock()
+	return f, nil
+}
+
+// dropForkServer ends the sandbox's fork server, if any.
+func (s *sandbox) dropForkServer() {
+	s.forkSrvMu.Lock()
+	f := s.forkSrv
+	s.forkSrv = nil
+	s.forkSrvMu.Unlock()
+	if f == nil {
+		return
+	}
+	unix.PidfdSendSignal(f.pidfd, unix.SIGKILL, nil, 0)
+	f.close()
+}
+
+// forkServerPid is the host PID of the running fork server, or 0.
+func (s *sandbox) forkServerPid() int {
+	s.forkSrvMu.Lock()
+	defer s.forkSrvMu.Unlock()
+	if s.forkSrv == nil {
+		return 0
+	}
+	return s.forkSrv.pid
+}
+
+// checkForkServer runs in Reset once the user's processes are gone: the
+// server is kept only if it is healthy (alive, not stopped or traced) and
+// its attributes could be put back as they were when it started.
+func (s *sandbox) checkForkServer() {
+	s.forkSrvMu.Lock()
+	f := s.forkSrv
+	s.forkSrvMu.Unlock()
+	if f == nil {
+		return
+	}
+	ok := f.healthy()
+	if ok {
+		ok = f.attrs.restore(f.pid) == nil
+	}
+	if !ok {
+		s.b.log.Debug("fork server not kept", "sandbox", s.id, "pid", f.pid)
+		s.dropForkServer()
+	}
+}
+
+// procState is the state letter of /proc/PID/stat.
+func procState(pid int) (byte, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || i+2 >= len(b) {
+		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	return b[i+2], nil
+}
+
+// startForkServer starts d through the agent and connects to it.
+func (s *sandbox) startForkServer(ctx context.Context, d rt.ForkServer, key string) (*forkServer, error) {
+	// The kernel leaves a process dumpable across the server's group
+	// change when fs.suid_dumpable is 1 ("debug"): then nothing would keep
+	// later processes of the sandbox out of its memory.
+	if b, err := os.ReadFile("/proc/sys/fs/suid_dumpable"); err != nil || strings.TrimSpace(string(b)) == "1" {
+		return nil, errors.New("fork server: fs.suid_dumpable is 1 (or unreadable), which would leave the server readable by later processes")
+	}
+	var nb [12]byte
+	rand.Read(nb[:])
+	name := "dsec-fork-" + hex.EncodeToString(nb[:])
+	f := &forkServer{key: key, pidfd: -1, done: make(chan struct{})}
+	ready := make(chan struct{})
+	var (
+		readyOnce sync.Once
+		mu        sync.Mutex
+		stderr    []byte
+		exitRes   rt.ExecResult
+		exitErr   error
+	)
+	go func() {
+		defer close(f.done)
+		// Not ctx: the server outlives this call. It ends with its
+		// connection, or with the sandbox.
+		res, err := s.Exec(context.Background(), rt.ExecRequest{Argv: append(append([]string(nil), d.Argv...), name), Env: d.Env, Cwd: "/"},
+			func(st rt.Stream, data []byte) {
+				if st == rt.Stdout && bytes.Contains(data, []byte("ready\n")) {
+					readyOnce.Do(func() { close(ready) })
+				}
+				if st == rt.Stderr {
+					mu.Lock()
+					stderr = append(stderr, data...)
+					if len(stderr) > 4096 {
+						stderr = stderr[len(stderr)-4096:]
+					}
+					mu.Unlock()
+				}
+			})
+		mu.Lock()
+		exitRes, exitErr = res, err
+		mu.Unlock()
+	}()
+	failed := func(why string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		msg := fmt.Sprintf("fork server %q: %s", d.Argv[0], why)
+		if exitErr != nil {
+			msg += fmt.Sprintf(" (%v)", exitErr)
+		} else if exitRes.Signal != 0 || exitRes.ExitCode != 0 {
+			msg += fmt.Sprintf(" (exit code %d, signal %d)", exitRes.ExitCode, exitRes.Signal)
+		}
+		if e := strings.TrimSpace(string(stderr)); e != "" {
+			msg += ": " + e
+		}
+		return errors.New(msg)
+	}
+	timer := time.NewTimer(forkServerStart)
+	defer timer.Stop()
+	select {
+	case <-ready:
+	case <-f.done:
+		return nil, failed("exited before it was ready")
+	case <-ctx.Done():
+		s.killStarting(name)
+		return nil, fmt.Errorf("fork server: %w", ctx.Err())
+	case <-timer.C:
+		s.killStarting(name)
+		return nil, failed(fmt.Sprintf("not ready after %v", forkServerStart))
+	}
+	conn, pid, err := s.dialAbstract(name)
+	if err != nil {
+		s.killStarting(name)
+		return nil, failed(err.Error())
+	}
+	f.conn, f.pid = conn, pid
+	if f.pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
+		conn.Close()
+		return nil, failed(fmt.Sprintf("pidfd of %d: %v", pid, err))
+	}
+	if f.attrs, err = captureAgent(pid); err != nil {
+		unix.PidfdSendSignal(f.pidfd, unix.SIGKILL, nil, 0)
+		f.close()
+		return nil, failed(err.Error())
+	}
+	return f, nil
+}
+
+// killStarting kills a fork server that never connected: the processes of
+// the user cgroup whose command line names the socket.
+func (s *sandbox) killStarting(name string) {
+	b, err := os.ReadFile(s.cg.userDir() + "/cgroup.procs")
+	if err != nil {
+		return
+	}
+	for _, f := range strings.Fields(string(b)) {
+		cmdline, err := os.ReadFile("/proc/" + f + "/cmdline")
+		if err == nil && bytes.Contains(cmdline, []byte(name)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	}
+}
+
+// dialAbstract connects to the abstract Unix socket name in the sandbox's
+// network namespace, from a thread that joins it, and returns the
+// connection and the host PID of the process listening there.
+func (s *sandbox) dialAbstract(name string) (*net.UnixConn, int, error) {
+	fd := -1
+	err := onThrowawayThread(func() error {
+		nsfd, done, err := s.nsFD("net")
+		if err != nil {
+			return err
+		}
+		err = unix.Setns(nsfd, unix.CLONE_NEWNET)
+		done()
+		if err != nil {
+			return fmt.Errorf("join the sandbox's network namespace: %w", err)
+		}
+		if fd, err = unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0); err != nil {
+			return fmt.Errorf("socket: %w", err)
+		}
+		if err := unix.Connect(fd, &unix.SockaddrUnix{Name: "@" + name}); err != nil {
+			return fmt.Errorf("connect: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		return nil, 0, err
+	}
+	// The peer's credentials as of its listen(), its PID translated into
+	// ours: the server's host PID.
+	cred, err := unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	if err != nil {
+		unix.Close(fd)
+		return nil, 0, fmt.Errorf("peer credentials: %w", err)
+	}
+	file := os.NewFile(uintptr(fd), "fork-server")
+	c, err := net.FileConn(file)
+	file.Close()
+	if err != nil {
+		return nil, 0, err
+	}
+	return c.(*net.UnixConn), int(cred.Pid), nil
+}
+
+// errServerLost: the server ended or was stopped while a child of it ran
+// (only that child's processes could have done it); the child was killed.
+var errServerLost = errors.New("fork server lost during the exec")
+
+// healthy reports whether the server is alive and not stopped or traced:
+// running, or sleeping (interruptibly or not, as in a page fault).
+func (f *forkServer) healthy() bool {
+	if !f.alive() {
+		return false
+	}
+	state, err := procState(f.pid)
+	return err == nil && (state == 'S' || state == 'R' || state == 'D')
+}
+
+// run sends one exec to the server and collects its result.
+func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult, error) {
+	var res rt.ExecResult
+	maxOut := req.MaxOutputBytes
+	if maxOut <= 0 {
+		maxOut = agent.DefaultMaxOutputBytes
+	}
+	var (
+		pipes  [6]*os.File // stdin r, w; stdout r, w; stderr r, w
+		closed [6]bool
+	)
+	closeAll := func() {
+		for i, p := range pipes {
+			if p != nil && !closed[i] {
+				p.Close()
+				closed[i] = true
+			}
+		}
+	}
+	defer closeAll()
+	for i := 0; i < 6; i += 2 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return res, fmt.Errorf("fork exec: pipe: %w", err)
+		}
+		pipes[i], pipes[i+1] = r, w
+	}
+	// The child's ends: Fd() puts them in blocking mode, what a program
+	// expects of its standard streams.
+	child := []int{int(pipes[0].Fd()), int(pipes[3].Fd()), int(pipes[5].Fd())}
+	msg := []byte("run\x00" + req.Cwd + "\x00" + strconv.Itoa(len(req.Argv)))
+	for _, a := range req.Argv {
+		msg = append(append(msg, 0), a...)
+	}
+	if _, _, err := f.conn.WriteMsgUnix(msg, unix.UnixRights(child...), nil); err != nil {
+		return res, fmt.Errorf("fork exec: send: %w", err)
+	}
+	for _, i := range []int{0, 3, 5} {
+		pipes[i].Close()
+		closed[i] = true
+	}
+
+	// Until the server's "pid" answer, only ctx may cut the wait short.
+	f.conn.SetReadDeadline(time.Time{})
+	stopWatch := context.AfterFunc(ctx, func() { f.conn.SetReadDeadline(time.Now()) })
+	defer stopWatch()
+	reply, rights, err := readMsg(f.conn)
+	if err != nil {
+		return res, fmt.Errorf("fork exec: %w", errors.Join(err, ctx.Err()))
+	}
+	if msg, ok := strings.CutPrefix(reply, "error "); ok {
+		return res, fmt.Errorf("fork exec: the server refused the request: %s", msg)
+	}
+	if !strings.HasPrefix(reply, "pid ") || len(rights) != 1 {
+		for _, fd := range rights {
+			unix.Close(fd)
+		}
+		return res, fmt.Errorf("fork exec: unexpected answer %q", reply)
+	}
+	childFd := rights[0]
+	defer unix.Close(childFd)
+	start := time.Now()
+
+	// stdin, then EOF; a program that exits without reading it breaks the
+	// pipe, which is not an error.
+	stdin := pipes[1]
+	closed[1] = true
+	go func() {
+		stdin.Write(req.Stdin)
+		stdin.Close()
+	}()
+	outs := [2]*capture{{limit: maxOut}, {limit: maxOut}}
+	var readers sync.WaitGroup
+	for i, p := range []*os.File{pipes[2], pipes[4]} {
+		c := outs[i]
+		readers.Go(func() { c.readFrom(p) })
+	}
+
+	// The exit status, with the time limit and ctx as deadlines. A child
+	// that stops or ends its server leaves its status unreported: that
+	// shows as the end of the connection, or as a server found stopped
+	// when the time limit kills the child.
+	var deadline time.Time // of the time limit, then of the kill
+	if req.Timeout > 0 {
+		deadline = start.Add(req.Timeout)
+	}
+	lost := func(err error) (rt.ExecResult, error) {
+		state, _ := procState(f.pid)
+		why := fmt.Errorf("%w (%v; server alive %v, state %q)", errServerLost, err, f.alive(), state)
+		killTree(childFd)
+		res.Duration = time.Since(start)
+		res.Signal, res.ExitCode = int(syscall.SIGKILL), 128+int(syscall.SIGKILL)
+		res.Stdout, res.StdoutTruncated = outs[0].result()
+		res.Stderr, res.StderrTruncated = outs[1].result()
+		return res, why
+	}
+	var status string
+	for {
+		f.conn.SetReadDeadline(deadline)
+		if ctx.Err() != nil {
+			f.conn.SetReadDeadline(time.Now())
+		}
+		reply, rights, err = readMsg(f.conn)
+		for _, fd := range rights {
+			unix.Close(fd)
+		}
+		switch {
+		case err == nil:
+			status = reply
+		case errors.Is(err, io.EOF):
+			return lost(err)
+		case !errors.Is(err, os.ErrDeadlineExceeded):
+			return res, fmt.Errorf("fork exec: %w", err)
+		case ctx.Err() != nil:
+			killTree(childFd)
+			return res, fmt.Errorf("fork exec: %w", ctx.Err())
+		case res.TimedOut:
+			return lost(fmt.Errorf("no exit status %v after the kill", killTimeout))
+		default:
+			// The time limit: kill the exec's process tree (its session),
+			// then wait for the status.
+			res.TimedOut = true
+			killTree(childFd)
+			if !f.healthy() {
+				return lost(err)
+			}
+			deadline = time.Now().Add(killTimeout)
+			continue
+		}
+		break
+	}
+	res.Duration = time.Since(start)
+	rest, ok := strings.CutPrefix(status, "exit ")
+	ws, err := strconv.Atoi(rest)
+	if !ok || err != nil {
+		return res, fmt.Errorf("fork exec: unexpected answer %q", status)
+	}
+	w := syscall.WaitStatus(ws)
+	switch {
+	case w.Signaled():
+		res.Signal = int(w.Signal())
+		res.ExitCode = 128 + res.Signal
+	default:
+		res.ExitCode = w.ExitStatus()
+	}
+
+	// Output: to EOF, unless something the exec left behind holds the
+	// pipes open; then what is there after outputGrace.
+	done := make(chan struct{})
+	go func() { readers.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(outputGrace):
+		pipes[2].SetReadDeadline(time.Now())
+		pipes[4].SetReadDeadline(time.Now())
+		<-done
+	}
+	res.Stdout, res.StdoutTruncated = outs[0].result()
+	res.Stderr, res.StderrTruncated = outs[1].result()
+	return res, nil
+}
+
+// readMsg reads one message and the descriptors that came with it.
+func readMsg(c *net.UnixConn) (string, []int, error) {
+	buf := make([]byte, 4096)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return "", nil, err
+	}
+	if n == 0 {
+		return "", nil, io.EOF
+	}
+	var fds []int
+	if oobn > 0 {
+		msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+		if err == nil {
+			for _, m := range msgs {
+				if r, err := unix.ParseUnixRights(&m); err == nil {
+					fds = append(fds, r...)
+				}
+			}
+		}
+	}
+	return string(buf[:n]), fds, nil
+}
+
+// killTree SIGKILLs the exec's session (the child called setsid, so its
+// session ID is its PID): every process still in it, until none is left.
+// The child is named by its pidfd; the session by its host PID.
+func killTree(pidfd int) {
+	unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
+	sid, err := pidfdPid(pidfd)
+	if err != nil {
+		return
+	}
+	for range 100 {
+		ents, err := os.ReadDir("/proc")
+		if err != nil {
+			return
+		}
+		found := false
+		for _, e := range ents {
+			pid, err := strconv.Atoi(e.Name())
+			if err != nil {
+				continue
+			}
+			b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+			if err != nil {
+				continue
+			}
+			i := bytes.LastIndexByte(b, ')')
+			if i < 0 {
+				continue
+			}
+			// After ")": state ppid pgrp session ...
+			fields := strings.Fields(string(b[i+1:]))
+			if len(fields) > 3 && fields[3] == strconv.Itoa(sid) && fields[0] != "Z" {
+				syscall.Kill(pid, syscall.SIGKILL)
+				found = true
+			}
+		}
+		if !found {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// pidfdPid is the PID (in our namespace) of the process a pidfd names.
+func pidfdPid(pidfd int) (int, error) {
+	b, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(pidfd))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Pid:"); ok {
+			return strconv.Atoi(strings.TrimSpace(v))
+		}
+	}
+	return 0, errors.New("pidfd: no Pid in fdinfo")
+}
+
+// capture keeps up to limit bytes of a stream and reads the rest away.
+type capture struct {
+	limit     int64
+	buf       []byte
+	truncated bool
+}
+
+func (c *capture) readFrom(r io.Reader) {
+	b := make([]byte, 32<<10)
+	for {
+		n, err := r.Read(b)
+		if n > 0 {
+			room := c.limit - int64(len(c.buf))
+			if int64(n) > room {
+				c.buf = append(c.buf, b[:max(room, 0)]...)
+				c.truncated = true
+			} else {
+				c.buf = append(c.buf, b[:n]...)
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (c *capture) result() ([]byte, bool) { return c.buf, c.truncated }
