@@ -58,37 +58,17 @@ func (s *Server) run(ctx context.Context, r *dsecv1.RunRequest, out *connect.Ser
 		}
 		return "", err
 	}
-	prep, err := s.prepare(ctx, p, r.GetSpec())
+	prep, quota, res, err := s.admit(ctx, p, r.GetSpec())
 	if err != nil {
 		return "", err
 	}
-	quota, err := s.quotaOf(ctx, p)
-	if err != nil {
-		return "", err
-	}
-	res, err := s.place(p, quota, prep, nil)
-	if err != nil {
-		if res, err = s.placeOrWait(ctx, p, quota, prep, err); err != nil {
-			return "", err
-		}
-	}
-	var exclude []string
-	for attempt := 1; ; attempt++ {
-		outcome, err := s.runOnEdge(ctx, p, prep, ex, res, out, started)
-		if err == nil || !started.IsZero() {
-			return outcome, err
-		}
-		s.reg.release(res.id)
-		if !retryable(err) || attempt >= maxCreateAttempts || ctx.Err() != nil {
-			return "", err
-		}
-		s.log.Debug("edge refused run; placing elsewhere", "node", res.node, "attempt", attempt, "err", err)
-		s.metrics.retries.Inc()
-		exclude = append(exclude, res.node)
-		if res, err = s.place(p, quota, prep, exclude); err != nil {
-			return "", toConnect(err)
-		}
-	}
+	var outcome string
+	err = s.onSomeEdge(ctx, p, quota, prep, res, "run", func(res reservation) (bool, error) {
+		var err error
+		outcome, err = s.runOnEdge(ctx, p, prep, ex, res, out, started)
+		return !started.IsZero(), err
+	})
+	return outcome, err
 }
 
 // runContext bounds a RunOnEdge: a create, then the command's own timeout,

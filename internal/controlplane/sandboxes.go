@@ -185,31 +185,69 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 	return out[0], out[0].err
 }
 
-// create finishes a create whose first placement is res: it calls the edge
-// and, when the edge refuses or cannot be reached, places the sandbox again
-// elsewhere, up to maxCreateAttempts edges in all.
-func (s *Server) create(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, res reservation) (*dsecv1.Sandbox, error) {
+// admit does what a create does before it calls an edge: it authorises
+// and validates the spec, reads the caller's quota and places the sandbox,
+// waiting in the admission queue when every node is full.
+func (s *Server) admit(ctx context.Context, p iam.Principal, spec *dsecv1.SandboxSpec) (*prepared, *iam.Quota, reservation, error) {
+	prep, err := s.prepare(ctx, p, spec)
+	if err != nil {
+		return nil, nil, reservation{}, err
+	}
+	quota, err := s.quotaOf(ctx, p)
+	if err != nil {
+		return nil, nil, reservation{}, err
+	}
+	res, err := s.place(p, quota, prep, nil)
+	if err != nil {
+		if res, err = s.placeOrWait(ctx, p, quota, prep, err); err != nil {
+			return nil, nil, reservation{}, err
+		}
+	}
+	return prep, quota, res, nil
+}
+
+// onSomeEdge calls try with the placement res and, when the edge refuses
+// or cannot be reached before it made anything (try says whether it did:
+// then its error is final), places the sandbox again elsewhere, up to
+// maxCreateAttempts edges in all. what names the call in the log.
+func (s *Server) onSomeEdge(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, res reservation, what string,
+	try func(reservation) (made bool, err error)) error {
 	var exclude []string
 	for attempt := 1; ; attempt++ {
-		sb, err := s.createOnEdge(ctx, p, prep, res)
-		if err == nil {
-			s.reg.completed(res.id)
-			s.metrics.creates.WithLabelValues(prep.user.Backend).Inc()
-			return sb, nil
+		made, err := try(res)
+		if err == nil || made {
+			return err
 		}
 		s.reg.release(res.id)
 		if !retryable(err) || attempt >= maxCreateAttempts || ctx.Err() != nil {
-			return nil, err
+			return err
 		}
-		s.log.Debug("edge refused create; placing elsewhere", "node", res.node, "attempt", attempt, "err", err)
+		s.log.Debug("edge refused "+what+"; placing elsewhere", "node", res.node, "attempt", attempt, "err", err)
 		s.metrics.retries.Inc()
 		exclude = append(exclude, res.node)
 		if res, err = s.place(p, quota, prep, exclude); err != nil {
 			// No waiting here: a node refusing what the server's view
 			// says fits may refuse it forever (another overcommit).
-			return nil, toConnect(err)
+			return toConnect(err)
 		}
 	}
+}
+
+// create finishes a create whose first placement is res (see onSomeEdge).
+func (s *Server) create(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, res reservation) (*dsecv1.Sandbox, error) {
+	var sb *dsecv1.Sandbox
+	err := s.onSomeEdge(ctx, p, quota, prep, res, "create", func(res reservation) (bool, error) {
+		var err error
+		if sb, err = s.createOnEdge(ctx, p, prep, res); err == nil {
+			s.reg.completed(res.id)
+			s.metrics.creates.WithLabelValues(prep.user.Backend).Inc()
+		}
+		return false, err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return sb, nil
 }
 
 func (s *Server) createOnEdge(ctx context.Context, p iam.Principal, prep *prepared, res reservation) (*dsecv1.Sandbox, error) {
@@ -235,19 +273,9 @@ func (ss *sandboxService) Create(ctx context.Context, req *connect.Request[dsecv
 		if err != nil {
 			return nil, err
 		}
-		prep, err := s.prepare(ctx, p, req.Msg.GetSpec())
+		prep, quota, res, err := s.admit(ctx, p, req.Msg.GetSpec())
 		if err != nil {
 			return nil, err
-		}
-		quota, err := s.quotaOf(ctx, p)
-		if err != nil {
-			return nil, err
-		}
-		res, err := s.place(p, quota, prep, nil)
-		if err != nil {
-			if res, err = s.placeOrWait(ctx, p, quota, prep, err); err != nil {
-				return nil, err
-			}
 		}
 		return s.create(ctx, p, quota, prep, res)
 	}()

@@ -74,6 +74,9 @@ type forkServer struct {
 	pid   int // in the host's PID namespace
 	pidfd int
 	attrs *agentAttrs
+	// userDir is the sandbox's user cgroup, where the server and its
+	// children live.
+	userDir string
 	// done is closed when the exec that runs it returned.
 	done chan struct{}
 }
@@ -212,17 +215,46 @@ func (s *sandbox) checkForkServer() {
 	}
 }
 
+// procStat is /proc/PID/stat's fields after the command name: state,
+// ppid, pgrp, session, ...
+func procStat(pid int) ([]string, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return nil, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return nil, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	fields := strings.Fields(string(b[i+1:]))
+	if len(fields) < 4 {
+		return nil, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	return fields, nil
+}
+
 // procState is the state letter of /proc/PID/stat.
 func procState(pid int) (byte, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	f, err := procStat(pid)
 	if err != nil {
 		return 0, err
 	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+2 >= len(b) {
-		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	return f[0][0], nil
+}
+
+// cgroupPids lists the processes of the cgroup directory dir.
+func cgroupPids(dir string) ([]int, error) {
+	b, err := os.ReadFile(dir + "/cgroup.procs")
+	if err != nil {
+		return nil, err
 	}
-	return b[i+2], nil
+	var pids []int
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, pid)
+		}
+	}
+	return pids, nil
 }
 
 // startForkServer starts d through the agent and connects to it.
@@ -236,7 +268,7 @@ func (s *sandbox) startForkServer(ctx context.Context, d rt.ForkServer, key stri
 	var nb [12]byte
 	rand.Read(nb[:])
 	name := "dsec-fork-" + hex.EncodeToString(nb[:])
-	f := &forkServer{key: key, pidfd: -1, done: make(chan struct{})}
+	f := &forkServer{key: key, pidfd: -1, userDir: s.cg.userDir(), done: make(chan struct{})}
 	ready := make(chan struct{})
 	var (
 		readyOnce sync.Once
@@ -315,16 +347,11 @@ func (s *sandbox) startForkServer(ctx context.Context, d rt.ForkServer, key stri
 // killStarting kills a fork server that never connected: the processes of
 // the user cgroup whose command line names the socket.
 func (s *sandbox) killStarting(name string) {
-	b, err := os.ReadFile(s.cg.userDir() + "/cgroup.procs")
-	if err != nil {
-		return
-	}
-	for _, f := range strings.Fields(string(b)) {
-		cmdline, err := os.ReadFile("/proc/" + f + "/cmdline")
+	pids, _ := cgroupPids(s.cg.userDir())
+	for _, pid := range pids {
+		cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
 		if err == nil && bytes.Contains(cmdline, []byte(name)) {
-			if pid, err := strconv.Atoi(f); err == nil {
-				syscall.Kill(pid, syscall.SIGKILL)
-			}
+			syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
 }
@@ -474,14 +501,29 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 	if req.Timeout > 0 {
 		deadline = start.Add(req.Timeout)
 	}
+	// collect takes the output once the readers stopped: at EOF, unless
+	// something the exec left behind holds the pipes open; then what is
+	// there after outputGrace.
+	collect := func() {
+		done := make(chan struct{})
+		go func() { readers.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(outputGrace):
+			pipes[2].SetReadDeadline(time.Now())
+			pipes[4].SetReadDeadline(time.Now())
+			<-done
+		}
+		res.Stdout, res.StdoutTruncated = outs[0].result()
+		res.Stderr, res.StderrTruncated = outs[1].result()
+	}
 	lost := func(err error) (rt.ExecResult, error) {
 		state, _ := procState(f.pid)
 		why := fmt.Errorf("%w (%v; server alive %v, state %q)", errServerLost, err, f.alive(), state)
-		killTree(childFd)
+		killTree(f.userDir, childFd)
 		res.Duration = time.Since(start)
 		res.Signal, res.ExitCode = int(syscall.SIGKILL), 128+int(syscall.SIGKILL)
-		res.Stdout, res.StdoutTruncated = outs[0].result()
-		res.Stderr, res.StderrTruncated = outs[1].result()
+		collect()
 		return res, why
 	}
 	var status string
@@ -502,7 +544,7 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 		case !errors.Is(err, os.ErrDeadlineExceeded):
 			return res, fmt.Errorf("fork exec: %w", err)
 		case ctx.Err() != nil:
-			killTree(childFd)
+			killTree(f.userDir, childFd)
 			return res, fmt.Errorf("fork exec: %w", ctx.Err())
 		case res.TimedOut:
 			return lost(fmt.Errorf("no exit status %v after the kill", killTimeout))
@@ -510,7 +552,7 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 			// The time limit: kill the exec's process tree (its session),
 			// then wait for the status.
 			res.TimedOut = true
-			killTree(childFd)
+			killTree(f.userDir, childFd)
 			if !f.healthy() {
 				return lost(err)
 			}
@@ -533,20 +575,7 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 	default:
 		res.ExitCode = w.ExitStatus()
 	}
-
-	// Output: to EOF, unless something the exec left behind holds the
-	// pipes open; then what is there after outputGrace.
-	done := make(chan struct{})
-	go func() { readers.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(outputGrace):
-		pipes[2].SetReadDeadline(time.Now())
-		pipes[4].SetReadDeadline(time.Now())
-		<-done
-	}
-	res.Stdout, res.StdoutTruncated = outs[0].result()
-	res.Stderr, res.StderrTruncated = outs[1].result()
+	collect()
 	return res, nil
 }
 
@@ -576,36 +605,24 @@ func readMsg(c *net.UnixConn) (string, []int, error) {
 }
 
 // killTree SIGKILLs the exec's session (the child called setsid, so its
-// session ID is its PID): every process still in it, until none is left.
-// The child is named by its pidfd; the session by its host PID.
-func killTree(pidfd int) {
+// session ID is its PID): every process of the user cgroup (dir; nothing
+// in it can leave) still in it, until none is left. The child is named by
+// its pidfd; the session by its host PID.
+func killTree(dir string, pidfd int) {
 	unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 	sid, err := pidfdPid(pidfd)
 	if err != nil {
 		return
 	}
+	session := strconv.Itoa(sid)
 	for range 100 {
-		ents, err := os.ReadDir("/proc")
+		pids, err := cgroupPids(dir)
 		if err != nil {
 			return
 		}
 		found := false
-		for _, e := range ents {
-			pid, err := strconv.Atoi(e.Name())
-			if err != nil {
-				continue
-			}
-			b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-			if err != nil {
-				continue
-			}
-			i := bytes.LastIndexByte(b, ')')
-			if i < 0 {
-				continue
-			}
-			// After ")": state ppid pgrp session ...
-			fields := strings.Fields(string(b[i+1:]))
-			if len(fields) > 3 && fields[3] == strconv.Itoa(sid) && fields[0] != "Z" {
+		for _, pid := range pids {
+			if f, err := procStat(pid); err == nil && f[3] == session && f[0] != "Z" {
 				syscall.Kill(pid, syscall.SIGKILL)
 				found = true
 			}
