@@ -19,7 +19,9 @@
 // nothing ready waits for a reset already in flight rather than creating
 // (when one is in flight that no earlier waiter will get); the clean queue
 // is refilled only after it has stayed below target for RefillDelay (a
-// sandbox handed back in the meantime fills the gap); and a sandbox handed
+// sandbox handed back in the meantime fills the gap), and not for sandboxes
+// in use that are expected back soon (judged by how long takers have held
+// sandboxes); and a sandbox handed
 // back to a pool that has enough is destroyed at once, not reset first.
 //
 // The pool knows nothing of specs, IDs or capacity accounting: Options.New
@@ -200,6 +202,10 @@ func (s state) String() string {
 type entry struct {
 	sb    rt.Sandbox
 	state state
+	// takenAt is when it was last handed out (zero for a sandbox the pool
+	// adopted in use): how long takers hold sandboxes tells the refill
+	// whether a sandbox in use is about to come back.
+	takenAt time.Time
 }
 
 // waiter is one Take waiting in the FIFO queue.
@@ -262,6 +268,9 @@ type Pool struct {
 	// Moving averages for RetryAfter.
 	resetAvg, createAvg, putGap time.Duration
 	lastPut                     time.Time
+	// holdAvg is the moving average of how long taken sandboxes were held
+	// before Put (see expectedBackLocked).
+	holdAvg time.Duration
 }
 
 // New starts a pool; its workers begin filling it at once. It panics if
@@ -481,8 +490,7 @@ func (p *Pool) createForCaller(ctx context.Context) (rt.Sandbox, error) {
 		p.createFailedLocked(false, err)
 		return nil, err
 	}
-	e.state = stInUse
-	p.inUse++
+	p.handOutLocked(e, time.Now())
 	return sb, nil
 }
 
@@ -517,6 +525,10 @@ func (p *Pool) Put(sb rt.Sandbox) {
 		p.inUse--
 	}
 	now := time.Now()
+	if !e.takenAt.IsZero() {
+		p.holdAvg = ewma(p.holdAvg, now.Sub(e.takenAt))
+		e.takenAt = time.Time{}
+	}
 	if !p.lastPut.IsZero() {
 		p.putGap = ewma(p.putGap, now.Sub(p.lastPut))
 	}

@@ -247,3 +247,47 @@ func (s *failingReset) Reset(ctx context.Context) error {
 	<-s.gate
 	return errors.New("reset failed on purpose")
 }
+
+// TestNoRefillWhileHoldsAreShort: once takers are seen to hand sandboxes
+// back quickly, sandboxes in use count as coming back, and a pool whose
+// every sandbox is in use does not create replacements for them (which the
+// returning sandboxes would only find destroyed). Without this, the second
+// take below would start a refill after RefillDelay.
+func TestNoRefillWhileHoldsAreShort(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	close(gate)
+	p, _ := startPool(t, c, pool.Options{Size: 2, RefillDelay: 20 * time.Millisecond})
+	waitStats(t, p, "two ready", func(s pool.Stats) bool { return s.Ready == 2 })
+	// Teach the pool that holds last about a second: the refill then
+	// waits up to two seconds for a sandbox in use.
+	a, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	p.Put(a)
+	// (The first take had no hold time to go by: its shortfall was
+	// refilled after RefillDelay, and a was destroyed on its return.)
+	waitStats(t, p, "a back", func(s pool.Stats) bool {
+		return s.Ready == 2 && s.InUse == 0 && s.Resetting == 0 && s.Creating == 0 && s.Destroying == 0
+	})
+	before := c.created.Load()
+	destroyedBefore := p.Stats().Destroyed
+	x, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	y, err := p.Take(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // ten RefillDelays, well inside the expected hold
+	p.Put(x)
+	p.Put(y)
+	st := waitStats(t, p, "both back", func(s pool.Stats) bool {
+		return s.Ready == 2 && s.InUse == 0 && s.Resetting == 0 && s.Creating == 0 && s.Destroying == 0
+	})
+	if n := c.created.Load(); n != before || st.Destroyed != destroyedBefore {
+		t.Fatalf("created %d sandboxes while two came back within the expected hold (%+v); want none", n-before, st)
+	}
+}

@@ -65,7 +65,8 @@ func (p *Pool) nextJobLocked() func() {
 // needCreateLocked: a create is allowed, and either more callers wait than
 // sandboxes are on their way, or the clean queue (with what is on its way)
 // is below target by more than the sandboxes in use (which may come back),
-// or has been below target for RefillDelay.
+// or has been below target for RefillDelay by more than the sandboxes in use
+// that are expected back (see expectedBackLocked).
 func (p *Pool) needCreateLocked(now time.Time) bool {
 	if p.o.Recycle || !p.canCreateLocked(now) {
 		return false
@@ -78,7 +79,57 @@ func (p *Pool) needCreateLocked(now time.Time) bool {
 		return false
 	}
 	short := p.targetLocked() + len(p.waiters) - len(p.ready) - coming
-	return short > p.inUse || p.o.RefillDelay < 0 || now.Sub(p.deficitSince) >= p.o.RefillDelay
+	if short > p.inUse || p.o.RefillDelay < 0 {
+		return true
+	}
+	if now.Sub(p.deficitSince) < p.o.RefillDelay {
+		return false
+	}
+	back, _ := p.expectedBackLocked(now)
+	return short > back
+}
+
+// maxExpectedHold bounds how long the refill waits for a sandbox in use.
+// Takers that hold sandboxes longer than this on average (a rollout of
+// minutes) are not waited for at all: the pool refills after RefillDelay.
+const maxExpectedHold = 5 * time.Second
+
+// expectedBackLocked counts the sandboxes in use that are expected back
+// soon: taken less than twice the average hold (at least RefillDelay) ago,
+// when the average hold is short. It also returns when the first of them
+// stops being expected (zero if none), for the manager's timer.
+//
+// Why: a loop that takes a sandbox, uses it for a second and hands it back
+// (an RL rollout step, one fncall) keeps the clean queue below target all
+// the time. Creating for that shortfall after RefillDelay grew the pool by
+// its whole size, and every sandbox handed back then found the pool full and
+// was destroyed: a create and a destroy per cycle instead of a 1 ms reset.
+func (p *Pool) expectedBackLocked(now time.Time) (int, time.Time) {
+	window := p.o.RefillDelay
+	if p.holdAvg > 0 && p.holdAvg <= maxExpectedHold {
+		window = max(window, 2*p.holdAvg)
+	}
+	n := 0
+	var next time.Time
+	for _, e := range p.entries {
+		if e.state != stInUse || e.takenAt.IsZero() {
+			continue
+		}
+		if until := e.takenAt.Add(window); until.After(now) {
+			n++
+			if next.IsZero() || until.Before(next) {
+				next = until
+			}
+		}
+	}
+	return n, next
+}
+
+// handOutLocked marks e in use from now.
+func (p *Pool) handOutLocked(e *entry, now time.Time) {
+	e.state = stInUse
+	e.takenAt = now
+	p.inUse++
 }
 
 // comingLocked counts the sandboxes on their way to the clean queue or a
@@ -222,8 +273,7 @@ func (p *Pool) placeCleanLocked(e *entry) bool {
 				continue
 			}
 			w.done = true
-			e.state = stInUse
-			p.inUse++
+			p.handOutLocked(e, time.Now())
 			w.ch <- result{e: e}
 			return true
 		}
@@ -329,8 +379,7 @@ func (p *Pool) popReadyLocked() *entry {
 			continue
 		default:
 		}
-		e.state = stInUse
-		p.inUse++
+		p.handOutLocked(e, time.Now())
 		p.poke() // the manager times the refill
 		return e
 	}
@@ -428,12 +477,18 @@ func (p *Pool) manage() {
 		}
 		if p.o.RefillDelay > 0 && p.belowTargetLocked(now) {
 			due := p.deficitSince.Add(p.o.RefillDelay)
-			if now.Before(due) {
-				if wakeAt.IsZero() || due.Before(wakeAt) {
-					wakeAt = due
-				}
-			} else {
+			if !now.Before(due) {
+				// Due; the sandboxes in use that are expected back may
+				// still cover the shortfall: look again when the first
+				// of them is overdue.
 				p.cond.Broadcast()
+				due = time.Time{}
+				if _, next := p.expectedBackLocked(now); !next.IsZero() {
+					due = next
+				}
+			}
+			if !due.IsZero() && (wakeAt.IsZero() || due.Before(wakeAt)) {
+				wakeAt = due
 			}
 		}
 		if !p.backoffUntil.IsZero() {
