@@ -131,6 +131,29 @@ func TestPutGetTagDelete(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidRef)
 }
 
+// TestManifestCacheIsPrivate: manifests are cached by digest, and what a
+// caller gets is its own copy: changing it does not change what the next
+// caller (or a Resolve) sees.
+func TestManifestCacheIsPrivate(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	cfg := Config{Env: []string{"A=1"}, Entrypoint: []string{"/bin/sh"}, Cmd: []string{"-c"}}
+	d := f.put(t, "base", cfg, "a", "b")
+	first, err := f.store.Manifest(ctx, d)
+	require.NoError(t, err)
+	first.Config.Env[0] = "A=changed"
+	first.Config.Cmd[0] = "changed"
+	first.Layers[0].Size = -1
+	first.Layers = append(first.Layers[:1], first.Layers...)
+	again, _, err := f.store.Get(ctx, "base")
+	require.NoError(t, err)
+	assert.Equal(t, cfg, again.Config)
+	assert.Equal(t, []blobstore.Descriptor{f.layer(t, "a"), f.layer(t, "b")}, again.Layers)
+	res, err := f.store.Resolve(ctx, "base", "")
+	require.NoError(t, err)
+	assert.Equal(t, cfg, res.Config)
+}
+
 func TestPutRejectsMissingLayers(t *testing.T) {
 	f := newFixture(t)
 	ctx := context.Background()
