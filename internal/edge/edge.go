@@ -108,9 +108,10 @@ type Config struct {
 	// FnMax bounds its sandboxes (calls beyond wait) and FnQueue the calls
 	// waiting; defaults DefaultFnWarm, DefaultFnMax, DefaultFnQueue.
 	FnWarm, FnMax, FnQueue int
-	// AutoPool is how many destroyed sandboxes of one spec (per tenant)
-	// the node keeps, reset, for the next creates of that spec; 0 turns
-	// recycling off. See autopool.go. The CLI's default is
+	// AutoPool is the least number of destroyed sandboxes of one spec (per
+	// tenant) the node may keep, reset, for the next creates of that spec;
+	// above it the pool follows the spec's recent peak alive (see
+	// autopool.go). 0 turns recycling off. The CLI's default is
 	// DefaultAutoPool.
 	AutoPool int
 }
