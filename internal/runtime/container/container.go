@@ -621,6 +621,8 @@ type sandbox struct {
 	// mqueue is a detached mount of the sandbox's mqueue file system (-1
 	// until the first Reset makes it); only Reset uses it.
 	mqueue int
+	// rf are descriptors Reset keeps open between calls (under resetMu).
+	rf resetFiles
 	// updateMu serialises Update and guards res: the limits in force
 	// (Pids defaulted), when resKnown (a failed Update leaves them unknown).
 	updateMu sync.Mutex
@@ -770,10 +772,7 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		s.resetMu.Lock()
 		s.dropNext() // and no new one is prepared
 		s.bg.Wait()
-		if s.mqueue >= 0 {
-			unix.Close(s.mqueue)
-			s.mqueue = -1
-		}
+		s.closeResetFiles()
 		s.closePidfd()
 		s.resetMu.Unlock()
 		var errs []error

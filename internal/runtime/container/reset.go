@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -40,14 +41,16 @@ var (
 //  1. Every process in the user cgroup (where every process the agent
 //     starts is born, and which nothing inside can leave) is SIGKILLed
 //     until the cgroup holds none, and Reset waits until the agent, PID 1,
-//     has reaped them all. What the previous user may have changed about
-//     the agent (rlimits, nice, scheduling policy, CPU affinity and I/O
-//     priority, which every process it forks inherits, and its OOM score:
-//     a process of the same user may change them) is put back as it was
-//     after Create.
+//     has reaped them all (one read of the cgroup's pids count says when
+//     there is nobody: killUser). What the previous user may have changed
+//     about the agent (rlimits, nice, scheduling policy, CPU affinity and
+//     I/O priority, which every process it forks inherits, and its OOM
+//     score: a process of the same user may change them) is put back as it
+//     was after Create (restoreWith).
 //  2. System V IPC objects and POSIX message queues of the sandbox's IPC
-//     namespace are removed (one system call per kind says whether there
-//     is any), on the backend's IPC thread (ipcThread).
+//     namespace are removed, on the backend's IPC thread (ipcThread),
+//     unless reading their listings from here shows there are none
+//     (resetFiles.ipcEmpty).
 //  3. If the sandbox is still in its pristine state (see pristine), that
 //     is all. Otherwise, on a throw-away OS thread of the edge that joins
 //     the sandbox's mount namespace, a new overlay with a fresh upper and
@@ -93,19 +96,22 @@ var (
 // a user can put mtime back with utimensat (a same-value touch changes
 // nothing else), but not ctime, which the kernel sets to the current time
 // and which only a clock change (CAP_SYS_TIME, not granted) could set
-// back. Hard links cannot point out of a tree: a link to a lower file
-// copies it up first (a new entry), and a link's target and the link
-// count are in the fingerprint. Nothing can change a tree after the check
-// either: every user process is dead and reaped, so no descriptor, mapping,
-// lock or pending write of theirs is left (files are closed before a task
-// becomes a zombie), and the agent writes only while serving a request,
-// which the caller has no longer in flight when it resets (as with the
-// full path, whose new root a racing request would write into too). The
-// free blocks and inodes of the /dev tmpfs mounts are compared as a check
-// that nothing unlisted (an unlinked file still held open) remains. Not
-// compared are access times: reading a directory moves its atime (once,
-// under relatime), which tells the next user at most that a directory was
-// listed, no more than a fresh root's times tell anyway.
+// back. That is also why a comparison may skip reading the attributes and
+// names of an entry that has not changed for a second, on the file
+// systems known to move its times with them: its ctime would tell (see
+// pristine.recent). Hard links cannot point out of a tree: a link to a
+// lower file copies it up first (a new entry), and a link's target and
+// the link count are in the fingerprint. Nothing can change a tree after
+// the check either: every user process is dead and reaped, so no
+// descriptor, mapping, lock or pending write of theirs is left (files are
+// closed before a task becomes a zombie), and the agent writes only while
+// serving a request, which the caller has no longer in flight when it
+// resets (as with the full path, whose new root a racing request would
+// write into too). The free blocks and inodes of the /dev tmpfs mounts are
+// compared as a check that nothing unlisted (an unlinked file still held
+// open) remains. Not compared are access times: reading a directory moves
+// its atime (once, under relatime), which tells the next user at most that
+// a directory was listed, no more than a fresh root's times tell anyway.
 func (s *sandbox) Reset(ctx context.Context) error {
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
@@ -117,18 +123,15 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	if err := s.killUser(ctx); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
-	if err := s.attrs.restore(s.cmd.Process.Pid); err != nil {
+	if err := s.attrs.restoreWith(s.cmd.Process.Pid, &s.rf); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
 	s.checkForkServer()
 	if err := s.clearIPCNamespace(); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
-	s.fsMu.Lock()
-	upper, work := s.upper, s.work
-	s.fsMu.Unlock()
 	if s.pristine != nil {
-		err := s.unchanged(s.pristine, upper, work)
+		err := s.unchanged(s.pristine)
 		if err == nil {
 			s.resetsKept.Add(1)
 			// A sandbox that is reset is a pooled one: its next user may
@@ -148,7 +151,7 @@ func (s *sandbox) Reset(ctx context.Context) error {
 		}
 		s.b.log.Debug("reset: new root", "sandbox", s.id, "why", err)
 	}
-	s.pristine = nil
+	s.dropPristine()
 	root := s.takeNext()
 	if root == nil {
 		var err error
@@ -200,8 +203,13 @@ func (s *sandbox) pristineOrNil(upper, work string) *pristine {
 }
 
 // clearIPCNamespace removes the IPC objects of the sandbox's IPC namespace
-// (clearIPC) on the backend's IPC thread.
+// (clearIPC) on the backend's IPC thread, unless a look from here finds
+// none (resetFiles.ipcEmpty): most users make none, and the thread's round
+// trip (two wake-ups, two setns) costs more than the look.
 func (s *sandbox) clearIPCNamespace() error {
+	if s.rf.ipcEmpty(s.mqueue) {
+		return nil
+	}
 	fd, done, err := s.nsFD("ipc")
 	if err != nil {
 		return err
@@ -312,12 +320,19 @@ func (s *sandbox) dropNext() {
 // have to be reused by the time the whole PID range wrapped around, within
 // microseconds: not a practical risk (pidfds would close it at a cost per
 // process).
+//
+// Most users leave nothing running, and then one read of the cgroup's pids
+// count settles it (resetFiles.onlyAgent) instead of the listing and the
+// reaping check (three files).
 func (s *sandbox) killUser(ctx context.Context) error {
-	dir := s.cg.userDir()
-	agentPid := s.cmd.Process.Pid
 	// The fork server is spared (see forkserver.go); whether it was
 	// left as it should be is checkForkServer's business.
 	spare := s.forkServerPid()
+	if spare == 0 && !s.frozen.Load() && s.rf.onlyAgent() {
+		return nil
+	}
+	dir := s.cg.userDir()
+	agentPid := s.cmd.Process.Pid
 	threadsFile := "tasks"
 	if cgroupMode() == cgroups.Unified {
 		threadsFile = "cgroup.threads"
@@ -376,11 +391,16 @@ func (s *sandbox) killUser(ctx context.Context) error {
 	wait := 20 * time.Microsecond
 	for {
 		if n == 0 {
-			reaped, err := allReaped(dir, threadsFile)
+			tasks, reaped, err := allReaped(dir, threadsFile)
 			if err != nil {
 				return err
 			}
 			if reaped {
+				if spare == 0 {
+					// Only the agent's own threads are left: what
+					// onlyAgent compares with next time.
+					s.rf.learnAgentTasks(dir, tasks)
+				}
 				return nil
 			}
 		}
@@ -411,21 +431,22 @@ func (s *sandbox) killUser(ctx context.Context) error {
 
 // allReaped reports whether the user cgroup's pids count (tasks, zombies
 // included until reaped) is down to the threads listed in it (the agent's
-// spawner thread on v1, none on v2; a spared fork server's).
-func allReaped(dir, threadsFile string) (bool, error) {
+// spawner thread on v1, none on v2; a spared fork server's), and returns
+// the count.
+func allReaped(dir, threadsFile string) (tasks int, reaped bool, err error) {
 	cur, err := readFileRaw(filepath.Join(dir, "pids.current"), 32)
 	if err != nil {
-		return false, fmt.Errorf("read user pids count: %w", err)
+		return 0, false, fmt.Errorf("read user pids count: %w", err)
 	}
 	n, err := strconv.Atoi(string(bytes.TrimSpace(cur)))
 	if err != nil {
-		return false, fmt.Errorf("user pids count %q: %w", cur, err)
+		return 0, false, fmt.Errorf("user pids count %q: %w", cur, err)
 	}
 	threads, err := readFileRaw(filepath.Join(dir, threadsFile), 128)
 	if err != nil {
-		return false, fmt.Errorf("list user threads: %w", err)
+		return 0, false, fmt.Errorf("list user threads: %w", err)
 	}
-	return n == len(strings.Fields(string(threads))), nil
+	return n, n == len(strings.Fields(string(threads))), nil
 }
 
 // swapRoot makes the detached overlay root the sandbox's root (see Reset)
@@ -639,8 +660,12 @@ const (
 // clearIPC removes every System V shared memory segment, semaphore set and
 // message queue, and every POSIX message queue, of the calling thread's IPC
 // namespace (the sandbox's). Every user process is dead by now, so removed
-// segments are freed at once. It runs on the backend's IPC thread.
+// segments are freed at once. It runs on the backend's IPC thread, where it
+// also opens what resetFiles.ipcEmpty reads, once.
 func (s *sandbox) clearIPC() error {
+	if !s.rf.sysvOpen {
+		s.rf.openSysV()
+	}
 	for _, k := range []struct {
 		file  string
 		count func() (int, error)
@@ -743,6 +768,13 @@ func (s *sandbox) clearMqueues() error {
 			return fmt.Errorf("remove message queue %q: %w", n, err)
 		}
 	}
+	// The directory is empty now (no process is left to make a queue):
+	// its size is what ipcEmpty compares with.
+	var st unix.Stat_t
+	if err := unix.Fstat(s.mqueue, &st); err != nil {
+		return fmt.Errorf("stat mqueue: %w", err)
+	}
+	s.rf.mqueueEmpty, s.rf.mqueueKnown = st.Size, true
 	return nil
 }
 
@@ -795,7 +827,10 @@ func (s *sandbox) Update(ctx context.Context, r rt.Resources) error {
 // inherits (the agent's spawner thread forks them all), and its OOM score
 // (a previous user could make the agent the OOM killer's first choice).
 type agentAttrs struct {
-	rlimits  [unix.RLIMIT_RTTIME + 1]unix.Rlimit
+	rlimits [unix.RLIMIT_RTTIME + 1]unix.Rlimit
+	// limits is /proc/PID/limits as it read then: the same limits, as
+	// text, for restoreWith to compare with.
+	limits   []byte
 	sched    unix.SchedAttr
 	affinity unix.CPUSet
 	ioprio   int
@@ -812,6 +847,10 @@ func captureAgent(pid int) (*agentAttrs, error) {
 		if err := unix.Prlimit(pid, r, nil, &a.rlimits[r]); err != nil {
 			return nil, fmt.Errorf("read agent rlimit %d: %w", r, err)
 		}
+	}
+	var err error
+	if a.limits, err = readFileRaw("/proc/"+strconv.Itoa(pid)+"/limits", 2048); err != nil {
+		return nil, fmt.Errorf("read agent limits: %w", err)
 	}
 	sa, err := unix.SchedGetAttr(pid, 0)
 	if err != nil {
@@ -832,43 +871,52 @@ func captureAgent(pid int) (*agentAttrs, error) {
 	return a, nil
 }
 
-// restore puts the recorded attributes back on the agent and on each of
-// its threads. Threads that exit meanwhile are skipped.
-func (a *agentAttrs) restore(pid int) error {
-	for r := range a.rlimits {
-		if err := unix.Prlimit(pid, r, &a.rlimits[r], nil); err != nil {
-			return fmt.Errorf("restore agent rlimit %d: %w", r, err)
+// restore puts the recorded attributes back on process pid and on each of
+// its threads (restoreWith without kept descriptors).
+func (a *agentAttrs) restore(pid int) error { return a.restoreWith(pid, nil) }
+
+// restoreWith puts the recorded attributes back on process pid and on each
+// of its threads, reading its /proc files through f's descriptors (opened
+// on first use) when f is not nil. Threads that exit meanwhile are skipped.
+//
+// The resource limits and the OOM score are process-wide and can be read
+// back exactly, in one read each: /proc/PID/limits prints all sixteen soft
+// and hard limits in full ("unlimited" or the number), so equal text means
+// equal limits; they are written only when they differ, which a user must
+// have gone out of their way to cause. The per-thread attributes cannot be
+// read back more cheaply than they are set (three system calls per thread
+// either way, and a thread that joined since would need them too), so they
+// are set on every thread every time.
+func (a *agentAttrs) restoreWith(pid int, f *resetFiles) error {
+	proc := "/proc/" + strconv.Itoa(pid)
+	if f != nil && !f.procOpen {
+		if err := f.openProc(proc); err != nil {
+			return err
 		}
 	}
-	// Plain system calls: os.WriteFile and os.Open would stat the files
-	// and try to register them with the runtime poller, on every Reset.
-	proc := "/proc/" + strconv.Itoa(pid)
-	fd, err := unix.Open(proc+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
-	if err == nil {
-		_, err = unix.Write(fd, a.oomScore)
-		unix.Close(fd)
+	var buf [4096]byte
+	var limits []byte
+	ok := false
+	if f != nil {
+		limits, ok, _ = preadSmall(f.limits, buf[:])
+	} else if b, err := readFileRaw(proc+"/limits", 2048); err == nil {
+		limits, ok = b, true
 	}
-	if err != nil {
+	// Unreadable or different: set them all (and fail if that fails).
+	if !ok || !bytes.Equal(limits, a.limits) {
+		for r := range a.rlimits {
+			if err := unix.Prlimit(pid, r, &a.rlimits[r], nil); err != nil {
+				return fmt.Errorf("restore agent rlimit %d: %w", r, err)
+			}
+		}
+	}
+	if err := a.restoreOOMScore(proc, f, buf[:]); err != nil {
 		return fmt.Errorf("restore agent OOM score: %w", err)
 	}
-	fd, err = unix.Open(proc+"/task", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	tids, err := a.threads(proc, f, buf[:])
 	if err != nil {
 		return fmt.Errorf("list agent threads: %w", err)
 	}
-	var tids []string
-	buf := make([]byte, 1024)
-	for {
-		n, err := unix.ReadDirent(fd, buf)
-		if err != nil {
-			unix.Close(fd)
-			return fmt.Errorf("list agent threads: %w", err)
-		}
-		if n <= 0 {
-			break
-		}
-		_, _, tids = unix.ParseDirent(buf[:n], -1, tids)
-	}
-	unix.Close(fd)
 	for _, t := range tids {
 		tid, err := strconv.Atoi(t)
 		if err != nil {
@@ -889,4 +937,217 @@ func (a *agentAttrs) restore(pid int) error {
 		}
 	}
 	return nil
+}
+
+// restoreOOMScore writes the recorded OOM score back: through f's
+// descriptor only if it differs, else unconditionally (open, write,
+// close: as cheap as reading it).
+func (a *agentAttrs) restoreOOMScore(proc string, f *resetFiles, buf []byte) error {
+	if f != nil {
+		if b, ok, err := preadSmall(f.oom, buf); err == nil && ok && bytes.Equal(b, a.oomScore) {
+			return nil
+		}
+		// The file takes a whole number per write, wherever it is written.
+		_, err := unix.Pwrite(f.oom, a.oomScore, 0)
+		return err
+	}
+	// Plain system calls: os.WriteFile and os.Open would stat the files
+	// and try to register them with the runtime poller, on every Reset.
+	fd, err := unix.Open(proc+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
+	if err == nil {
+		_, err = unix.Write(fd, a.oomScore)
+		unix.Close(fd)
+	}
+	return err
+}
+
+// threads lists the thread IDs of process proc, through f's descriptor of
+// its task directory (read again from the start) when f is not nil.
+func (a *agentAttrs) threads(proc string, f *resetFiles, buf []byte) ([]string, error) {
+	fd := -1
+	if f != nil {
+		fd = f.task
+		if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
+			return nil, err
+		}
+	} else {
+		var err error
+		if fd, err = unix.Open(proc+"/task", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
+			return nil, err
+		}
+		defer unix.Close(fd)
+	}
+	var tids []string
+	for {
+		n, err := unix.ReadDirent(fd, buf)
+		if err != nil {
+			return nil, err
+		}
+		if n <= 0 {
+			return tids, nil
+		}
+		_, _, tids = unix.ParseDirent(buf[:n], -1, tids)
+	}
+}
+
+// resetFiles are descriptors Reset keeps open from one call to the next
+// (each saves an open, a path walk and a close per Reset, and some a
+// thread switch), with what Reset learnt about the sandbox. The zero value
+// has none open; closeResetFiles, at Destroy, closes them.
+type resetFiles struct {
+	// pids is the user cgroup's pids.current, opened when agentTasks is
+	// first learnt.
+	pids int
+	// agentTasks is the pids count of the user cgroup when it held
+	// nothing but the agent's own threads (known once a kill pass saw it).
+	agentTasks      int
+	agentTasksKnown bool
+	pidsOpen        bool
+
+	// limits, oom and task are the agent's /proc/PID/limits,
+	// oom_score_adj and task directory.
+	limits, oom, task int
+	procOpen          bool
+
+	// sysv are /proc/sysvipc/shm, sem and msg, opened inside the
+	// sandbox's IPC namespace: such a file lists the namespace of whoever
+	// opened it, whichever thread reads it later.
+	sysv     [3]int
+	sysvOpen bool
+	// mqueueEmpty is the size of the sandbox's mqueue root directory with
+	// no queue in it.
+	mqueueEmpty int64
+	mqueueKnown bool
+}
+
+// onlyAgent reports whether the user cgroup holds nothing but the agent's
+// own threads, known to be agentTasks: its pids count says so.
+//
+// Exact because the pids count charges every task of the cgroup (and of
+// any cgroup below it) from its fork until its parent reaps it, so a
+// process still running, a zombie, a fork under way are all counted; and
+// the agent's threads there never leave: on v1 that is the spawner thread
+// alone, locked to its goroutine for the agent's life (the Go runtime never
+// clones a new thread from a locked one; it asks its template thread), on
+// v2 there are none. Nothing inside the sandbox can move a task between
+// cgroups. So a count equal to agentTasks means no other task; any other
+// count, or an unreadable one, makes the caller do the full pass (which
+// learns agentTasks again).
+func (f *resetFiles) onlyAgent() bool {
+	if !f.agentTasksKnown || !f.pidsOpen {
+		return false
+	}
+	var buf [32]byte
+	b, ok, err := preadSmall(f.pids, buf[:])
+	if err != nil || !ok {
+		return false
+	}
+	n, err := strconv.Atoi(string(bytes.TrimSpace(b)))
+	return err == nil && n == f.agentTasks
+}
+
+// learnAgentTasks records that the user cgroup dir held only the
+// agent's threads, tasks of them, and opens its pids count for onlyAgent
+// (once: the descriptors Reset keeps are all open after its first call).
+func (f *resetFiles) learnAgentTasks(dir string, tasks int) {
+	if !f.pidsOpen {
+		fd, err := unix.Open(filepath.Join(dir, "pids.current"), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return // every Reset takes the full kill pass
+		}
+		f.pids, f.pidsOpen = fd, true
+	}
+	f.agentTasks, f.agentTasksKnown = tasks, true
+}
+
+// openProc opens the agent's /proc files restoreWith reads (proc is
+// /proc/PID). They name the process, not the number: once it is gone
+// they fail rather than read another process that got the PID.
+func (f *resetFiles) openProc(proc string) error {
+	fds := [3]int{-1, -1, -1}
+	for i, o := range []struct {
+		name  string
+		flags int
+	}{{"limits", unix.O_RDONLY}, {"oom_score_adj", unix.O_RDWR}, {"task", unix.O_RDONLY | unix.O_DIRECTORY}} {
+		fd, err := unix.Open(proc+"/"+o.name, o.flags|unix.O_CLOEXEC, 0)
+		if err != nil {
+			for _, fd := range fds[:i] {
+				unix.Close(fd)
+			}
+			return fmt.Errorf("open agent %s: %w", o.name, err)
+		}
+		fds[i] = fd
+	}
+	f.limits, f.oom, f.task = fds[0], fds[1], fds[2]
+	f.procOpen = true
+	return nil
+}
+
+// openSysV opens the System V IPC listings of the calling thread's IPC
+// namespace. Without them (no /proc/sysvipc), every Reset asks the IPC
+// thread.
+func (f *resetFiles) openSysV() {
+	for i, kind := range []string{"shm", "sem", "msg"} {
+		fd, err := unix.Open("/proc/sysvipc/"+kind, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			for _, fd := range f.sysv[:i] {
+				unix.Close(fd)
+			}
+			return
+		}
+		f.sysv[i] = fd
+	}
+	f.sysvOpen = true
+}
+
+// ipcEmpty reports whether the sandbox's IPC namespace holds no System V
+// object and no POSIX message queue, with mqueue the sandbox's mqueue
+// mount (see clearMqueues). False means "maybe": clearIPC looks for
+// itself.
+//
+// A /proc/sysvipc listing is a header line, then one line per object; read
+// from offset 0, one read returns the header and as many objects as fit
+// (the kernel's seq_file fills the buffer record by record until it is
+// full or the records end), so a read that returns the header line alone
+// means there is none. The mqueue root directory's size grows by a fixed
+// amount with each queue made in it and shrinks with each removed (it has
+// no other way in), so its size when empty means no queue.
+func (f *resetFiles) ipcEmpty(mqueue int) bool {
+	if !f.sysvOpen || !f.mqueueKnown || mqueue < 0 {
+		return false
+	}
+	var buf [1024]byte
+	for _, fd := range f.sysv {
+		b, ok, err := preadSmall(fd, buf[:])
+		if err != nil || !ok || len(b) == 0 || bytes.IndexByte(b, '\n') != len(b)-1 {
+			return false
+		}
+	}
+	var st unix.Stat_t
+	return unix.Fstat(mqueue, &st) == nil && st.Size == f.mqueueEmpty
+}
+
+// closeResetFiles closes what Reset keeps open (Destroy, with resetMu
+// held, once init is gone).
+func (s *sandbox) closeResetFiles() {
+	s.dropPristine()
+	if s.mqueue >= 0 {
+		unix.Close(s.mqueue)
+		s.mqueue = -1
+	}
+	f := &s.rf
+	if f.pidsOpen {
+		unix.Close(f.pids)
+	}
+	if f.procOpen {
+		for _, fd := range []int{f.limits, f.oom, f.task} {
+			unix.Close(fd)
+		}
+	}
+	if f.sysvOpen {
+		for _, fd := range f.sysv {
+			unix.Close(fd)
+		}
+	}
+	*f = resetFiles{}
 }

@@ -4,8 +4,12 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
@@ -72,12 +76,72 @@ func reset(t *testing.T, sb rt.Sandbox) {
 	}
 }
 
+// settle waits until every entry of sb's pristine state last changed in
+// a second before the current one (of the coarse clock file times come
+// from), then resets sb. That Reset finds nothing changed and starts in a
+// later second than any entry's ctime, so the next one reads no attribute
+// and no directory but /dev/pts's (devpts, whose times tell nothing) and
+// compares the rest by stat alone: the path Resets take once a sandbox has
+// sat unchanged for a second, which the tests would otherwise only reach
+// by chance. The wait is for the clock, the property under test, not for
+// another component.
+func settle(t *testing.T, sb rt.Sandbox) {
+	t.Helper()
+	newest, ok := container.PristineNewest(sb)
+	if !ok {
+		t.Fatal("the sandbox has no pristine state")
+	}
+	for {
+		var ts unix.Timespec
+		if err := unix.ClockGettime(unix.CLOCK_REALTIME_COARSE, &ts); err != nil {
+			t.Fatal(err)
+		}
+		if ts.Sec > newest {
+			break
+		}
+		time.Sleep(time.Duration(1e9-ts.Nsec) + time.Millisecond) // into the next second
+	}
+	kept, rebuilt := container.ResetCounts(sb)
+	reset(t, sb)
+	if k, r := container.ResetCounts(sb); k != kept+1 || r != rebuilt {
+		t.Fatalf("settling: a Reset with nothing changed built a new root (kept %d rebuilt %d, before %d and %d)", k, r, kept, rebuilt)
+	}
+	if got, want := container.PristineRecent(sb), []string{"pts", "pts/ptmx"}; !slices.Equal(got, want) {
+		t.Fatalf("settled pristine state still reads %q in full; want only %q", got, want)
+	}
+}
+
+// pristineModes are the two ways Reset compares a sandbox with its
+// pristine state: with every entry read in full (attributes and directory
+// names too, as a Reset within a second of the entries' last change does),
+// and settled (see settle).
+var pristineModes = []struct {
+	name    string
+	settled bool
+}{{"recent", false}, {"settled", true}}
+
+// prepare puts sb's pristine state in the mode's way of comparing.
+func prepare(t *testing.T, sb rt.Sandbox, settled bool) {
+	t.Helper()
+	if settled {
+		settle(t, sb)
+	} else {
+		container.PristineReadAll(sb)
+	}
+}
+
 // TestResetKeepsUnchanged checks that a Reset after users who wrote
 // nothing keeps the sandbox's root (same upper directory, no new root
 // built), and that what it must still do it does: processes killed, IPC
 // objects removed.
 func TestResetKeepsUnchanged(t *testing.T) {
 	e := newProbeEnv(t)
+	for _, m := range pristineModes {
+		t.Run(m.name, func(t *testing.T) { testResetKeepsUnchanged(t, e, m.settled) })
+	}
+}
+
+func testResetKeepsUnchanged(t *testing.T, e *env, settled bool) {
 	ctx := context.Background()
 	sb, err := e.backend.Create(ctx, e.spec(t))
 	if err != nil {
@@ -86,8 +150,16 @@ func TestResetKeepsUnchanged(t *testing.T) {
 	defer sb.Destroy(ctx)
 	fresh := sh(t, sb, stateScript)
 	upper := sb.(rt.Differ).UpperDir()
+	var settling int64
+	if settled {
+		settle(t, sb)
+		settling = 1
+	}
 	const none = "shm 0 sem 0 msg 0 mqueue 0\n"
 	for i := 1; i <= 3; i++ {
+		if !settled {
+			container.PristineReadAll(sb)
+		}
 		// Reading, listing, running programs, processes left behind and
 		// IPC objects write nothing to the file systems.
 		sh(t, sb, `set -e
@@ -109,8 +181,8 @@ sleep 3802 >/dev/null 2>&1 &
 		reset(t, sb)
 
 		kept, rebuilt := container.ResetCounts(sb)
-		if kept != int64(i) || rebuilt != 0 {
-			t.Fatalf("after %d unchanged cycles: %d resets kept the root, %d built a new one; want %d and 0", i, kept, rebuilt, i)
+		if kept != int64(i)+settling || rebuilt != 0 {
+			t.Fatalf("after %d unchanged cycles: %d resets kept the root, %d built a new one; want %d and 0", i, kept, rebuilt, int64(i)+settling)
 		}
 		if got := sb.(rt.Differ).UpperDir(); got != upper {
 			t.Errorf("UpperDir changed from %s to %s across a Reset that kept the root", upper, got)
@@ -133,6 +205,12 @@ sleep 3802 >/dev/null 2>&1 &
 // root, a Reset with nothing changed keeps it again.
 func TestResetRebuildsChanged(t *testing.T) {
 	e := newProbeEnv(t)
+	for _, m := range pristineModes {
+		t.Run(m.name, func(t *testing.T) { testResetRebuildsChanged(t, e, m.settled) })
+	}
+}
+
+func testResetRebuildsChanged(t *testing.T, e *env, settled bool) {
 	ctx := context.Background()
 	sb, err := e.backend.Create(ctx, e.spec(t))
 	if err != nil {
@@ -170,6 +248,10 @@ func TestResetRebuildsChanged(t *testing.T) {
 	}
 	var kept, rebuilt int64
 	for _, c := range cases {
+		prepare(t, sb, settled)
+		if settled {
+			kept++
+		}
 		before := sb.(rt.Differ).UpperDir()
 		if c.api != nil {
 			if err := c.api(); err != nil {

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container"
 )
 
 // TestResetUpperDir checks what snapshots rely on after a Reset: UpperDir
@@ -93,5 +94,41 @@ func TestResetDestroyRemovesAll(t *testing.T) {
 	}
 	if err := sb.(rt.Updater).Update(ctx, rt.Resources{}); err == nil {
 		t.Error("Update of a destroyed sandbox succeeded")
+	}
+}
+
+// TestResetRestoresAgentLimits checks that resource limits a user lowers
+// on the agent (PID 1), which every process it starts inherits, are back
+// after a Reset that keeps the root: Reset reads them back in one go and
+// writes them only when they differ. The second round runs with what the
+// first Reset opened and keeps.
+func TestResetRestoresAgentLimits(t *testing.T) {
+	e := newProbeEnv(t)
+	ctx := context.Background()
+	sb, err := e.backend.Create(ctx, e.spec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Destroy(ctx)
+	const probe = `cat /proc/1/limits; ulimit -n; ulimit -c`
+	fresh := sh(t, sb, probe)
+	for round := range 2 {
+		// Soft limits of RLIMIT_NOFILE (7) down and RLIMIT_CORE (4) up.
+		// (Hard limits stay: raising one back needs CAP_SYS_RESOURCE,
+		// which the edge may lack; Reset then fails and the sandbox is
+		// destroyed.)
+		sh(t, sb, fsProbe+` prlimit 1 7 512 $(ulimit -Hn) && `+fsProbe+` prlimit 1 4 4096 18446744073709551615`)
+		if got := sh(t, sb, probe); got == fresh {
+			t.Fatalf("round %d: the agent's limits did not change: %q", round, got)
+		}
+
+		reset(t, sb)
+
+		if got := sh(t, sb, probe); got != fresh {
+			t.Errorf("round %d: the agent's limits after Reset differ from the fresh sandbox's:\n%s", round, diff(fresh, got))
+		}
+		if kept, rebuilt := container.ResetCounts(sb); kept != int64(round+1) || rebuilt != 0 {
+			t.Errorf("round %d: kept %d rebuilt %d; want the root kept every time", round, kept, rebuilt)
+		}
 	}
 }

@@ -1,10 +1,12 @@
-// Command fsprobe makes the file system changes Reset's tests need and
-// busybox cannot make:
+// Command fsprobe makes the changes Reset's tests need and busybox cannot
+// make:
 //
 //	fsprobe touch-same PATH             sets PATH's atime and mtime to the
 //	                                    values they have (only ctime moves)
 //	fsprobe setxattr PATH NAME VALUE    sets an extended attribute
 //	fsprobe getxattrs PATH...           prints each PATH's user.* attributes
+//	fsprobe prlimit PID RES SOFT HARD   sets resource limit number RES of
+//	                                    process PID (prlimit64)
 //
 // It uses raw system calls only, so it builds as a small static binary
 // that runs in any sandbox of the host's architecture.
@@ -14,6 +16,7 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"unsafe"
@@ -21,7 +24,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fail(fmt.Errorf("usage: fsprobe touch-same PATH | setxattr PATH NAME VALUE | getxattrs PATH..."))
+		fail(fmt.Errorf("usage: fsprobe touch-same PATH | setxattr PATH NAME VALUE | getxattrs PATH... | prlimit PID RES SOFT HARD"))
 	}
 	switch args := os.Args[2:]; os.Args[1] {
 	case "touch-same":
@@ -38,6 +41,11 @@ func main() {
 		for _, p := range args {
 			fail(printXattrs(p))
 		}
+	case "prlimit":
+		if len(args) != 4 {
+			fail(fmt.Errorf("usage: fsprobe prlimit PID RES SOFT HARD"))
+		}
+		fail(prlimit(args))
 	default:
 		fail(fmt.Errorf("unknown command %q", os.Args[1]))
 	}
@@ -82,6 +90,25 @@ func printXattrs(path string) error {
 	}
 	sort.Strings(out)
 	fmt.Printf("%s: %s\n", path, strings.Join(out, " "))
+	return nil
+}
+
+// prlimit sets one resource limit of another process: PID, resource
+// number, soft and hard limit.
+func prlimit(args []string) error {
+	var v [4]uint64
+	for i, a := range args {
+		n, err := strconv.ParseUint(a, 10, 64)
+		if err != nil {
+			return fmt.Errorf("prlimit: %q: %w", a, err)
+		}
+		v[i] = n
+	}
+	lim := [2]uint64{v[2], v[3]}
+	if _, _, e := syscall.RawSyscall6(syscall.SYS_PRLIMIT64, uintptr(v[0]), uintptr(v[1]),
+		uintptr(unsafe.Pointer(&lim[0])), 0, 0, 0); e != 0 {
+		return fmt.Errorf("prlimit: %w", e)
+	}
 	return nil
 }
 
