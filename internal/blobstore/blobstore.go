@@ -5,6 +5,10 @@
 // like) are Refs, kept beside the blobs so that one URL names everything
 // durable a deployment owns.
 //
+// WriteBatch stores many small blobs and sets their refs together, with a
+// few flushes to stable storage in all rather than a few per item, for
+// writers that produce them in bursts (trajectories of ended sandboxes).
+//
 // Store and Refs are the seam; the dir implementation (a local directory or a
 // shared POSIX file system such as 3FS, JuiceFS or NFS) is the first one and
 // runs the conformance suite in blobstoretest. An s3 implementation belongs

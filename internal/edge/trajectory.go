@@ -124,24 +124,70 @@ func environment(sb *sandbox) *trajectory.Environment {
 	return env
 }
 
-// shipLoop ships ended trajectories at once and running ones periodically,
-// until ctx is done.
+// shipPace is the shortest time between two batches of ended trajectories
+// the ship loop writes. A batch costs a few flushes of the disk however
+// many trajectories it holds, so under a stream of destroys the loop
+// gathers what ends within this time into one batch; an end that comes
+// after a quiet spell is shipped at once.
+const shipPace = 100 * time.Millisecond
+
+// shipBatchMax bounds how many ended sandboxes one batch ships; more wait
+// for the next one.
+const shipBatchMax = 1024
+
+// shipLoop ships ended trajectories soon after they end, in batches, and
+// running ones periodically, until ctx is done. Whatever is still queued
+// when it stops is shipped by Close (ShipAll), or by Forget before the
+// sandbox is forgotten.
 func (e *Edge) shipLoop(ctx context.Context) {
 	t := time.NewTicker(e.cfg.ShipInterval)
 	defer t.Stop()
+	pace := time.NewTimer(0)
+	defer pace.Stop()
+	var last time.Time
+	ids := make([]string, 0, 64)
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case id := <-e.ship:
-			if err := e.traj.Ship(ctx, id); err != nil && !errors.Is(err, trajectory.ErrUnknown) {
-				e.log.Warn("ship trajectory", "sandbox", id, "err", err)
-			}
+			ids = append(ids[:0], id)
 		case <-t.C:
 			if err := e.traj.ShipAll(ctx); err != nil {
 				e.log.Warn("ship trajectories", "err", err)
 			}
+			continue
 		}
+		// Gather the ends that come before the pace allows the next
+		// batch, then whatever else is queued.
+		if wait := time.Until(last.Add(shipPace)); wait > 0 {
+			pace.Reset(wait)
+		gather:
+			for len(ids) < shipBatchMax {
+				select {
+				case <-ctx.Done():
+					return
+				case id := <-e.ship:
+					ids = append(ids, id)
+				case <-pace.C:
+					break gather
+				}
+			}
+			pace.Stop()
+		}
+	drain:
+		for len(ids) < shipBatchMax {
+			select {
+			case id := <-e.ship:
+				ids = append(ids, id)
+			default:
+				break drain
+			}
+		}
+		if err := e.traj.ShipBatch(ctx, ids); err != nil {
+			e.log.Warn("ship trajectories", "sandboxes", len(ids), "err", err)
+		}
+		last = time.Now()
 	}
 }
 

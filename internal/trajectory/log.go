@@ -88,6 +88,10 @@ type Log struct {
 	failMu sync.Mutex
 	failed error
 
+	// shipMu is held by a ship (see ship.go) and by Forget. Lock order:
+	// shipMu before mu.
+	shipMu sync.Mutex
+
 	// mu guards the maps, the active segment and segment refs. Lock order:
 	// mu before any sbLog.mu.
 	mu        sync.Mutex
@@ -909,77 +913,26 @@ func (l *Log) Page(ctx context.Context, id string, from, n int, withData bool) (
 	return lines, next, nextSeq, nil
 }
 
-// ShipRef is the blob-store ref under which sandbox id's shipped
-// trajectory (a JSONL blob) is kept.
-func ShipRef(id string) string { return "trajectories/" + id }
-
-// Ship copies sandbox id's trajectory to the blob store as one JSONL blob
-// and points ShipRef(id) at it, so that the trajectory outlives the node.
-// It does nothing when nothing was appended since the last ship.
-func (l *Log) Ship(ctx context.Context, id string) error {
-	sb, err := l.sandbox(id)
-	if err != nil {
-		return err
-	}
-	sb.mu.Lock()
-	locs := slices.Clone(sb.recs)
-	shipped := sb.shipped
-	sb.mu.Unlock()
-	if len(locs) == shipped {
-		return nil
-	}
-	var buf bytes.Buffer
-	for _, at := range locs {
-		line, err := l.readLine(at)
-		if err != nil {
-			return err
-		}
-		buf.Write(line)
-		buf.WriteByte('\n')
-	}
-	desc, err := l.opts.Store.Put(ctx, &buf)
-	if err != nil {
-		return fmt.Errorf("ship trajectory of %s: %w", id, err)
-	}
-	if err := l.opts.Store.Refs().Set(ctx, ShipRef(id), desc.Digest); err != nil {
-		return fmt.Errorf("ship trajectory of %s: %w", id, err)
-	}
-	sb.mu.Lock()
-	if len(locs) > sb.shipped {
-		sb.shipped = len(locs)
-	}
-	sb.mu.Unlock()
-	return nil
-}
-
-// ShipAll ships every sandbox with records not yet shipped; it is what the
-// periodic shipping runs.
-func (l *Log) ShipAll(ctx context.Context) error {
-	if l.isClosed() {
-		return nil
-	}
-	var errs []error
-	for _, in := range l.Sandboxes() {
-		if err := l.Ship(ctx, in.Sandbox); err != nil && !errors.Is(err, ErrUnknown) {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
-}
-
 // Forget drops sandbox id from the log's index once its trajectory has been
 // shipped; segments no sandbox needs any more are deleted.
 func (l *Log) Forget(ctx context.Context, id string) error {
-	if err := l.Ship(ctx, id); err != nil {
-		if errors.Is(err, ErrUnknown) {
-			return nil
-		}
+	// Held throughout, so that no ship reads the sandbox's records while
+	// its segments are being deleted.
+	l.shipMu.Lock()
+	defer l.shipMu.Unlock()
+	sb, err := l.sandbox(id)
+	if errors.Is(err, ErrUnknown) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if err := l.ship(ctx, []*sbLog{sb}); err != nil {
 		return err
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	sb := l.sandboxes[id]
-	if sb == nil {
+	if l.sandboxes[id] != sb {
 		return nil
 	}
 	sb.mu.Lock()

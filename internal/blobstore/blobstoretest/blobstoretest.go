@@ -26,7 +26,9 @@ import (
 // subtest. Ref tests run when the store also has a Refs() method (as a
 // blobstore.Repository does);
 // corruption tests run when it implements blobstore.Local (they need to
-// damage a stored blob behind the store's back).
+// damage a stored blob behind the store's back). Batch tests run through
+// blobstore.WriteBatch, so they check a store's own BatchWriter when it has
+// one and the generic fallback otherwise.
 func Run(t *testing.T, newStore func(t *testing.T) blobstore.Store) {
 	tests := []struct {
 		name string
@@ -47,6 +49,8 @@ func Run(t *testing.T, newStore func(t *testing.T) blobstore.Store) {
 		{"Refs", testRefs},
 		{"RefsInvalid", testRefsInvalid},
 		{"RefsConcurrentSet", testRefsConcurrentSet},
+		{"Batch", testBatch},
+		{"BatchRefused", testBatchRefused},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -413,4 +417,88 @@ func testRefsConcurrentSet(t *testing.T, s blobstore.Store) {
 	got, err := r.Get(ctx, name)
 	require.NoError(t, err)
 	assert.True(t, valid[got])
+}
+
+func repoOf(t *testing.T, s blobstore.Store) blobstore.Repository {
+	t.Helper()
+	r, ok := s.(blobstore.Repository)
+	if !ok {
+		t.Skip("store does not keep refs")
+	}
+	return r
+}
+
+// testBatch writes blobs and refs together: new and already stored blobs,
+// the same content twice, a ref moved, a ref named twice (the last wins),
+// a ref to a blob stored before the batch.
+func testBatch(t *testing.T, s blobstore.Store) {
+	r := repoOf(t, s)
+	refs := r.Refs()
+	ctx := context.Background()
+	old := put(t, s, []byte("stored before the batch"))
+	require.NoError(t, refs.Set(ctx, "trajectories/moved", old.Digest))
+
+	blobs := [][]byte{[]byte("one"), []byte("two"), randomBytes(t, 100_000), []byte("one"), []byte("stored before the batch")}
+	d := func(i int) string { return blobstore.Digest(blobs[i]) }
+	b := blobstore.Batch{Blobs: blobs, Refs: []blobstore.Ref{
+		{Name: "trajectories/a", Digest: d(0)},
+		{Name: "trajectories/b", Digest: d(1)},
+		{Name: "trajectories/moved", Digest: d(2)},
+		{Name: "trajectories/twice", Digest: d(0)},
+		{Name: "other/old", Digest: old.Digest},
+		{Name: "trajectories/twice", Digest: d(1)},
+	}}
+	require.NoError(t, blobstore.WriteBatch(ctx, r, b))
+
+	for i, blob := range blobs {
+		got, err := blobstore.ReadAll(ctx, s, d(i))
+		require.NoError(t, err, "blob %d", i)
+		assert.True(t, bytes.Equal(blob, got), "blob %d", i)
+	}
+	assert.Len(t, walkAll(t, s), 4, "one, two, the big one and the old one")
+	want := map[string]string{
+		"trajectories/a": d(0), "trajectories/b": d(1), "trajectories/moved": d(2),
+		"trajectories/twice": d(1), "other/old": old.Digest,
+	}
+	for name, digest := range want {
+		got, err := refs.Get(ctx, name)
+		require.NoError(t, err, name)
+		assert.Equal(t, digest, got, name)
+	}
+	// Again: everything is there already; nothing changes.
+	require.NoError(t, blobstore.WriteBatch(ctx, r, b))
+	list, err := refs.List(ctx, "")
+	require.NoError(t, err)
+	assert.Len(t, list, len(want))
+	assert.Len(t, walkAll(t, s), 4)
+	// An empty batch is nothing to do.
+	require.NoError(t, blobstore.WriteBatch(ctx, r, blobstore.Batch{}))
+}
+
+// testBatchRefused: a batch with a bad ref, or a ref to a blob that is
+// nowhere, is refused before anything is written.
+func testBatchRefused(t *testing.T, s blobstore.Store) {
+	r := repoOf(t, s)
+	refs := r.Refs()
+	ctx := context.Background()
+	blob := []byte("would be stored")
+	good := blobstore.Ref{Name: "trajectories/good", Digest: blobstore.Digest(blob)}
+	missing := blobstore.Digest([]byte("stored nowhere"))
+	for _, tc := range []struct {
+		bad  blobstore.Ref
+		want error
+		says string
+	}{
+		{blobstore.Ref{Name: "trajectories/../x", Digest: good.Digest}, blobstore.ErrInvalidRef, "trajectories/../x"},
+		{blobstore.Ref{Name: "trajectories/x", Digest: "sha256:nope"}, blobstore.ErrInvalidDigest, "trajectories/x"},
+		{blobstore.Ref{Name: "trajectories/x", Digest: missing}, blobstore.ErrNotFound, "neither in the batch nor stored"},
+	} {
+		err := blobstore.WriteBatch(ctx, r, blobstore.Batch{Blobs: [][]byte{blob}, Refs: []blobstore.Ref{good, tc.bad}})
+		require.ErrorIs(t, err, tc.want)
+		assert.ErrorContains(t, err, tc.says)
+		_, err = refs.Get(ctx, good.Name)
+		assert.ErrorIs(t, err, blobstore.ErrNotFound, "a refused batch set a ref")
+		_, err = s.Stat(ctx, good.Digest)
+		assert.ErrorIs(t, err, blobstore.ErrNotFound, "a refused batch stored a blob")
+	}
 }
