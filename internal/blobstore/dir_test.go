@@ -15,6 +15,7 @@ import (
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/blobstore/blobstoretest"
+	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
 func newDir(t *testing.T) *blobstore.Dir {
@@ -262,30 +263,6 @@ func TestDirBatchRewritesNothingStored(t *testing.T) {
 	assertNoTemps(t, d)
 }
 
-// fsImmutableFL is FS_IMMUTABLE_FL of linux/fs.h.
-const fsImmutableFL = 0x10
-
-// setImmutable sets or clears the immutable attribute of dir (chattr +i):
-// a real failure for the renames into it, even for root.
-func setImmutable(t *testing.T, dir string, on bool) error {
-	t.Helper()
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	flags, err := unix.IoctlGetUint32(int(f.Fd()), unix.FS_IOC_GETFLAGS)
-	if err != nil {
-		return err
-	}
-	if on {
-		flags |= fsImmutableFL
-	} else {
-		flags &^= fsImmutableFL
-	}
-	return unix.IoctlSetPointerInt(int(f.Fd()), unix.FS_IOC_SETFLAGS, int(flags))
-}
-
 // When the blobs cannot be put in place, no ref of the batch is set: a ref
 // never points at a blob that is not stored. Nothing is left in tmp/.
 func TestDirBatchBlobFailureSetsNoRef(t *testing.T) {
@@ -294,10 +271,10 @@ func TestDirBatchBlobFailureSetsNoRef(t *testing.T) {
 	first := trajectoryBatch(2, "f")
 	require.NoError(t, d.WriteBatch(ctx, first))
 	blobsDir := filepath.Dir(mustPath(t, d, first.Refs[0].Digest))
-	if err := setImmutable(t, blobsDir, true); err != nil {
+	if err := testutil.SetImmutable(blobsDir, true); err != nil {
 		t.Skipf("cannot make %s immutable (needs root and a file system with the attribute): %v", blobsDir, err)
 	}
-	t.Cleanup(func() { setImmutable(t, blobsDir, false) })
+	t.Cleanup(func() { testutil.SetImmutable(blobsDir, false) })
 
 	// New trajectories, and a new version of one already shipped.
 	b := trajectoryBatch(5, "g")
@@ -315,7 +292,7 @@ func TestDirBatchBlobFailureSetsNoRef(t *testing.T) {
 	checkBatch(t, d, first) // the old version still stands
 	assertNoTemps(t, d)
 
-	require.NoError(t, setImmutable(t, blobsDir, false))
+	require.NoError(t, testutil.SetImmutable(blobsDir, false))
 	require.NoError(t, d.WriteBatch(ctx, b), "the same batch once the store works again")
 	checkBatch(t, d, b)
 }

@@ -1,13 +1,8 @@
 package edge
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"errors"
-	"fmt"
 	"maps"
-	"os"
 	"slices"
 	"time"
 
@@ -171,20 +166,7 @@ func growable(want, size, floor int) int {
 
 // memAvailable is the kernel's estimate of the memory available for new
 // work without swapping (MemAvailable).
-func memAvailable() (int64, error) {
-	b, err := os.ReadFile("/proc/meminfo")
-	if err != nil {
-		return 0, fmt.Errorf("available memory: %w", err)
-	}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		var kb int64
-		if n, _ := fmt.Sscanf(sc.Text(), "MemAvailable: %d kB", &kb); n == 1 {
-			return kb << 10, nil
-		}
-	}
-	return 0, errors.New("available memory: no MemAvailable in /proc/meminfo")
-}
+func memAvailable() (int64, error) { return meminfo("MemAvailable") }
 
 // layersAliveLocked is how many live sandboxes hold every one of layers: at
 // least the sandboxes of a spec with those layers. The caller holds e.mu.

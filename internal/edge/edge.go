@@ -403,20 +403,23 @@ func machineCapacity() (placement.Capacity, error) {
 	}, nil
 }
 
-func memTotal() (int64, error) {
+// meminfo reads one field of /proc/meminfo (in kB there), in bytes.
+func meminfo(field string) (int64, error) {
 	b, err := os.ReadFile("/proc/meminfo")
 	if err != nil {
-		return 0, fmt.Errorf("machine memory: %w", err)
+		return 0, fmt.Errorf("%s: %w", field, err)
 	}
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
 		var kb int64
-		if n, _ := fmt.Sscanf(sc.Text(), "MemTotal: %d kB", &kb); n == 1 {
+		if n, _ := fmt.Sscanf(sc.Text(), field+": %d kB", &kb); n == 1 {
 			return kb << 10, nil
 		}
 	}
-	return 0, errors.New("machine memory: no MemTotal in /proc/meminfo")
+	return 0, fmt.Errorf("no %s in /proc/meminfo", field)
 }
+
+func memTotal() (int64, error) { return meminfo("MemTotal") }
 
 // loadPerCore is the 1-minute load average divided by the cores.
 func loadPerCore() float64 {

@@ -9,6 +9,8 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // RequireRoot skips the test unless it runs as root (CI runs as root, so the
@@ -87,4 +89,26 @@ func buildLocked(t testing.TB, pkg string) string {
 	}
 	buildCache[pkg] = out
 	return out
+}
+
+// SetImmutable sets or clears the immutable attribute of dir (chattr +i):
+// renames into it then fail even for root, a real failure to test
+// error paths with.
+func SetImmutable(dir string, on bool) error {
+	const fsImmutableFL = 0x10 // FS_IMMUTABLE_FL of linux/fs.h
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	flags, err := unix.IoctlGetUint32(int(f.Fd()), unix.FS_IOC_GETFLAGS)
+	if err != nil {
+		return err
+	}
+	if on {
+		flags |= fsImmutableFL
+	} else {
+		flags &^= fsImmutableFL
+	}
+	return unix.IoctlSetPointerInt(int(f.Fd()), unix.FS_IOC_SETFLAGS, int(flags))
 }

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/testutil"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
@@ -195,27 +196,6 @@ func TestShipBatchOneFails(t *testing.T) {
 	verifyLines(t, shippedLines(t, store, ids[2]))
 }
 
-// setImmutable sets or clears the immutable attribute of dir (chattr +i),
-// which makes renames into it fail even for root.
-func setImmutable(dir string, on bool) error {
-	const fsImmutableFL = 0x10 // FS_IMMUTABLE_FL of linux/fs.h
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	flags, err := unix.IoctlGetUint32(int(f.Fd()), unix.FS_IOC_GETFLAGS)
-	if err != nil {
-		return err
-	}
-	if on {
-		flags |= fsImmutableFL
-	} else {
-		flags &^= fsImmutableFL
-	}
-	return unix.IoctlSetPointerInt(int(f.Fd()), unix.FS_IOC_SETFLAGS, int(flags))
-}
-
 // A batch that fails part way (its blobs cannot be put in place) leaves
 // every ref as it was: no ref points at a blob that is not stored, the
 // trajectories shipped before stay readable, and the next ship, once the
@@ -240,10 +220,10 @@ func TestShipBatchFailureLeavesNoDanglingRef(t *testing.T) {
 	late := endSandboxes(t, l, "late", 4)
 
 	blobs := filepath.Join(store.Root(), "blobs", "sha256")
-	if err := setImmutable(blobs, true); err != nil {
+	if err := testutil.SetImmutable(blobs, true); err != nil {
 		t.Skipf("cannot make %s immutable (needs root and a file system with the attribute): %v", blobs, err)
 	}
-	t.Cleanup(func() { setImmutable(blobs, false) })
+	t.Cleanup(func() { testutil.SetImmutable(blobs, false) })
 	err = l.ShipBatch(ctx, append(late, early[0]))
 	if !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("ShipBatch into an immutable blob directory: %v", err)
@@ -262,7 +242,7 @@ func TestShipBatchFailureLeavesNoDanglingRef(t *testing.T) {
 	}
 	info(t, l, late[0])
 
-	if err := setImmutable(blobs, false); err != nil {
+	if err := testutil.SetImmutable(blobs, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := l.Forget(ctx, late[0]); err != nil {
