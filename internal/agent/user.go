@@ -6,7 +6,7 @@ import (
 	"strconv"
 	"strings"
 
-	"golang.org/x/sys/unix"
+	"github.com/dsec-dev/dsec/internal/rawfile"
 )
 
 // identity is who an exec runs as, resolved from the sandbox's own
@@ -109,8 +109,8 @@ func findEntry(path string, col int, val string) []string {
 // its user up, and an *os.File, a bufio.Scanner and a string per line cost
 // more than the lookup.
 func eachEntry(path string, fn func([]string) bool) {
-	b, ok := readSmall(path)
-	if !ok {
+	b, err := rawfile.Read(path, 4096)
+	if err != nil {
 		return
 	}
 	var fields [8]string
@@ -143,33 +143,6 @@ func eachEntry(path string, fn func([]string) bool) {
 		if !fn(f) {
 			return
 		}
-	}
-}
-
-// readSmall reads a whole file (a passwd or group database) with plain
-// system calls: open, reads until end of file, close.
-func readSmall(path string) ([]byte, bool) {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, false
-	}
-	defer unix.Close(fd)
-	buf := make([]byte, 0, 4096)
-	for {
-		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
-		}
-		n, err := unix.Read(fd, buf[len(buf):cap(buf)])
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return nil, false
-		}
-		if n == 0 {
-			return buf, true
-		}
-		buf = buf[:len(buf)+n]
 	}
 }
 

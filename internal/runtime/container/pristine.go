@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -548,35 +547,6 @@ func (w *fsWalker) xattrValues(list []byte, get func(name string) (int, error)) 
 		b = append(append(append(append(b, name...), '='), w.value[:v]...), 0)
 	}
 	return string(b), nil
-}
-
-// readFileRaw reads a small file (procfs, cgroupfs) with plain system
-// calls: open, reads until end of file, close. os.ReadFile would also stat
-// it and register it with the runtime poller, which Reset pays for on
-// every file it reads. size is the first buffer's size.
-func readFileRaw(path string, size int) ([]byte, error) {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, &os.PathError{Op: "open", Path: path, Err: err}
-	}
-	defer unix.Close(fd)
-	buf := make([]byte, 0, size)
-	for {
-		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
-		}
-		n, err := unix.Read(fd, buf[len(buf):cap(buf)])
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return nil, &os.PathError{Op: "read", Path: path, Err: err}
-		}
-		if n == 0 {
-			return buf, nil
-		}
-		buf = buf[:len(buf)+n]
-	}
 }
 
 // preadSmall reads a small procfs or cgroupfs file that the kernel

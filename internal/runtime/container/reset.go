@@ -18,6 +18,7 @@ import (
 	"github.com/containerd/cgroups/v3"
 	"golang.org/x/sys/unix"
 
+	"github.com/dsec-dev/dsec/internal/rawfile"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
 )
@@ -346,7 +347,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 		}
 	}
 	kill := func() (int, error) {
-		b, err := readFileRaw(filepath.Join(dir, "cgroup.procs"), 512)
+		b, err := rawfile.Read(filepath.Join(dir, "cgroup.procs"), 512)
 		if err != nil {
 			return 0, fmt.Errorf("list user processes: %w", err)
 		}
@@ -434,7 +435,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 // spawner thread on v1, none on v2; a spared fork server's), and returns
 // the count.
 func allReaped(dir, threadsFile string) (tasks int, reaped bool, err error) {
-	cur, err := readFileRaw(filepath.Join(dir, "pids.current"), 32)
+	cur, err := rawfile.Read(filepath.Join(dir, "pids.current"), 32)
 	if err != nil {
 		return 0, false, fmt.Errorf("read user pids count: %w", err)
 	}
@@ -442,7 +443,7 @@ func allReaped(dir, threadsFile string) (tasks int, reaped bool, err error) {
 	if err != nil {
 		return 0, false, fmt.Errorf("user pids count %q: %w", cur, err)
 	}
-	threads, err := readFileRaw(filepath.Join(dir, threadsFile), 128)
+	threads, err := rawfile.Read(filepath.Join(dir, threadsFile), 128)
 	if err != nil {
 		return 0, false, fmt.Errorf("list user threads: %w", err)
 	}
@@ -849,7 +850,7 @@ func captureAgent(pid int) (*agentAttrs, error) {
 		}
 	}
 	var err error
-	if a.limits, err = readFileRaw("/proc/"+strconv.Itoa(pid)+"/limits", 2048); err != nil {
+	if a.limits, err = rawfile.Read("/proc/"+strconv.Itoa(pid)+"/limits", 2048); err != nil {
 		return nil, fmt.Errorf("read agent limits: %w", err)
 	}
 	sa, err := unix.SchedGetAttr(pid, 0)
@@ -899,7 +900,7 @@ func (a *agentAttrs) restoreWith(pid int, f *resetFiles) error {
 	ok := false
 	if f != nil {
 		limits, ok, _ = preadSmall(f.limits, buf[:])
-	} else if b, err := readFileRaw(proc+"/limits", 2048); err == nil {
+	} else if b, err := rawfile.Read(proc+"/limits", 2048); err == nil {
 		limits, ok = b, true
 	}
 	// Unreadable or different: set them all (and fail if that fails).
