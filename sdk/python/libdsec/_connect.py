@@ -123,6 +123,12 @@ class Transport:
                 buf = bytearray()
                 ended = False
                 async for chunk in resp.aiter_bytes():
+                    if ended:
+                        # Read on to the end of the body (the server ends it
+                        # right after the end-of-stream message) so that the
+                        # connection goes back to the pool: leaving it
+                        # mid-body closes it and the next call connects anew.
+                        continue
                     buf += chunk
                     while len(buf) >= _ENVELOPE.size:
                         flags, size = _ENVELOPE.unpack_from(buf)
@@ -135,20 +141,22 @@ class Transport:
                         msg = json.loads(data) if data else {}
                         if flags & _FLAG_END_STREAM:
                             ended = True
-                            err = msg.get("error")
-                            if err:
-                                raise error_for(
-                                    err.get("code"),
-                                    f"{method}: {err.get('message', '')}",
-                                    200,
-                                    retry_after=_retry_after_meta(msg.get("metadata")),
-                                )
-                            return
+                            end = msg
+                            break
                         yield msg
-                if not ended:
-                    raise _in_transit(
-                        UnavailableError(f"{method}: stream from {self.endpoint} ended without an end-of-stream message")
-                    )
+                if ended:
+                    err = end.get("error")
+                    if err:
+                        raise error_for(
+                            err.get("code"),
+                            f"{method}: {err.get('message', '')}",
+                            200,
+                            retry_after=_retry_after_meta(end.get("metadata")),
+                        )
+                    return
+                raise _in_transit(
+                    UnavailableError(f"{method}: stream from {self.endpoint} ended without an end-of-stream message")
+                )
         except httpx.TimeoutException as e:
             raise _in_transit(DeadlineExceededError(f"{method}: no answer from {self.endpoint} in time ({type(e).__name__})")) from e
         except httpx.TransportError as e:

@@ -52,6 +52,9 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._max = max_connections
         self._idle: Dict[Tuple[str, int], List[_Conn]] = {}
         self._slots: Optional[asyncio.Semaphore] = None
+        # Connections opened so far: with keep-alive working, this stays at
+        # the most requests ever in flight at once.
+        self.connections_opened = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
@@ -112,6 +115,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             )
         except OSError as e:
             raise httpx.ConnectError(str(e) or type(e).__name__, request=request) from e
+        self.connections_opened += 1
         return _Conn(reader, writer)
 
     def _release(self, key: Tuple[str, int], conn: Optional[_Conn]) -> None:

@@ -18,6 +18,7 @@ from libdsec import (
     ResourceExhaustedError,
     SandboxSpec,
 )
+from libdsec._http1 import Http1Transport
 
 if os.geteuid() != 0:
     pytest.skip("needs root: the tests start dsec up, which creates namespaces, mounts and cgroups", allow_module_level=True)
@@ -247,3 +248,26 @@ async def test_run_creates_runs_and_destroys_in_one_call(server):
         with pytest.raises(NotFoundError):
             await client.run(SandboxSpec(base_image="nope:1"), "true")
         assert await client.list() == []
+
+
+async def test_calls_reuse_their_connection(server):
+    """Streamed calls (Run, ExecStream) read their response to its end, so
+    their connection goes back to the pool: calls one after another share
+    one connection. Leaving the body after the end-of-stream message made
+    every such call connect anew."""
+    t = Http1Transport(8)
+    async with await DSecClient.create(endpoint=server.endpoint, token=server.token, transport=t) as client:
+        for _ in range(3):
+            assert (await client.run(spec(), ["echo", "hi"])).stdout == "hi\n"
+        sb = await client.create(spec())
+        try:
+            got = []
+            for _ in range(3):
+                assert (await sb.run(["echo", "hi"], on_output=lambda s, d: got.append(d))).ok
+            assert b"".join(got) == b"hi\n" * 3
+        finally:
+            await client.destroy(sb.id)
+        with pytest.raises(NotFoundError):
+            await client.run(SandboxSpec(base_image="nope:1"), "true")
+        assert (await client.run(spec(), "exit 3")).exit_code == 3
+    assert t.connections_opened == 1
