@@ -131,3 +131,41 @@ async def test_read_timeout():
     finally:
         srv.close()
         await srv.wait_closed()
+
+
+async def test_sdk_calls_go_straight_to_the_lean_transport():
+    """The SDK hands its requests to the lean transport itself (not through
+    httpx.AsyncClient's pipeline): the request line, headers and body the
+    server gets, keep-alive, a server error and the client's timeout all
+    behave as through the client."""
+    from libdsec import DeadlineExceededError, DSecClient, NotFoundError
+
+    body = b'{"sandboxes":[]}'
+    err = b'{"code":"not_found","message":"sandbox \\"x\\" not found"}'
+    responses = [ok(body), b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(err), err)]
+    async with Server(responses) as srv:
+        client = await DSecClient.create(endpoint=srv.url, token="tok")
+        async with client:
+            assert await client.list() == []
+            with pytest.raises(NotFoundError, match='sandbox "x" not found'):
+                await client.get("x")
+        head, sent = srv.requests[0]
+        assert head.startswith(b"POST /dsec.v1.SandboxService/List HTTP/1.1\r\n")
+        assert b"\r\nAuthorization: Bearer tok\r\n" in head and b"\r\nContent-Type: application/json\r\n" in head
+        assert b"\r\nHost: 127.0.0.1:" in head and sent == b"{}"
+        assert srv.connections == 1
+
+    async def silent(reader, writer):
+        await reader.read()
+        writer.close()
+
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        async with await DSecClient.create(endpoint=url, token="t", timeout=0.1) as client:
+            with pytest.raises(DeadlineExceededError) as e:
+                await client.list()
+            assert e.value.transport_failure
+    finally:
+        srv.close()
+        await srv.wait_closed()
