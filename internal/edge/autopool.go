@@ -53,6 +53,9 @@ import (
 // automatic pool may keep ready, whatever its spec's demand.
 const DefaultAutoPool = 64
 
+// autoPoolPrefix starts the IDs of automatic pools.
+const autoPoolPrefix = "auto-"
+
 // autoPoolIdle: an automatic pool unused for this long destroys its ready
 // sandboxes (the spec has gone cold); it is also the window over which a
 // spec's demand is measured. A variable only so that tests can shorten it.
@@ -249,7 +252,7 @@ func (e *Edge) autoPoolFor(sb *sandbox, rs runtime.Sandbox) *warmPool {
 	if !r.hot {
 		return nil
 	}
-	id := "auto-" + key[:16]
+	id := autoPoolPrefix + key[:16]
 	wp := &warmPool{
 		id: id, tenant: sb.tenant, key: key, kind: sb.kind, spec: sb.spec, layers: sb.layers,
 		req:        placement.Capacity{MilliCPU: sb.req.MilliCPU, MemoryBytes: sb.req.MemoryBytes, Sandboxes: 1},

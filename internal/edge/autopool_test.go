@@ -53,6 +53,11 @@ func TestRecycling(t *testing.T) {
 	if got, err := n.get(t, tenant("a"), c.Id); err != nil || got.State != "running" {
 		t.Fatalf("recycled sandbox: %v, %v", got, err)
 	}
+	// The creates metric tells the recycled create from the fresh ones.
+	if f, r := metricValue(t, n.reg, "dsec_edge_sandbox_creates_total", "source", "fresh"),
+		metricValue(t, n.reg, "dsec_edge_sandbox_creates_total", "source", "recycled"); f != 2 || r != 1 {
+		t.Fatalf("creates by source: fresh %v, recycled %v; want 2 and 1", f, r)
+	}
 
 	// Another tenant with the same spec gets a fresh sandbox, even with
 	// one recycled and ready.

@@ -25,8 +25,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"language", "status"}),
 		creates: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dsec_edge_sandbox_creates_total",
-			Help: "Sandboxes created on this node.",
-		}, []string{"backend"}),
+			Help: "Sandboxes created on this node, by backend and source: fresh (built by the backend), pool (taken from a warm pool), recycled (a destroyed sandbox of the same spec, reset, from an automatic pool).",
+		}, []string{"backend", "source"}),
 		destroys: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dsec_edge_sandbox_destroys_total",
 			Help: "Sandboxes destroyed, by reason (request, ttl, idle, shutdown).",

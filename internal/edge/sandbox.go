@@ -350,8 +350,20 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	e.schedule(sb)
 	out := e.toProto(sb)
 	e.mu.Unlock()
-	e.metrics.creates.WithLabelValues(spec.Backend).Inc()
+	e.metrics.creates.WithLabelValues(spec.Backend, createSource(sb.pool)).Inc()
 	return out, nil
+}
+
+// createSource is the creates metric's source label of a sandbox taken
+// from wp (nil: built by the backend).
+func createSource(wp *warmPool) string {
+	switch {
+	case wp == nil:
+		return "fresh"
+	case strings.HasPrefix(wp.id, autoPoolPrefix):
+		return "recycled"
+	}
+	return "pool"
 }
 
 func backendLabel(spec *dsecv1.SandboxSpec) string {
