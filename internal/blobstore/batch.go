@@ -5,10 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -121,6 +125,17 @@ func lastRefs(refs []Ref) []Ref {
 // a file created and deleted for nothing: on ext4 without a journal, every
 // inode freed in the last half minute or so is one that each later inode
 // allocation in its block group scans past.
+//
+// For the same reason, the refs of a batch that name one digest (the
+// sandboxes of a trajectory pack) share one file: its content is written
+// once, to the first such ref's temp file, and every other such ref gets a
+// hard link to it under a temp name of its own, made before the flush and
+// renamed into place like any ref file. Each rename atomically replaces
+// only its own name; the inode lives on while any ref names it, so
+// nothing is freed either. That is sound only because nothing in the store
+// ever writes into a ref file in place: Set and WriteBatch rename a new
+// file over it, Delete unlinks it. Where the file system refuses hard links
+// (EPERM, EMLINK, EXDEV, ENOTSUP, ENOSYS), the ref gets a file of its own.
 func (d *Dir) WriteBatch(ctx context.Context, b Batch) error {
 	digests, err := b.check(ctx, d)
 	if err != nil {
@@ -171,6 +186,10 @@ func (d *Dir) WriteBatch(ctx context.Context, b Batch) error {
 		}
 		blobs = append(blobs, &pending{tmp: tmp, final: final})
 	}
+	// shared: for each digest, the temp file of this batch the next ref
+	// naming it links to. links: the file system makes hard links.
+	shared := map[string]string{}
+	links := true
 	for _, r := range lastRefs(b.Refs) {
 		p, err := d.refPath(r.Name)
 		if err != nil {
@@ -179,9 +198,22 @@ func (d *Dir) WriteBatch(ctx context.Context, b Batch) error {
 		if cur, err := readRef(r.Name, p); err == nil && cur == r.Digest {
 			continue
 		}
-		tmp, err := d.writeTemp(ctx, "ref-*", []byte(r.Digest+"\n"), 0o644, perFile)
-		if err != nil {
-			return fmt.Errorf("write batch: set ref %q: %w", r.Name, err)
+		tmp := ""
+		if src, ok := shared[r.Digest]; ok && links {
+			tmp, err = d.linkTemp(ctx, "ref-", src)
+			if err != nil && !noLink(err) {
+				return fmt.Errorf("write batch: set ref %q: %w", r.Name, err)
+			}
+			// EMLINK: src has all the links it can; the file written
+			// next takes over.
+			links = err == nil || errors.Is(err, syscall.EMLINK)
+		}
+		if tmp == "" {
+			tmp, err = d.writeTemp(ctx, "ref-*", []byte(r.Digest+"\n"), 0o644, perFile)
+			if err != nil {
+				return fmt.Errorf("write batch: set ref %q: %w", r.Name, err)
+			}
+			shared[r.Digest] = tmp
 		}
 		refs = append(refs, &pending{name: r.Name, tmp: tmp, final: p})
 	}
@@ -259,6 +291,37 @@ func (d *Dir) writeTemp(ctx context.Context, pattern string, data []byte, mode o
 		return "", err
 	}
 	return f.Name(), nil
+}
+
+// linkTemp makes a hard link to src, a file in tmp/, under a new name in
+// tmp/ starting with prefix, and returns that name.
+func (d *Dir) linkTemp(ctx context.Context, prefix, src string) (string, error) {
+	for {
+		if err := ctx.Err(); err != nil {
+			return "", err
+		}
+		name := filepath.Join(d.tmp, prefix+strconv.FormatUint(rand.Uint64(), 36))
+		err := os.Link(src, name)
+		if errors.Is(err, fs.ErrExist) {
+			continue // another writer's temp file: draw again
+		}
+		if err != nil {
+			return "", err
+		}
+		return name, nil
+	}
+}
+
+// noLink reports whether err from link(2) means that the file system (or
+// the file, having as many links as it may) takes no more hard links
+// rather than that something failed.
+func noLink(err error) bool {
+	for _, e := range []error{syscall.EPERM, syscall.EMLINK, syscall.EXDEV, syscall.ENOTSUP, syscall.ENOSYS} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // syncfsCovers reports whether syncfs(2) on the file system holding dir

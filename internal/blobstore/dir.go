@@ -34,6 +34,11 @@ const staleTemp = 24 * time.Hour
 // concurrent writers of the same content simply race to an identical rename.
 // WriteBatch does the same for many blobs and refs with a few flushes in
 // all (see batch.go).
+//
+// Ref files are never written in place: Set and WriteBatch rename a new
+// file over the old one and Delete unlinks it. WriteBatch relies on that
+// when it gives several refs naming one digest one inode (hard links): a
+// write through one name would change them all.
 type Dir struct {
 	root  string
 	blobs string
@@ -349,7 +354,9 @@ func readRef(name, p string) (string, error) {
 	return digest, nil
 }
 
-// Set points a ref at digest, atomically.
+// Set points a ref at digest, atomically: a new file is renamed over the
+// old one, never written in place, since the old one's inode may be shared
+// with other refs (see WriteBatch).
 func (r dirRefs) Set(ctx context.Context, name, digest string) error {
 	d := r.d
 	p, err := d.refPath(name)
@@ -413,7 +420,9 @@ func (d *Dir) placeRef(ctx context.Context, name, tmp, p string) error {
 	}
 }
 
-// Delete removes a ref and prunes the directories it leaves empty.
+// Delete removes a ref and prunes the directories it leaves empty. It
+// unlinks the ref's name only: other refs sharing its inode (see
+// WriteBatch) keep it.
 func (r dirRefs) Delete(ctx context.Context, name string) error {
 	d := r.d
 	p, err := d.refPath(name)

@@ -11,7 +11,6 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
-	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
 	"github.com/dsec-dev/dsec/internal/trajectory"
@@ -74,10 +73,9 @@ func TestGarbageCollect(t *testing.T) {
 		}
 		deadline := time.Now().Add(30 * time.Second)
 		for {
-			if d, err := c.store.Refs().Get(ctx, trajectory.ShipRef(id)); err == nil {
-				if b, err := blobstore.ReadAll(ctx, c.store, d); err == nil && strings.Contains(string(b), `"kind":"destroy"`) {
-					return
-				}
+			// The blob may be a pack: only id's lines are its trajectory.
+			if lines, _, err := trajectory.ReadShipped(ctx, c.store, id); err == nil && strings.Contains(string(lines[len(lines)-1]), `"kind":"destroy"`) {
+				return
 			}
 			if time.Now().After(deadline) {
 				t.Fatalf("the trajectory of %s was not shipped", id)

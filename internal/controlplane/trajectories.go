@@ -1,7 +1,6 @@
 package controlplane
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"strconv"
@@ -76,7 +75,8 @@ func (ss *sandboxService) GetTrajectory(ctx context.Context, req *connect.Reques
 }
 
 // shippedTrajectory pages through the trajectory a node shipped to the blob
-// store. Its creation record names the tenant that may read it.
+// store: the sandbox's lines of the blob its ref names. Its creation record
+// names the tenant that may read it.
 func (s *Server) shippedTrajectory(ctx context.Context, p iam.Principal, id string, from, size int, withData bool) (*dsecv1.GetTrajectoryResponse, error) {
 	digest, err := s.cfg.Store.Refs().Get(ctx, trajectory.ShipRef(id))
 	if errors.Is(err, blobstore.ErrNotFound) || errors.Is(err, blobstore.ErrInvalidRef) {
@@ -89,7 +89,12 @@ func (s *Server) shippedTrajectory(ctx context.Context, p iam.Principal, id stri
 	if err != nil {
 		return nil, errf(connect.CodeUnavailable, "trajectory of sandbox %q: %w", id, err)
 	}
-	lines := bytes.Split(bytes.TrimSuffix(blob, []byte("\n")), []byte("\n"))
+	// The blob may be a pack: several sandboxes' trajectories (of one
+	// tenant) one after the other. Only id's lines are its trajectory.
+	lines, err := trajectory.LinesOf(blob, id)
+	if err != nil {
+		return nil, errf(connect.CodeDataLoss, "trajectory of sandbox %q: blob %s: %w", id, digest, err)
+	}
 	first, err := trajectory.Parse(lines[0])
 	if err != nil {
 		return nil, errf(connect.CodeDataLoss, "trajectory of sandbox %q: first record: %w", id, err)

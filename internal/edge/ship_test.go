@@ -2,6 +2,7 @@ package edge_test
 
 import (
 	"bytes"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -60,14 +61,17 @@ func waitShipped(t *testing.T, store *blobstore.Dir, id string) []string {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if d, err := store.Refs().Get(t.Context(), trajectory.ShipRef(id)); err == nil {
-			b, err := blobstore.ReadAll(t.Context(), store, d)
-			if err != nil {
-				t.Fatalf("shipped trajectory of %s: %v", id, err)
+		// The blob may be a pack: only id's lines are its trajectory.
+		lines, _, err := trajectory.ReadShipped(t.Context(), store, id)
+		if err != nil && !errors.Is(err, blobstore.ErrNotFound) {
+			t.Fatal(err)
+		}
+		if err == nil && bytes.Contains(lines[len(lines)-1], []byte(`"kind":"destroy"`)) {
+			out := make([]string, len(lines))
+			for i, line := range lines {
+				out[i] = string(line)
 			}
-			if bytes.Contains(b, []byte(`"kind":"destroy"`)) {
-				return strings.Split(strings.TrimSuffix(string(b), "\n"), "\n")
-			}
+			return out
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the trajectory of %s was not shipped after its destroy", id)

@@ -21,6 +21,17 @@
 //     they start like JSON, and are otherwise opaque. Marking is one level
 //     deep: layers and data blobs are not read. A ref naming a missing blob
 //     is reported in the log and otherwise ignored.
+//   - A shipped trajectory blob may be a pack: the trajectories of several
+//     sandboxes, named by a trajectories/<id> ref each (see
+//     trajectory.Ship). It is read once however many refs name it, and
+//     only the records of the sandboxes whose refs name it count (the
+//     lines trajectory.LinesOf gives them, the only ones any reader takes):
+//     the lines of a sandbox whose ref has moved on to a newer ship, or was
+//     deleted, keep nothing. Those lines must parse; the others are read
+//     only for the digest check. A blob that holds no line of a sandbox
+//     whose ref names it (damage, or a blob not written by a ship) counts
+//     whole, as any other ref's blob does. When a ref outside
+//     trajectories/ names the blob too, it counts whole.
 //   - A node holds it (Options.Held): the layers of the sandboxes running
 //     on a node, as its heartbeats report them. A sandbox running on an
 //     image whose tag was deleted keeps its layers this way, and so do the
@@ -70,7 +81,11 @@
 //     on; a run in between could free its layers. The caller should also
 //     not run before every live node has heartbeated (after a server
 //     restart).
-//   - Every shipped trajectory is read on every run.
+//   - Every shipped trajectory blob (a pack of many, or one alone) is read
+//     on every run, once.
+//   - A pack's bytes stay while any ref names it, even when most of its
+//     sandboxes' refs have moved on or gone; only the data blobs their
+//     dead lines name are freed.
 package gc
 
 import (
@@ -88,6 +103,7 @@ import (
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
 // DefaultGrace is how old an unreferenced blob must be before it is freed.
@@ -270,18 +286,20 @@ func markRefs(ctx context.Context, repo blobstore.Repository, refs []blobstore.R
 	type target struct {
 		ref    string // one ref naming it, for messages
 		strict bool
+		owners owners
 	}
 	targets := map[string]*target{}
 	for _, r := range refs {
 		live[r.Digest] = byRef
 		t := targets[r.Digest]
 		if t == nil {
-			t = &target{ref: r.Name}
+			t = &target{ref: r.Name, owners: owners{}}
 			targets[r.Digest] = t
 		}
 		if strictPrefix(r.Name) && !t.strict {
 			t.strict, t.ref = true, r.Name
 		}
+		t.owners = t.owners.add(r.Name)
 	}
 
 	var (
@@ -297,7 +315,7 @@ func markRefs(ctx context.Context, repo blobstore.Repository, refs []blobstore.R
 			for digest := range work {
 				t := targets[digest]
 				var children []string
-				err := scan(ctx, repo, digest, t.strict, func(d string) { children = append(children, d) })
+				err := scan(ctx, repo, digest, t.strict, t.owners, func(_, d string) { children = append(children, d) })
 				mu.Lock()
 				switch {
 				case errors.Is(err, blobstore.ErrNotFound):
@@ -334,11 +352,35 @@ func strictPrefix(ref string) bool {
 	return strings.HasPrefix(ref, imagesPrefix) || strings.HasPrefix(ref, trajectoriesPrefix)
 }
 
-// scan calls fn with every digest blob names: the "digest" field of every
-// JSON object in it (a JSON value or a sequence of them, as JSONL). When
-// strict, the blob must be JSON and is read to its end, so that its digest
-// is verified; otherwise a blob that does not start like JSON names nothing.
-func scan(ctx context.Context, repo blobstore.Store, digest string, strict bool, fn func(string)) error {
+// owners are the sandboxes whose trajectory refs name a blob, when only
+// trajectory refs do; nil when another ref names it, and the blob counts
+// whole.
+type owners map[string]bool
+
+// add returns o with the ref name added.
+func (o owners) add(name string) owners {
+	id, ok := strings.CutPrefix(name, trajectoriesPrefix)
+	if !ok || o == nil {
+		return nil
+	}
+	o[id] = true
+	return o
+}
+
+// scan calls fn with every digest blob names and the sandbox whose record
+// names it ("" when the blob counts whole): with owners, the "digest"
+// fields of the owners' records only (see the package doc), otherwise of
+// every JSON object in it (a JSON value or a sequence of them, as JSONL).
+// When strict, the blob must be JSON (with owners, the owners' records)
+// and is read to its end, so that its digest is verified; otherwise a blob
+// that does not start like JSON names nothing.
+func scan(ctx context.Context, repo blobstore.Store, digest string, strict bool, o owners, fn func(owner, digest string)) error {
+	if len(o) > 0 {
+		whole, err := scanOwners(ctx, repo, digest, strict, o, fn)
+		if err != nil || !whole {
+			return err
+		}
+	}
 	rc, err := repo.Open(ctx, digest)
 	if err != nil {
 		return err
@@ -367,7 +409,38 @@ func scan(ctx context.Context, repo blobstore.Store, digest string, strict bool,
 			}
 			return nil
 		}
-		walk(v, fn)
+		walk(v, func(d string) { fn("", d) })
+	}
+}
+
+// scanOwners is scan of a shipped trajectory blob for its owners' records.
+// whole is true when some owner has no record in it: the blob must then be
+// scanned whole.
+func scanOwners(ctx context.Context, repo blobstore.Store, digest string, strict bool, o owners, fn func(owner, digest string)) (whole bool, err error) {
+	rc, err := repo.Open(ctx, digest)
+	if err != nil {
+		return false, err
+	}
+	defer rc.Close()
+	br := bufio.NewReaderSize(blobstore.ContextReader(ctx, rc), 64<<10)
+	found := map[string]bool{}
+	for n := 1; ; n++ {
+		line, err := br.ReadBytes('\n')
+		if id, ok := trajectory.LineSandbox(line); ok && o[id] {
+			found[id] = true
+			var v any
+			if jerr := json.Unmarshal(line, &v); jerr == nil {
+				walk(v, func(d string) { fn(id, d) })
+			} else if strict {
+				return false, fmt.Errorf("line %d, a record of sandbox %s: %w", n, id, jerr)
+			}
+		}
+		if err == io.EOF {
+			return len(found) < len(o), nil
+		}
+		if err != nil {
+			return false, err
+		}
 	}
 }
 
@@ -403,7 +476,8 @@ func walk(v any, fn func(string)) {
 
 // checkRefs reads the refs again after a sweep and returns those that now
 // name a freed blob, directly or through the blob they name. Refs unchanged
-// since the mark were marked whole and are skipped.
+// since the mark were marked whole and are skipped. A blob named by many
+// new refs (a trajectory pack) is read once.
 func checkRefs(ctx context.Context, repo blobstore.Repository, before []blobstore.Ref, freed map[string]bool, log *slog.Logger) []string {
 	after, err := repo.Refs().List(ctx, "")
 	if err != nil {
@@ -414,17 +488,42 @@ func checkRefs(ctx context.Context, repo blobstore.Repository, before []blobstor
 	for _, r := range before {
 		seen[r] = true
 	}
-	var broken []string
+	var fresh []blobstore.Ref
+	targets := map[string]owners{}
 	for _, r := range after {
 		if seen[r] {
 			continue
 		}
-		bad := freed[r.Digest]
-		if !bad {
-			err := scan(ctx, repo, r.Digest, false, func(d string) { bad = bad || freed[d] })
-			if err != nil && !errors.Is(err, blobstore.ErrNotFound) {
-				log.Warn("gc: cannot check a ref set during the run", "ref", r.Name, "err", err)
+		fresh = append(fresh, r)
+		o, ok := targets[r.Digest]
+		if !ok {
+			o = owners{}
+		}
+		targets[r.Digest] = o.add(r.Name)
+	}
+	// lost: per blob, the owners whose records name a freed blob ("" for
+	// the blob read whole).
+	lost := map[string]map[string]bool{}
+	for digest, o := range targets {
+		if freed[digest] {
+			continue
+		}
+		bad := map[string]bool{}
+		err := scan(ctx, repo, digest, false, o, func(owner, d string) {
+			if freed[d] {
+				bad[owner] = true
 			}
+		})
+		if err != nil && !errors.Is(err, blobstore.ErrNotFound) {
+			log.Warn("gc: cannot check a blob named by refs set during the run", "blob", digest, "err", err)
+		}
+		lost[digest] = bad
+	}
+	var broken []string
+	for _, r := range fresh {
+		bad := freed[r.Digest] || lost[r.Digest][""]
+		if id, ok := strings.CutPrefix(r.Name, trajectoriesPrefix); ok && !bad {
+			bad = lost[r.Digest][id]
 		}
 		if bad {
 			log.Error("gc: a ref set during the run names a blob the run freed", "ref", r.Name, "blob", r.Digest)

@@ -1274,15 +1274,11 @@ func TestShipAndForget(t *testing.T) {
 
 	shipped := func(id string) []byte {
 		t.Helper()
-		d, err := store.Refs().Get(ctx, trajectory.ShipRef(id))
-		if err != nil {
-			t.Fatalf("ref %s: %v", trajectory.ShipRef(id), err)
-		}
-		b, err := blobstore.ReadAll(ctx, store, d)
+		lines, _, err := trajectory.ReadShipped(ctx, store, id)
 		if err != nil {
 			t.Fatal(err)
 		}
-		return b
+		return append(joinLines(lines), '\n')
 	}
 	if trajectory.ShipRef("a") != "trajectories/a" {
 		t.Fatalf("ShipRef %q", trajectory.ShipRef("a"))

@@ -64,19 +64,15 @@ func endSandboxes(tb testing.TB, l *trajectory.Log, prefix string, n int) []stri
 	return ids
 }
 
-// shippedLines reads sandbox id's shipped trajectory from store.
+// shippedLines reads sandbox id's shipped trajectory from store: its
+// lines of the blob its ref names, which may be a pack.
 func shippedLines(t *testing.T, store blobstore.Repository, id string) [][]byte {
 	t.Helper()
-	ctx := context.Background()
-	d, err := store.Refs().Get(ctx, trajectory.ShipRef(id))
+	lines, _, err := trajectory.ReadShipped(context.Background(), store, id)
 	if err != nil {
-		t.Fatalf("ref %s: %v", trajectory.ShipRef(id), err)
+		t.Fatal(err)
 	}
-	b, err := blobstore.ReadAll(ctx, store, d)
-	if err != nil {
-		t.Fatalf("shipped trajectory of %s: %v", id, err)
-	}
-	return bytes.Split(bytes.TrimSuffix(b, []byte("\n")), []byte("\n"))
+	return lines
 }
 
 // A batch ship writes every trajectory as Ship does, readable by another

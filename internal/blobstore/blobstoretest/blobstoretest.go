@@ -51,6 +51,7 @@ func Run(t *testing.T, newStore func(t *testing.T) blobstore.Store) {
 		{"RefsConcurrentSet", testRefsConcurrentSet},
 		{"Batch", testBatch},
 		{"BatchRefused", testBatchRefused},
+		{"many refs to one digest in one batch", testBatchSharedDigest},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -473,6 +474,71 @@ func testBatch(t *testing.T, s blobstore.Store) {
 	assert.Len(t, walkAll(t, s), 4)
 	// An empty batch is nothing to do.
 	require.NoError(t, blobstore.WriteBatch(ctx, r, blobstore.Batch{}))
+}
+
+// testBatchSharedDigest: many refs of one batch name one blob (the
+// sandboxes of a trajectory pack). Each stays a ref of its own: setting,
+// deleting or moving some of them in a later batch leaves the others.
+func testBatchSharedDigest(t *testing.T, s blobstore.Store) {
+	r := repoOf(t, s)
+	refs := r.Refs()
+	ctx := context.Background()
+	const n = 40
+	pack, other, next := []byte("a pack of trajectories\n"), []byte("a trajectory alone\n"), []byte("the next pack\n")
+	pd, od, nd := blobstore.Digest(pack), blobstore.Digest(other), blobstore.Digest(next)
+	name := func(i int) string { return fmt.Sprintf("trajectories/sb-%d", i) }
+	// Before the batch: one of them names another blob, which it leaves.
+	put(t, s, other)
+	require.NoError(t, refs.Set(ctx, name(7), od))
+
+	b := blobstore.Batch{Blobs: [][]byte{pack, other}}
+	for i := range n {
+		b.Refs = append(b.Refs, blobstore.Ref{Name: name(i), Digest: pd})
+	}
+	b.Refs = append(b.Refs, blobstore.Ref{Name: "trajectories/alone", Digest: od})
+	require.NoError(t, blobstore.WriteBatch(ctx, r, b))
+	want := map[string]string{"trajectories/alone": od}
+	for i := range n {
+		want[name(i)] = pd
+	}
+	check := func(what string) {
+		t.Helper()
+		list, err := refs.List(ctx, "trajectories/")
+		require.NoError(t, err, what)
+		got := map[string]string{}
+		for _, ref := range list {
+			got[ref.Name] = ref.Digest
+		}
+		require.Equal(t, want, got, what)
+		for ref, digest := range want {
+			d, err := refs.Get(ctx, ref)
+			require.NoError(t, err, "%s: %s", what, ref)
+			require.Equal(t, digest, d, "%s: %s", what, ref)
+		}
+	}
+	check("after the batch")
+	require.NoError(t, blobstore.WriteBatch(ctx, r, b))
+	check("after the same batch again")
+
+	require.NoError(t, refs.Set(ctx, name(3), od))
+	want[name(3)] = od
+	check("after setting one of them")
+	require.NoError(t, refs.Delete(ctx, name(4)))
+	delete(want, name(4))
+	check("after deleting one of them")
+
+	// A later batch moves some of them to the next pack, as a ship of
+	// sandboxes still running does.
+	b = blobstore.Batch{Blobs: [][]byte{next}}
+	for i := 10; i < 20; i++ {
+		b.Refs = append(b.Refs, blobstore.Ref{Name: name(i), Digest: nd})
+		want[name(i)] = nd
+	}
+	require.NoError(t, blobstore.WriteBatch(ctx, r, b))
+	check("after moving some of them")
+	got, err := blobstore.ReadAll(ctx, s, pd)
+	require.NoError(t, err)
+	assert.Equal(t, pack, got)
 }
 
 // testBatchRefused: a batch with a bad ref, or a ref to a blob that is
