@@ -6,13 +6,16 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 
+	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/controlplane"
@@ -32,8 +35,10 @@ func newUpCmd() *cobra.Command {
 		Use:   "up",
 		Short: short("up"),
 		Long: `Run a control-plane server and one edge in one process, sharing the data
-directory and one port. The server reaches the edge over loopback exactly as
-it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
+directory and one port. The server calls the edge's service in process (the
+same handler, cluster token check included, with no socket); the edge
+heartbeats to the server over the port, and the port serves the edge's
+service too. Ctrl-C destroys every sandbox and exits.`,
 		Args: cli.ExactArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := ef.validate(); err != nil {
@@ -59,6 +64,11 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 			defer ln.Close()
 			self := loopbackURL(ln.Addr())
 			reg := newRegistry()
+			// The server reaches this process's edge by calling edgeMux,
+			// registered under the URL the edge advertises: every sandbox
+			// call is then one HTTP request in this process, not two.
+			edgeMux := http.NewServeMux()
+			calls := newEdgeCalls(reg)
 			srv, err := controlplane.New(sf.apply(controlplane.Config{
 				DataDir:      f.dataDir,
 				Store:        store,
@@ -66,6 +76,7 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 				Overcommit:   ef.oc,
 				Logger:       log,
 				Registry:     reg,
+				LocalEdges:   map[string]http.Handler{self: calls.count(edgeMux, "inproc")},
 			}))
 			if err != nil {
 				return err
@@ -74,6 +85,7 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 			if err != nil {
 				return err
 			}
+			e.Mount(edgeMux)
 			// Healthy means usable: until the edge in this process has
 			// registered (its first heartbeat, over this very listener), a
 			// create would find no node.
@@ -84,7 +96,8 @@ it reaches remote edges. Ctrl-C destroys every sandbox and exits.`,
 				return nil
 			})
 			srv.Mount(mux)
-			e.Mount(mux)
+			// Still served on the port, for servers of other processes.
+			mux.Handle("/"+dsecv1connect.EdgeServiceName+"/", calls.count(edgeMux, "network"))
 
 			ctx, cancel := context.WithCancel(cmd.Context())
 			defer cancel()
@@ -143,4 +156,27 @@ func seedImages(ctx context.Context, store blobstore.Repository, specs []string,
 		log.Info("imported starter image", "ref", ref, "path", path, "layers", len(m.Layers))
 	}
 	return nil
+}
+
+// edgeCalls counts the requests `dsec up`'s edge serves by the way they
+// came: "inproc" from this process's server, "network" over the port. The
+// second stays at zero unless something else calls the edge, which is how
+// one sees that the shortcut is in use.
+type edgeCalls struct{ c *prometheus.CounterVec }
+
+func newEdgeCalls(reg prometheus.Registerer) edgeCalls {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "dsec_up_edge_requests_total",
+		Help: "EdgeService requests served by the edge of dsec up, by how they came: inproc (from this process's server, no socket) or network.",
+	}, []string{"via"})
+	reg.MustRegister(c)
+	return edgeCalls{c}
+}
+
+func (e edgeCalls) count(h http.Handler, via string) http.Handler {
+	c := e.c.WithLabelValues(via)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		c.Inc()
+		h.ServeHTTP(w, r)
+	})
 }

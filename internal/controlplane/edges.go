@@ -2,12 +2,14 @@ package controlplane
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"sync"
 	"time"
 
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/inproc"
 )
 
 const (
@@ -23,14 +25,18 @@ const (
 // http.Client whose only timeouts are on connecting and on waiting for
 // response headers of a dead peer's TCP connection; how long a call may
 // take is the caller's context's business, since an exec can legitimately
-// run for an hour.
+// run for an hour. Edges in this process (Config.LocalEdges) are served by
+// calling their handlers, with no socket (internal/inproc).
 type edgeClients struct {
 	http *http.Client
-	mu   sync.Mutex
-	m    map[string]dsecv1connect.EdgeServiceClient
+	// local serves Config.LocalEdges; nil when there are none.
+	local *inproc.Transport
+	mu    sync.Mutex
+	m     map[string]dsecv1connect.EdgeServiceClient
 }
 
-func newEdgeClients(hc *http.Client, clusterToken string) *edgeClients {
+func newEdgeClients(cfg Config) (*edgeClients, error) {
+	hc := cfg.HTTPClient
 	base := http.RoundTripper(http.DefaultTransport)
 	if hc == nil {
 		base = &http.Transport{
@@ -43,11 +49,21 @@ func newEdgeClients(hc *http.Client, clusterToken string) *edgeClients {
 	} else if hc.Transport != nil {
 		base = hc.Transport
 	}
-	c := &http.Client{Transport: &bearerTransport{base: base, header: "Bearer " + clusterToken}}
+	var local *inproc.Transport
+	if len(cfg.LocalEdges) > 0 {
+		var err error
+		if local, err = inproc.New(base, cfg.LocalEdges, cfg.Logger); err != nil {
+			return nil, fmt.Errorf("Config.LocalEdges: %w", err)
+		}
+		base = local
+	}
+	// The token is added before the in-process transport, so a local
+	// edge's handler checks it as a remote edge does.
+	c := &http.Client{Transport: &bearerTransport{base: base, header: "Bearer " + cfg.ClusterToken}}
 	if hc != nil {
 		c.CheckRedirect, c.Jar, c.Timeout = hc.CheckRedirect, hc.Jar, hc.Timeout
 	}
-	return &edgeClients{http: c, m: map[string]dsecv1connect.EdgeServiceClient{}}
+	return &edgeClients{http: c, local: local, m: map[string]dsecv1connect.EdgeServiceClient{}}, nil
 }
 
 func (e *edgeClients) get(url string) dsecv1connect.EdgeServiceClient {

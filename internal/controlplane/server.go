@@ -72,6 +72,12 @@ type Config struct {
 	Registry prometheus.Registerer
 	// HTTPClient is used for edge calls; nil builds one suited to them.
 	HTTPClient *http.Client
+	// LocalEdges are edges in this process (`dsec up`), by the URL each
+	// advertises in its heartbeats (http://HOST:PORT): the server calls
+	// such an edge's handler (its EdgeService behind the cluster token
+	// check) directly instead of over the network. Other edges, and
+	// these under any other URL, are reached over HTTP.
+	LocalEdges map[string]http.Handler
 	// QueueSize bounds the creates waiting for room when every node is
 	// full (default 1024); beyond it a create is Unavailable with a
 	// retry-after hint. QueueTimeout bounds the wait of a create whose
@@ -130,6 +136,10 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Registry == nil {
 		cfg.Registry = prometheus.NewRegistry()
 	}
+	edges, err := newEdgeClients(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("controlplane: %w", err)
+	}
 	if cfg.AdminToken == "" {
 		if cfg.DataDir == "" {
 			return nil, errors.New("controlplane: Config.DataDir is empty and no AdminToken given")
@@ -151,7 +161,7 @@ func New(cfg Config) (*Server, error) {
 		iam:     auth,
 		images:  image.NewStore(cfg.Store, cfg.Store.Refs()),
 		reg:     newRegistry(cfg.NodeTimeout, cfg.LostRetention),
-		edges:   newEdgeClients(cfg.HTTPClient, cfg.ClusterToken),
+		edges:   edges,
 	}
 	m, err := newMetrics(cfg.Registry, s.reg)
 	if err != nil {
