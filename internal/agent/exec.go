@@ -61,7 +61,7 @@ func (srv *server) prepare(r *execRequest) (*execSpec, error) {
 	}
 	if envGet(sp.env, "HOME") == "" {
 		if home == "" {
-			home = homeOf(srv.opts.EtcDir, os.Getuid())
+			home = srv.home.get(srv.opts.EtcDir, os.Getuid())
 		}
 		sp.env = append(sp.env, "HOME="+home)
 	}

@@ -64,6 +64,7 @@ type server struct {
 	procs *procTable
 	level int  // see nsLevel
 	oom   bool // reset children's oom_score_adj to 0
+	home  homeCache
 }
 
 // Serve answers requests on conn until conn fails or ctx ends. On return

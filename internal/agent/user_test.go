@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -51,4 +52,47 @@ func TestMergeEnv(t *testing.T) {
 	got := mergeEnv([]string{"A=1", "B=2", "PATH=/x"}, []string{"B=3", "C=4", "A=5"})
 	assert.Equal(t, []string{"A=5", "B=3", "PATH=/x", "C=4"}, got)
 	assert.Equal(t, "/x", envGet(got, "PATH"))
+}
+
+func TestHomeCache(t *testing.T) {
+	etc := t.TempDir()
+	passwd := filepath.Join(etc, "passwd")
+	write := func(content string) {
+		require.NoError(t, os.WriteFile(passwd, []byte(content), 0o644))
+	}
+	// settle makes the file's times more than a second old, so that its
+	// answer is kept.
+	settle := func() {
+		old := time.Now().Add(-time.Minute)
+		require.NoError(t, os.Chtimes(passwd, old, old))
+		// Chtimes sets ctime to now: wait until it is old enough.
+		time.Sleep(1100 * time.Millisecond)
+	}
+	var c homeCache
+	write("root:x:0:0:root:/root:/bin/sh\nbob:x:7:7::/home/bob:/bin/sh\n")
+	assert.Equal(t, "/root", c.get(etc, 0))
+	assert.Equal(t, "/home/bob", c.get(etc, 7))
+	assert.Equal(t, "/", c.get(etc, 8))
+
+	// Kept while the file is unchanged and old enough...
+	settle()
+	assert.Equal(t, "/root", c.get(etc, 0))
+	assert.True(t, c.ok)
+	// ...and never trusted across a change: same size, in place...
+	write("root:x:0:0:root:/ROOT:/bin/sh\nbob:x:7:7::/home/bob:/bin/sh\n")
+	assert.Equal(t, "/ROOT", c.get(etc, 0))
+	assert.False(t, c.ok, "an answer from a file changed within the last second was kept")
+	// ...again within the same second (no answer was kept to go stale)...
+	write("root:x:0:0:root:/RooT:/bin/sh\nbob:x:7:7::/home/bob:/bin/sh\n")
+	assert.Equal(t, "/RooT", c.get(etc, 0))
+	// ...or a new file renamed over it.
+	settle()
+	assert.Equal(t, "/RooT", c.get(etc, 0))
+	tmp := filepath.Join(etc, "passwd.new")
+	require.NoError(t, os.WriteFile(tmp, []byte("root:x:0:0:root:/r2:/bin/sh\n"), 0o644))
+	require.NoError(t, os.Rename(tmp, passwd))
+	assert.Equal(t, "/r2", c.get(etc, 0))
+	// No file: "/" as homeOf says.
+	require.NoError(t, os.Remove(passwd))
+	assert.Equal(t, "/", c.get(etc, 0))
 }
