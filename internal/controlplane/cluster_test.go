@@ -37,7 +37,7 @@ const clusterToken = "cluster-secret"
 // cluster is a server and real edges (container backend) talking over HTTP
 // on loopback, as `dsec server` and `dsec edge` processes would.
 type cluster struct {
-	t       *testing.T
+	t       testing.TB
 	root    string
 	store   *blobstore.Dir
 	srv     *Server
@@ -63,7 +63,7 @@ type clients struct {
 	tenant dsecv1connect.TenantServiceClient
 }
 
-func newCluster(t *testing.T) *cluster {
+func newCluster(t testing.TB) *cluster {
 	t.Helper()
 	dsectest.RequireRoot(t)
 	root, err := os.MkdirTemp("", "dsec-cp-test-")

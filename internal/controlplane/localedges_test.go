@@ -12,17 +12,12 @@ import (
 	"testing"
 
 	"connectrpc.com/connect"
-	"github.com/prometheus/client_golang/prometheus"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge"
-	"github.com/dsec-dev/dsec/internal/layer"
 	"github.com/dsec-dev/dsec/internal/placement"
-	"github.com/dsec-dev/dsec/internal/runtime"
-	"github.com/dsec-dev/dsec/internal/runtime/container"
-	dsectest "github.com/dsec-dev/dsec/internal/testutil"
 )
 
 // peerEdge is an EdgeService that answers GetOnEdge with the address the
@@ -104,67 +99,29 @@ func TestLocalEdgesRefused(t *testing.T) {
 	}
 }
 
-// BenchmarkEdgeCall is one cheap unary call (ListOnEdge) from the server
-// to a real edge, over loopback HTTP and in process. Run as root:
+// BenchmarkEdgeCall is one cheap unary call (ListOnEdge) from a server to
+// a real edge (the test cluster's), over loopback HTTP and in process. Run
+// as root:
 //
 //	go test -run XXX -bench EdgeCall ./internal/controlplane
 func BenchmarkEdgeCall(b *testing.B) {
-	dsectest.RequireRoot(b)
-	dir := b.TempDir()
-	store, err := blobstore.NewDir(filepath.Join(dir, "blobs"))
-	if err != nil {
-		b.Fatal(err)
-	}
+	c := newCluster(b)
+	c.addEdge("bench", placement.Capacity{Sandboxes: 10}, placement.Overcommit{})
+	te := c.edges["bench"]
 	quiet := slog.New(slog.DiscardHandler)
-	mounts, err := layer.NewMounts(filepath.Join(dir, "layers"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer mounts.Close()
-	backend, err := container.New(container.Options{
-		StateDir:     filepath.Join(dir, "sandboxes"),
-		AgentPath:    dsectest.BuildBinary(b, "./cmd/dsec-agent"),
-		Layers:       mounts,
-		Logger:       quiet,
-		CgroupParent: "dsec-bench-" + filepath.Base(dir),
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer backend.Close()
-	mux := http.NewServeMux()
-	hs := httptest.NewServer(mux)
-	defer hs.Close()
-	e, err := edge.New(edge.Config{
-		NodeID:       "bench",
-		DataDir:      dir,
-		Store:        store,
-		Backends:     map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend},
-		Capacity:     map[runtime.Kind]placement.Capacity{runtime.KindContainer: {Sandboxes: 10}},
-		AdvertiseURL: hs.URL,
-		ClusterToken: clusterToken,
-		Logger:       quiet,
-		Registry:     prometheus.NewRegistry(),
-		NoTrajectory: true,
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer e.Close(context.Background())
-	e.Mount(mux)
 	for _, bc := range []struct {
 		name  string
 		local map[string]http.Handler
 	}{
 		{"loopback", nil},
-		{"inproc", map[string]http.Handler{hs.URL: mux}},
+		{"inproc", map[string]http.Handler{te.hs.URL: te.hs.Config.Handler}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
-			srv, err := New(Config{AdminToken: "admin", Store: store, ClusterToken: clusterToken, Logger: quiet, LocalEdges: bc.local})
+			srv, err := New(Config{AdminToken: "admin", Store: c.store, ClusterToken: clusterToken, Logger: quiet, LocalEdges: bc.local})
 			if err != nil {
 				b.Fatal(err)
 			}
-			client := srv.edges.get(hs.URL)
+			client := srv.edges.get(te.hs.URL)
 			caller := &dsecv1.Caller{Admin: true}
 			b.ReportAllocs()
 			for b.Loop() {
