@@ -29,11 +29,13 @@ import (
 	goruntime "runtime"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"connectrpc.com/connect"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/blobstore"
@@ -247,6 +249,9 @@ func New(cfg Config) (*Edge, error) {
 		}
 		caps[kind] = c
 	}
+	if err := boundByOpenFiles(caps, cfg.Capacity, cfg.Logger); err != nil {
+		return nil, err
+	}
 	cfg.Capacity = caps
 	m, err := newMetrics(cfg.Registry)
 	if err != nil {
@@ -391,6 +396,52 @@ func (e *Edge) Close(ctx context.Context) error {
 }
 
 // machineCapacity is what the node offers when the config does not say.
+// Every sandbox holds descriptors in the edge's process: its agent's
+// socket and pidfd, cgroup files and, once reset, its pristine state's
+// directories, mountinfo and IPC files (~18 in all). Past RLIMIT_NOFILE,
+// creates, accepted connections and trajectory writes fail with EMFILE.
+// So a node's sandbox capacity is bounded by what the limit leaves after
+// fdReserve for the process itself, at fdsPerSandbox each.
+const (
+	fdsPerSandbox = 20
+	fdReserve     = 1024
+)
+
+// fdBoundedSandboxes is how many sandboxes a process with the open-file
+// limit limit can hold.
+func fdBoundedSandboxes(limit uint64) int64 {
+	if limit <= fdReserve {
+		return 0
+	}
+	return int64((limit - fdReserve) / fdsPerSandbox)
+}
+
+// boundByOpenFiles lowers each backend's default sandbox capacity in caps
+// to what the process's open-file limit can hold (Go raises the soft limit
+// to the hard one at start), and refuses a capacity the operator set
+// (given) above it: the node would fail creates part way instead of
+// declaring itself full.
+func boundByOpenFiles(caps, given map[runtime.Kind]placement.Capacity, log *slog.Logger) error {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil || rl.Cur == unix.RLIM_INFINITY {
+		return nil
+	}
+	most := fdBoundedSandboxes(rl.Cur)
+	for kind, c := range caps {
+		if c.Sandboxes <= most {
+			continue
+		}
+		if given[kind].Sandboxes > 0 {
+			return fmt.Errorf("edge config Capacity[%q].Sandboxes %d: the open-file limit (RLIMIT_NOFILE %d) holds at most %d sandboxes (~%d descriptors each, %d kept for the process): raise it (LimitNOFILE= in a systemd unit, ulimit -n) or lower --max-sandboxes",
+				kind, c.Sandboxes, rl.Cur, most, fdsPerSandbox, fdReserve)
+		}
+		log.Info("sandbox capacity bounded by the open-file limit", "backend", kind, "sandboxes", most, "default", c.Sandboxes, "rlimit_nofile", rl.Cur)
+		c.Sandboxes = most
+		caps[kind] = c
+	}
+	return nil
+}
+
 func machineCapacity() (placement.Capacity, error) {
 	mem, err := memTotal()
 	if err != nil {
