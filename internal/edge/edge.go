@@ -401,19 +401,20 @@ func (e *Edge) Close(ctx context.Context) error {
 // directories, mountinfo and IPC files (~18 in all). Past RLIMIT_NOFILE,
 // creates, accepted connections and trajectory writes fail with EMFILE.
 // So a node's sandbox capacity is bounded by what the limit leaves after
-// fdReserve for the process itself, at fdsPerSandbox each.
+// fdReserve for the process itself (less under small limits), at
+// fdsPerSandbox each.
 const (
 	fdsPerSandbox = 20
 	fdReserve     = 1024
 )
 
 // fdBoundedSandboxes is how many sandboxes a process with the open-file
-// limit limit can hold.
+// limit limit can hold. Under a small limit (a default of 1024 somewhere)
+// the reserve shrinks to a quarter of it, so the node still holds a few
+// dozen sandboxes rather than none.
 func fdBoundedSandboxes(limit uint64) int64 {
-	if limit <= fdReserve {
-		return 0
-	}
-	return int64((limit - fdReserve) / fdsPerSandbox)
+	reserve := min(uint64(fdReserve), limit/4)
+	return int64((limit - reserve) / fdsPerSandbox)
 }
 
 // boundByOpenFiles lowers each backend's default sandbox capacity in caps
@@ -432,8 +433,8 @@ func boundByOpenFiles(caps, given map[runtime.Kind]placement.Capacity, log *slog
 			continue
 		}
 		if given[kind].Sandboxes > 0 {
-			return fmt.Errorf("edge config Capacity[%q].Sandboxes %d: the open-file limit (RLIMIT_NOFILE %d) holds at most %d sandboxes (~%d descriptors each, %d kept for the process): raise it (LimitNOFILE= in a systemd unit, ulimit -n) or lower --max-sandboxes",
-				kind, c.Sandboxes, rl.Cur, most, fdsPerSandbox, fdReserve)
+			return fmt.Errorf("edge config Capacity[%q].Sandboxes %d: the open-file limit (RLIMIT_NOFILE %d) holds at most %d sandboxes (~%d descriptors each, besides the process's own): raise it (LimitNOFILE= in a systemd unit, ulimit -n) or lower --max-sandboxes",
+				kind, c.Sandboxes, rl.Cur, most, fdsPerSandbox)
 		}
 		log.Info("sandbox capacity bounded by the open-file limit", "backend", kind, "sandboxes", most, "default", c.Sandboxes, "rlimit_nofile", rl.Cur)
 		c.Sandboxes = most

@@ -15,7 +15,7 @@ func TestFDBoundedSandboxes(t *testing.T) {
 		limit uint64
 		want  int64
 	}{
-		{0, 0}, {fdReserve, 0}, {fdReserve + fdsPerSandbox - 1, 0}, {fdReserve + fdsPerSandbox, 1},
+		{0, 0}, {1024, (1024 - 256) / fdsPerSandbox}, {4096, (4096 - fdReserve) / fdsPerSandbox},
 		{20000, (20000 - fdReserve) / fdsPerSandbox}, {1 << 20, (1<<20 - fdReserve) / fdsPerSandbox},
 	} {
 		if got := fdBoundedSandboxes(tc.limit); got != tc.want {
