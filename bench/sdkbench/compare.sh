@@ -3,7 +3,7 @@
 # in its own git worktree, then runs cycle.py against a fresh `dsecd up` of
 # each tree in turn, ROUNDS times, and prints every run and the medians.
 #
-#   sudo bench/sdkbench/compare.sh [--rounds N] [--pause S] REV_A REV_B [cycle.py options]
+#   sudo bench/sdkbench/compare.sh [--rounds N] [--pause S] [--settle LOAD] REV_A REV_B [cycle.py options]
 #   sudo bench/sdkbench/compare.sh a4b234f HEAD --n 1000 --concurrency 200 --pool 200
 #
 # Why interleaved, and why CPU as well as rate: on these 2-core VMs the
@@ -15,6 +15,9 @@
 # commands included, reaped at its shutdown; and the Python client, each from
 # /usr/bin/time) count work rather than wall time, so they also move less.
 # Each run includes dsecd's start and the pool's fill: compare like with like.
+# --settle LOAD waits (up to 5 minutes) before each pair until the 1-minute
+# load average is below LOAD, so that other work on the machine (tests, a
+# previous run's teardown) is over; the load at each pair's start is printed.
 #
 # Needs root, make, go, /usr/bin/python3 with httpx, busybox-static, GNU time
 # (/usr/bin/time: Debian package `time`). Removes its worktrees and data
@@ -25,14 +28,17 @@ die() { echo "compare.sh: $*" >&2; exit 1; }
 
 rounds=3
 pause=20
+settle=""
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--rounds) rounds=${2:?--rounds needs a number}; shift 2 ;;
 	--pause) pause=${2:?--pause needs seconds}; shift 2 ;;
+	--settle) settle=${2:?--settle needs a load average, e.g. 1.0}; shift 2 ;;
 	*) break ;;
 	esac
 done
-[ $# -ge 2 ] || die "usage: compare.sh [--rounds N] [--pause S] REV_A REV_B [cycle.py options]"
+[ $# -ge 2 ] || die "usage: compare.sh [--rounds N] [--pause S] [--settle LOAD] REV_A REV_B [cycle.py options]"
+[ -z "$settle" ] || awk -v l="$settle" 'BEGIN { exit !(l + 0 > 0) }' || die "--settle $settle: want a load average above 0, e.g. 1.0"
 rev_a=$1 rev_b=$2
 shift 2
 
@@ -99,10 +105,22 @@ run() {
 	rm -rf "$d"
 }
 
+# settle_down waits until the 1-minute load average is below $settle (at
+# most 5 minutes) and prints it.
+settle_down() {
+	local i
+	for i in $(seq 300); do
+		awk -v l="$settle" '{ exit !($1 < l) }' /proc/loadavg && break
+		sleep 1
+	done
+	echo "round $1: load average $(cut -d' ' -f1 /proc/loadavg) at its start, after waiting $((i - 1)) s" >&2
+}
+
 printf '%-6s %-3s %12s %14s %14s\n' round rev cycles/s dsecd-cpu-s python-cpu-s
 results=$work/results
 : >"$results"
 for r in $(seq "$rounds"); do
+	[ -z "$settle" ] || settle_down "$r"
 	for t in a b; do
 		run "$t" "$work/$t" "$@"
 		# shellcheck disable=SC2046 # the fields of the line just added
