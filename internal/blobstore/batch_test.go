@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/blobstore/blobstoretest"
 )
 
 // The test binary re-executes itself in a child mode to write a batch
@@ -196,7 +197,7 @@ func TestDirBatchWithoutLinks(t *testing.T) {
 				list, err := d.Refs().List(context.Background(), "")
 				require.NoError(t, err)
 				assert.Empty(t, list, "refs set by a failed batch")
-				assert.Empty(t, walkAll(t, d), "blobs stored by a failed batch")
+				assert.Empty(t, blobstoretest.WalkAll(t, d), "blobs stored by a failed batch")
 				return
 			}
 			require.Equal(t, "ok\n", string(out))
@@ -219,14 +220,4 @@ func checkRefs(t *testing.T, d *blobstore.Dir, b blobstore.Batch) {
 		require.NoError(t, err, ref.Name)
 		require.Equal(t, ref.Digest, got, ref.Name)
 	}
-}
-
-func walkAll(t *testing.T, d *blobstore.Dir) []blobstore.Descriptor {
-	t.Helper()
-	var all []blobstore.Descriptor
-	require.NoError(t, d.Walk(context.Background(), func(desc blobstore.Descriptor) error {
-		all = append(all, desc)
-		return nil
-	}))
-	return all
 }

@@ -395,7 +395,6 @@ func (e *Edge) Close(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// machineCapacity is what the node offers when the config does not say.
 // Every sandbox holds descriptors in the edge's process: its agent's
 // socket and pidfd, cgroup files and, once reset, its pristine state's
 // directories, mountinfo and IPC files (~18 in all). Past RLIMIT_NOFILE,
@@ -443,6 +442,7 @@ func boundByOpenFiles(caps, given map[runtime.Kind]placement.Capacity, log *slog
 	return nil
 }
 
+// machineCapacity is what the node offers when the config does not say.
 func machineCapacity() (placement.Capacity, error) {
 	mem, err := memTotal()
 	if err != nil {

@@ -75,7 +75,8 @@ func put(t *testing.T, s blobstore.Store, b []byte) blobstore.Descriptor {
 	return d
 }
 
-func walkAll(t *testing.T, s blobstore.Store) []blobstore.Descriptor {
+// WalkAll returns every blob of s, as Walk lists them.
+func WalkAll(t *testing.T, s blobstore.Store) []blobstore.Descriptor {
 	t.Helper()
 	var all []blobstore.Descriptor
 	require.NoError(t, s.Walk(context.Background(), func(d blobstore.Descriptor) error {
@@ -106,7 +107,7 @@ func testPutIdempotent(t *testing.T, s blobstore.Store) {
 	d1 := put(t, s, data)
 	d2 := put(t, s, data)
 	assert.Equal(t, d1, d2)
-	assert.Equal(t, []blobstore.Descriptor{d1}, walkAll(t, s))
+	assert.Equal(t, []blobstore.Descriptor{d1}, WalkAll(t, s))
 }
 
 func testEmptyBlob(t *testing.T, s blobstore.Store) {
@@ -168,7 +169,7 @@ func testDelete(t *testing.T, s blobstore.Store) {
 	require.NoError(t, s.Delete(ctx, gone.Digest))
 	_, err := s.Stat(ctx, gone.Digest)
 	assert.ErrorIs(t, err, blobstore.ErrNotFound)
-	assert.Equal(t, []blobstore.Descriptor{keep}, walkAll(t, s))
+	assert.Equal(t, []blobstore.Descriptor{keep}, WalkAll(t, s))
 	// Content can be stored again after deletion.
 	again := put(t, s, []byte("gone"))
 	assert.Equal(t, gone, again)
@@ -179,7 +180,7 @@ func testWalk(t *testing.T, s blobstore.Store) {
 	for i := range 5 {
 		want = append(want, put(t, s, []byte(fmt.Sprintf("blob %d", i))))
 	}
-	got := walkAll(t, s)
+	got := WalkAll(t, s)
 	sortDesc := func(a, b blobstore.Descriptor) int { return strings.Compare(a.Digest, b.Digest) }
 	slices.SortFunc(want, sortDesc)
 	slices.SortFunc(got, sortDesc)
@@ -200,7 +201,7 @@ func testCancelledPut(t *testing.T, s blobstore.Store) {
 	cancel()
 	_, err := s.Put(ctx, bytes.NewReader(randomBytes(t, 1<<20)))
 	assert.ErrorIs(t, err, context.Canceled)
-	assert.Empty(t, walkAll(t, s), "a cancelled Put must not leave a blob")
+	assert.Empty(t, WalkAll(t, s), "a cancelled Put must not leave a blob")
 }
 
 func testCorrupt(t *testing.T, s blobstore.Store) {
@@ -255,7 +256,7 @@ func testConcurrentSame(t *testing.T, s blobstore.Store) {
 		require.NoError(t, errs[i])
 		assert.Equal(t, descs[0], descs[i])
 	}
-	assert.Len(t, walkAll(t, s), 1)
+	assert.Len(t, WalkAll(t, s), 1)
 	got, err := blobstore.ReadAll(context.Background(), s, descs[0].Digest)
 	require.NoError(t, err)
 	assert.True(t, bytes.Equal(data, got))
@@ -282,7 +283,7 @@ func testConcurrentDifferent(t *testing.T, s blobstore.Store) {
 		require.NoError(t, err)
 		assert.True(t, bytes.Equal(datas[i], got), "blob %d", i)
 	}
-	assert.Len(t, walkAll(t, s), n)
+	assert.Len(t, WalkAll(t, s), n)
 }
 
 func refsOf(t *testing.T, s blobstore.Store) blobstore.Refs {
@@ -456,7 +457,7 @@ func testBatch(t *testing.T, s blobstore.Store) {
 		require.NoError(t, err, "blob %d", i)
 		assert.True(t, bytes.Equal(blob, got), "blob %d", i)
 	}
-	assert.Len(t, walkAll(t, s), 4, "one, two, the big one and the old one")
+	assert.Len(t, WalkAll(t, s), 4, "one, two, the big one and the old one")
 	want := map[string]string{
 		"trajectories/a": d(0), "trajectories/b": d(1), "trajectories/moved": d(2),
 		"trajectories/twice": d(1), "other/old": old.Digest,
@@ -471,7 +472,7 @@ func testBatch(t *testing.T, s blobstore.Store) {
 	list, err := refs.List(ctx, "")
 	require.NoError(t, err)
 	assert.Len(t, list, len(want))
-	assert.Len(t, walkAll(t, s), 4)
+	assert.Len(t, WalkAll(t, s), 4)
 	// An empty batch is nothing to do.
 	require.NoError(t, blobstore.WriteBatch(ctx, r, blobstore.Batch{}))
 }

@@ -145,10 +145,15 @@ async def test_sdk_calls_go_straight_to_the_lean_transport():
     responses = [ok(body), b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(err), err)]
     async with Server(responses) as srv:
         client = await DSecClient.create(endpoint=srv.url, token="tok")
+        # A request hook of the AsyncClient would run on every request that
+        # went through its pipeline: none may.
+        through_client = []
+        client._t.http.event_hooks = {"request": [lambda r: through_client.append(r)], "response": []}
         async with client:
             assert await client.list() == []
             with pytest.raises(NotFoundError, match='sandbox "x" not found'):
                 await client.get("x")
+        assert through_client == []
         head, sent = srv.requests[0]
         assert head.startswith(b"POST /dsec.v1.SandboxService/List HTTP/1.1\r\n")
         assert b"\r\nAuthorization: Bearer tok\r\n" in head and b"\r\nContent-Type: application/json\r\n" in head
