@@ -240,8 +240,17 @@ func TestResetCleans(t *testing.T) {
 	}
 	sh(t, a, "echo secret > /root/secret && echo t > /tmp/t && mkdir /var/left && "+
 		"(setsid sleep 1000 </dev/null >/dev/null 2>&1 &) && echo x > /dev/shm/x")
-	if out := sh(t, a, "ps"); !strings.Contains(out, "sleep 1000") {
-		t.Fatalf("background process not running before Put:\n%s", out)
+	// The background child may not have exec'd sleep yet when the shell
+	// returns (ps shows it as "[exe]" then): wait for it, boundedly.
+	for i := 0; ; i++ {
+		out := sh(t, a, "ps")
+		if strings.Contains(out, "sleep 1000") {
+			break
+		}
+		if i == 200 {
+			t.Fatalf("background process not running before Put:\n%s", out)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 	id := a.ID()
 	p.Put(a)
