@@ -101,6 +101,11 @@ type Options struct {
 	// or coming get nothing (TakeWarm's nil, also from Take when New is
 	// nil). The edge keeps one per hot spec to reuse destroyed sandboxes.
 	Recycle bool
+	// Reset puts a handed-back sandbox in the state takers expect; nil
+	// means the sandbox's own rt.Resetter.Reset. The edge's pool of
+	// sandboxes waiting to be rebased onto another spec (rt.Rebaser) uses
+	// Quiesce: their root file system is replaced when they are taken.
+	Reset func(ctx context.Context, sb rt.Sandbox) error
 	// Size is the number of clean sandboxes kept ready (refilled in the
 	// background).
 	Size int
@@ -497,7 +502,8 @@ func (p *Pool) createForCaller(ctx context.Context) (rt.Sandbox, error) {
 // Put hands back a sandbox taken from the pool. It is reset in the
 // background and then goes to the first waiter, else to the clean queue if
 // the pool wants more, else it is destroyed; a sandbox that is not an
-// rt.Resetter, or whose Reset fails, is destroyed (and replaced if wanted).
+// rt.Resetter (with no Options.Reset), or whose reset fails, is destroyed
+// (and replaced if wanted).
 // A sandbox the pool did not hand out is adopted the same way (destroyed if
 // that would exceed Max). After Close, Put destroys the sandbox before it
 // returns. The caller must not use sb after Put.

@@ -3,6 +3,7 @@ package pool_test
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -290,4 +291,41 @@ func TestNoRefillWhileHoldsAreShort(t *testing.T) {
 	if n := c.created.Load(); n != before || st.Destroyed != destroyedBefore {
 		t.Fatalf("created %d sandboxes while two came back within the expected hold (%+v); want none", n-before, st)
 	}
+}
+
+// TestRecyclePoolCustomReset: Options.Reset replaces the sandbox's own
+// Reset on Put (the edge quiesces sandboxes that wait to be rebased, and
+// leaves their files to Rebase), and a failing one destroys the sandbox.
+func TestRecyclePoolCustomReset(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	close(gate)
+	var calls atomic.Int32
+	fail := atomic.Bool{}
+	p, _ := startPool(t, c, pool.Options{Recycle: true, Size: 1, Reset: func(ctx context.Context, sb rt.Sandbox) error {
+		calls.Add(1)
+		if fail.Load() {
+			return errors.New("custom reset failed on purpose")
+		}
+		return nil
+	}})
+	a, err := c.New(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, a, "echo left > /root/left")
+	p.Put(a)
+	waitStats(t, p, "a ready", func(s pool.Stats) bool { return s.Ready == 1 })
+	got, err := p.TakeWarm(t.Context())
+	if err != nil || got == nil || got.ID() != a.ID() {
+		t.Fatalf("TakeWarm: %v, %v; want %s", got, err, a.ID())
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("custom reset called %d times, want 1", n)
+	}
+	if out := sh(t, got, "ls /root"); out != "left\n" {
+		t.Fatalf("the sandbox's own Reset ran instead of Options.Reset: /root holds %q", out)
+	}
+	fail.Store(true)
+	p.Put(got)
+	waitStats(t, p, "a destroyed", func(s pool.Stats) bool { return s.Destroyed == 1 && s.Alive() == 0 })
 }

@@ -198,12 +198,16 @@ func (p *Pool) createInBackground() {
 
 // reset resets a handed-back sandbox and places it, or destroys it.
 func (p *Pool) reset(e *entry) {
-	r, ok := e.sb.(rt.Resetter)
+	reset := p.o.Reset
+	ok := reset != nil
+	if r, can := e.sb.(rt.Resetter); !ok && can {
+		reset, ok = func(ctx context.Context, _ rt.Sandbox) error { return r.Reset(ctx) }, true
+	}
 	var err error
 	start := time.Now()
 	if ok {
 		ctx, cancel := context.WithTimeout(p.ctx, resetTimeout)
-		err = r.Reset(ctx)
+		err = reset(ctx, e.sb)
 		cancel()
 	}
 	p.mu.Lock()

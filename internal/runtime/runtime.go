@@ -137,6 +137,29 @@ type Resetter interface {
 	Reset(ctx context.Context) error
 }
 
+// Rebaser is implemented by sandboxes that can be reset onto another spec:
+// the agent, its namespaces and its cgroup are kept, everything else is the
+// new spec's. A create of a spec nobody has handed a sandbox back for can
+// then take a sandbox released under another spec (recycling across specs)
+// instead of starting a new agent, which costs several times more.
+type Rebaser interface {
+	// Quiesce is Reset's first half: every process the sandbox's users
+	// started is killed and reaped, and IPC objects are removed; the root
+	// file system is left as it is, for Rebase to replace. The caller
+	// guarantees no other operation is in flight. On error the sandbox is
+	// unusable and the caller destroys it.
+	Quiesce(ctx context.Context) error
+	// Rebase does what Reset does, then makes spec the sandbox's spec: its
+	// root file system is a fresh writable layer over spec.Layers, and
+	// spec's Hostname (spec.ID when empty, as Create), Resources, Env,
+	// Workdir and User replace the old ones. The sandbox keeps its runtime
+	// ID (spec.ID names only the hostname); spec.UserNamespace must be the
+	// sandbox's (ErrInvalidSpec otherwise, and the sandbox is unchanged).
+	// The caller guarantees no other operation is in flight. On any other
+	// error the sandbox is unusable and the caller destroys it.
+	Rebase(ctx context.Context, spec Spec) error
+}
+
 // Updater is implemented by sandboxes whose resource limits can change
 // while they run (fncall's per-call memory limit).
 type Updater interface {

@@ -594,8 +594,6 @@ type sandbox struct {
 	// oomSeen is the cgroup's OOM-kill count already reported.
 	oomSeen atomic.Uint64
 
-	// lower are the overlay's layer directories, top first.
-	lower []string
 	// attrs are the agent's inheritable attributes after Create.
 	attrs *agentAttrs
 	// resetMu serialises Reset with itself and with the end of Destroy,
@@ -613,8 +611,12 @@ type sandbox struct {
 	fsMu        sync.Mutex
 	upper, work string
 	gen         int
-	next        *overlayRoot
-	destroyed   bool
+	// lower are the overlay's layer directories, top first, and lowerGen
+	// counts their changes (Rebase).
+	lower     []string
+	lowerGen  int
+	next      *overlayRoot
+	destroyed bool
 	// bg counts Reset's background work in flight (releasing the old root,
 	// preparing the next); Destroy waits for it.
 	bg sync.WaitGroup

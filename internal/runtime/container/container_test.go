@@ -25,6 +25,8 @@ type env struct {
 	backend *container.Backend
 	layer   rt.Layer
 	root    string
+	store   *blobstore.Dir
+	mounts  *layer.Mounts
 	n       atomic.Int64
 }
 
@@ -82,7 +84,7 @@ func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
 			os.Remove(d)
 		}
 	})
-	return &env{backend: b, layer: rt.Layer{Digest: desc.Digest, Path: path}, root: root}
+	return &env{backend: b, layer: rt.Layer{Digest: desc.Digest, Path: path}, root: root, store: store, mounts: mounts}
 }
 
 func (e *env) spec(t *testing.T) rt.Spec { return e.newSpec() }

@@ -224,6 +224,9 @@ func (s *sandbox) clearIPCNamespace() error {
 type overlayRoot struct {
 	fd          int
 	upper, work string
+	// lowerGen is the sandbox's lowerGen when the root was built over
+	// its layers.
+	lowerGen int
 }
 
 // newRoot makes a new generation of upper and work directories and a
@@ -236,8 +239,9 @@ func (s *sandbox) newRoot() (*overlayRoot, error) {
 	}
 	s.gen++
 	gen := strconv.Itoa(s.gen)
+	lower, lowerGen := s.lower, s.lowerGen
 	s.fsMu.Unlock()
-	r := &overlayRoot{upper: filepath.Join(s.dir, "upper."+gen), work: filepath.Join(s.dir, "work."+gen)}
+	r := &overlayRoot{upper: filepath.Join(s.dir, "upper."+gen), work: filepath.Join(s.dir, "work."+gen), lowerGen: lowerGen}
 	// Mkdir, not MkdirAll: after Destroy removed the sandbox directory,
 	// nothing may be created under it again.
 	if err := os.Mkdir(r.upper, 0o755); err != nil {
@@ -247,7 +251,7 @@ func (s *sandbox) newRoot() (*overlayRoot, error) {
 		os.Remove(r.upper)
 		return nil, err
 	}
-	fd, err := newOverlay(s.lower, r.upper, r.work)
+	fd, err := newOverlay(lower, r.upper, r.work)
 	if err != nil {
 		os.Remove(r.upper)
 		os.RemoveAll(r.work)
@@ -274,11 +278,11 @@ func (s *sandbox) prepareNext() {
 		return
 	}
 	s.fsMu.Lock()
-	if s.next == nil && !s.destroyed {
+	if s.next == nil && !s.destroyed && r.lowerGen == s.lowerGen {
 		s.next, r = r, nil
 	}
 	s.fsMu.Unlock()
-	if r != nil { // raced with another preparation or with Destroy
+	if r != nil { // raced with another preparation, a Rebase or Destroy
 		unix.Close(r.fd)
 		os.RemoveAll(r.upper)
 		os.RemoveAll(r.work)

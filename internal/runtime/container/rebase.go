@@ -1,0 +1,196 @@
+package container
+
+import (
+	"context"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+
+	rt "github.com/dsec-dev/dsec/internal/runtime"
+)
+
+var _ rt.Rebaser = (*sandbox)(nil)
+
+// Quiesce implements runtime.Rebaser: Reset's kill pass, attribute restore
+// and IPC clearing, without touching the root file system. A quiesced
+// sandbox waits, with no process of its user left, until Rebase gives it a
+// new root (or Destroy ends it). The fork server goes too: it is an
+// interpreter of the old spec's image.
+func (s *sandbox) Quiesce(ctx context.Context) error {
+	s.resetMu.Lock()
+	defer s.resetMu.Unlock()
+	return s.quiesceLocked(ctx, "quiesce")
+}
+
+func (s *sandbox) quiesceLocked(ctx context.Context, op string) error {
+	select {
+	case <-s.done:
+		return fmt.Errorf("%w: %s: init has exited", rt.ErrSandboxGone, op)
+	default:
+	}
+	s.dropForkServer()
+	if err := s.killUser(ctx); err != nil {
+		return s.gone(fmt.Errorf("%s: %w", op, err))
+	}
+	if err := s.attrs.restoreWith(s.cmd.Process.Pid, &s.rf); err != nil {
+		return s.gone(fmt.Errorf("%s: %w", op, err))
+	}
+	if err := s.clearIPCNamespace(); err != nil {
+		return s.gone(fmt.Errorf("%s: %w", op, err))
+	}
+	return nil
+}
+
+// Rebase implements runtime.Rebaser. It costs what a Reset that builds a
+// new root costs (plus mounting layers no other sandbox holds), against a
+// new agent process, namespaces, cgroup and directories for a create:
+//
+//  1. Quiesce (every user process killed and reaped, IPC cleared, the
+//     fork server dropped).
+//  2. The new spec's layers are acquired (mounted if no sandbox holds
+//     them) and a detached overlay is built over them with fresh upper and
+//     work directories, in the host's mount namespace, as Reset's new root.
+//  3. On a throw-away thread in the sandbox's mount and UTS namespaces the
+//     root is swapped exactly as Reset does (swapMounts: /proc and /sys
+//     moved over, a fresh /dev, pivot_root, the old root detached with
+//     whatever was under it) and the hostname set.
+//  4. The cgroup takes the new resources, and the spec's exec defaults
+//     (Env, Workdir, User) and layers become the sandbox's; the old layers
+//     are released and the old directories removed in the background; the
+//     new pristine state is taken for the next Reset.
+//
+// Before step 3 a failure leaves the old root in place (the new layers are
+// released again); from step 3 on it leaves the sandbox unusable. Either
+// way the caller destroys it, and Destroy releases the layers the sandbox
+// holds then.
+func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
+	if spec.UserNamespace != s.spec.UserNamespace {
+		return fmt.Errorf("%w: rebase: user_namespace %v, the sandbox's is %v", rt.ErrInvalidSpec, spec.UserNamespace, s.spec.UserNamespace)
+	}
+	if err := s.b.validate(&spec); err != nil {
+		return fmt.Errorf("rebase: %w", err)
+	}
+	if spec.Hostname == "" {
+		spec.Hostname = spec.ID
+		if len(spec.Hostname) > 63 {
+			spec.Hostname = spec.Hostname[:63]
+		}
+	}
+	if spec.Resources.Pids == 0 {
+		spec.Resources.Pids = s.b.opts.DefaultPids
+	}
+	s.resetMu.Lock()
+	defer s.resetMu.Unlock()
+	if err := s.quiesceLocked(ctx, "rebase"); err != nil {
+		return err
+	}
+	s.dropPristine()
+
+	lower := make([]string, len(spec.Layers))
+	acquired := 0
+	release := func() {
+		for _, l := range spec.Layers[:acquired] {
+			s.b.opts.Layers.Release(l.Digest)
+		}
+	}
+	for i, l := range spec.Layers {
+		d, err := s.b.opts.Layers.Acquire(ctx, l.Digest, l.Path)
+		if err != nil {
+			release()
+			return fmt.Errorf("rebase: mount layer %s: %w", l.Digest, err)
+		}
+		acquired++
+		lower[len(spec.Layers)-1-i] = d // overlay wants the top layer first
+	}
+	// From here on roots are built over the new layers; a root prepared
+	// for the next Reset, or being prepared, is over the old ones
+	// (prepareNext drops it when it sees the generation moved).
+	s.fsMu.Lock()
+	s.lower = lower
+	s.lowerGen++
+	stale := s.next
+	s.next = nil
+	s.fsMu.Unlock()
+	if stale != nil {
+		s.releaseRoot(stale.fd, stale.upper, stale.work)
+	}
+	root, err := s.newRoot()
+	if err != nil {
+		release()
+		return s.gone(fmt.Errorf("rebase: %w", err))
+	}
+	oldRoot, err := s.swapRootAndHost(root.fd, spec.Hostname)
+	unix.Close(root.fd)
+	if err != nil {
+		// The sandbox may be half swapped: unusable. Destroy releases the
+		// layers in s.spec, so the new ones go now.
+		release()
+		os.RemoveAll(root.upper)
+		os.RemoveAll(root.work)
+		return s.gone(fmt.Errorf("rebase: %w", err))
+	}
+	oldLayers := s.spec.Layers
+	s.fsMu.Lock()
+	oldUpper, oldWork := s.upper, s.work
+	s.upper, s.work = root.upper, root.work
+	s.fsMu.Unlock()
+	spec.ID = s.id
+	s.spec = spec
+	for _, l := range oldLayers {
+		if err := s.b.opts.Layers.Release(l.Digest); err != nil {
+			s.b.log.Warn("rebase: release old layer", "sandbox", s.id, "layer", l.Digest, "err", err)
+		}
+	}
+	s.releaseRoot(oldRoot, oldUpper, oldWork)
+	if err := s.Update(ctx, spec.Resources); err != nil {
+		return fmt.Errorf("rebase: %w", err)
+	}
+	s.resetsRebuilt.Add(1)
+	s.pristine = s.pristineOrNil(root.upper, root.work)
+	return nil
+}
+
+// releaseRoot closes a root's last reference (unmounting its overlay) and
+// removes its directories, in the background; Destroy waits for it.
+func (s *sandbox) releaseRoot(fd int, upper, work string) {
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		unix.Close(fd)
+		for _, d := range []string{upper, work} {
+			if err := os.RemoveAll(d); err != nil {
+				s.b.log.Warn("remove old overlay directory", "sandbox", s.id, "dir", d, "err", err)
+			}
+		}
+	}()
+}
+
+// swapRootAndHost is swapRoot that also sets the hostname, from the same
+// throw-away thread, which joins the sandbox's UTS namespace for it.
+func (s *sandbox) swapRootAndHost(root int, hostname string) (int, error) {
+	old := -1
+	err := onThrowawayThread(func() error {
+		var err error
+		if old, err = s.swapRootLocked(root); err != nil {
+			return err
+		}
+		fd, done, err := s.nsFD("uts")
+		if err != nil {
+			return err
+		}
+		err = unix.Setns(fd, unix.CLONE_NEWUTS)
+		done()
+		if err != nil {
+			return fmt.Errorf("join the sandbox's uts namespace: %w", err)
+		}
+		if err := unix.Sethostname([]byte(hostname)); err != nil {
+			return fmt.Errorf("sethostname: %w", err)
+		}
+		return nil
+	})
+	if err != nil && old >= 0 {
+		unix.Close(old)
+	}
+	return old, err
+}
