@@ -10,6 +10,8 @@
 // namespaced spawn) show what process creation alone costs here. The
 // "dsec-pool" row takes its sandboxes from a warm pool and hands them back
 // to be reset in place; it also reports what that deferred (pool figures).
+// The "dsec-rebase" row gives every cycle a spec of its own and rebases a
+// handed-back sandbox onto it (rt.Rebaser), as the edge does across specs.
 //
 // Each system runs in its own worker process (this binary re-executed with
 // -worker), so one system's heap, zombies or crash cannot skew or stop
@@ -20,7 +22,7 @@
 // Usage (as root):
 //
 //	go run ./bench/containerbench [-n 100] [-total 300] [-c 16,64] [-idle 1000] \
-//	    [-systems host-exec,ns-spawn,dsec,dsec-cold,dsec-pool,crun,runc,bwrap,docker-nonet,docker] [-json]
+//	    [-systems host-exec,ns-spawn,dsec,dsec-cold,dsec-pool,dsec-rebase,crun,runc,bwrap,docker-nonet,docker] [-json]
 package main
 
 import (
@@ -65,7 +67,7 @@ func main() {
 
 func mainErr() error {
 	var (
-		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,dsec-cold,dsec-pool,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
+		systems   = flag.String("systems", "host-exec,ns-spawn,dsec,dsec-cold,dsec-pool,dsec-rebase,crun,runc,bwrap,docker-nonet,docker", "comma-separated systems to measure, in order")
 		n         = flag.Int("n", 100, "sequential: timed create->true->destroy cycles")
 		warmup    = flag.Int("warmup", 10, "sequential: untimed cycles first")
 		total     = flag.Int("total", 300, "concurrent: cycles per concurrency level")

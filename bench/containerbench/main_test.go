@@ -317,3 +317,52 @@ func TestHarnessDSecPool(t *testing.T) {
 		}
 	}
 }
+
+// TestHarnessDSecRebase runs the dsec-rebase row end to end: with the pool
+// started full, every sequential cycle rebases a handed-back sandbox onto
+// a spec of its own and every hand-back is quiesced; with more in flight
+// than the pool holds, the extra takes create and the extra hand-backs are
+// destroyed; nothing is left behind.
+func TestHarnessDSecRebase(t *testing.T) {
+	testutil.RequireRoot(t)
+	bin := testutil.BuildBinary(t, "./bench/containerbench")
+	tmp := t.TempDir()
+	cgBefore := dsecbenchCgroups(t)
+	dsecBefore := dsecCgroups(t)
+
+	const n, warmup, total, size = 3, 1, 30, 4
+	cmd := exec.CommandContext(t.Context(), bin, "-systems", "dsec-rebase", "-pool-size", strconv.Itoa(size),
+		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(warmup), "-total", strconv.Itoa(total),
+		"-c", strconv.Itoa(size+4), "-phases", "seq,conc", "-json")
+	cmd.Dir = testutil.RepoRoot(t)
+	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("harness: %v\n%s", err, stderr.String())
+	}
+	var results []Result
+	if err := json.Unmarshal(out, &results); err != nil {
+		t.Fatalf("harness JSON: %v\n%s", err, out)
+	}
+	if len(results) != 1 || results[0].System != "dsec-rebase" || results[0].Err != "" {
+		t.Fatalf("results %+v, want one dsec-rebase row without error\n%s", results, stderr.String())
+	}
+	r := results[0]
+	if len(r.Pool) != 2 {
+		t.Fatalf("pool phases %+v, want seq and one concurrent", r.Pool)
+	}
+	if seq := r.Pool[0]; seq.Hits != n+warmup || seq.Misses != 0 || seq.Resets != n+warmup || seq.ResetFailures != 0 {
+		t.Errorf("sequential pool figures %+v: want %d rebases and as many quiesces", seq, n+warmup)
+	}
+	if c := r.Pool[1]; c.Hits+c.Misses != total || c.Hits == 0 || c.Misses == 0 || c.Resets+c.Destroyed != total || c.ResetFailures != 0 {
+		t.Errorf("concurrent pool figures %+v: want %d takes, some rebased and some created, each hand-back quiesced or destroyed", c, total)
+	}
+	assertNoLeaks(t, tmp, cgBefore)
+	for p := range dsecCgroups(t) {
+		if !dsecBefore[p] {
+			t.Errorf("harness left cgroup %s", p)
+		}
+	}
+}

@@ -80,6 +80,7 @@ var registry = []entry{
 	{name: "dsec", new: newDSec},
 	{name: "dsec-cold", new: newDSecCold},
 	{name: "dsec-pool", new: newDSecPool, noIdle: "an idle pooled sandbox is the dsec row's sandbox"},
+	{name: "dsec-rebase", new: newDSecRebase, noIdle: "an idle rebased sandbox is the dsec row's sandbox"},
 	{name: "crun", new: func() System { return newOCI("crun") }, peer: true, privateMounts: true, hideCgroup2: true},
 	{name: "runc", new: func() System { return newOCI("runc") }, peer: true, privateMounts: true},
 	{name: "bwrap", new: newBwrap, peer: true},
