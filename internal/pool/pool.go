@@ -179,8 +179,9 @@ type Stats struct {
 	// Resets succeeded and failed (a failed one is destroyed).
 	Resets, ResetFailures int64
 	// CreateFailures counts failed creates (on callers' paths too);
-	// Destroyed counts sandboxes destroyed by the pool.
-	CreateFailures, Destroyed int64
+	// Destroyed counts sandboxes destroyed by the pool, Detached those
+	// taken out of it for good (Detach).
+	CreateFailures, Destroyed, Detached int64
 }
 
 // Alive is every sandbox the pool accounts for, as Options.Max bounds it.
@@ -260,7 +261,7 @@ type Pool struct {
 	inUse, resetting, destroying int
 	creating, bgCreating         int
 
-	hits, misses, resets, resetFailures, createFailures, destroyed int64
+	hits, misses, resets, resetFailures, createFailures, destroyed, detached int64
 
 	failStreak   int
 	lastErr      error
@@ -586,6 +587,29 @@ func (p *Pool) Discard(sb rt.Sandbox) {
 	p.mu.Unlock()
 }
 
+// Detach takes a taken sandbox out of the pool for good without destroying
+// it: its place is freed and the caller owns it from then on (the edge
+// rebases a sandbox taken from a rebase pool onto another spec, after
+// which it is no pool's). A sandbox the pool does not hold in use is left
+// alone (logged).
+func (p *Pool) Detach(sb rt.Sandbox) {
+	if sb == nil {
+		return
+	}
+	id := sb.ID()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	e := p.entries[id]
+	if e == nil || e.state != stInUse {
+		p.log.Error("pool: Detach of a sandbox the pool does not hold in use; ignored", "sandbox", id)
+		return
+	}
+	p.inUse--
+	p.detached++
+	delete(p.entries, id)
+	p.cond.Broadcast() // room under Max: a waiter may get a create
+}
+
 // destroyNowLocked destroys e on the caller's goroutine (p.mu is released
 // meanwhile), counted in flight so that Close waits for it.
 func (p *Pool) destroyNowLocked(e *entry) {
@@ -628,6 +652,7 @@ func (p *Pool) Stats() Stats {
 		ResetFailures:  p.resetFailures,
 		CreateFailures: p.createFailures,
 		Destroyed:      p.destroyed,
+		Detached:       p.detached,
 	}
 }
 

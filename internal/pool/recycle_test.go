@@ -329,3 +329,37 @@ func TestRecyclePoolCustomReset(t *testing.T) {
 	p.Put(got)
 	waitStats(t, p, "a destroyed", func(s pool.Stats) bool { return s.Destroyed == 1 && s.Alive() == 0 })
 }
+
+// TestDetach: a detached sandbox leaves the pool's books (its place is
+// free, a Put of it is an adoption) and is not destroyed by the pool, not
+// even by Close; a Detach of a sandbox not in use is ignored.
+func TestDetach(t *testing.T) {
+	c, gate := newGatedCreator(t)
+	close(gate)
+	p, _ := startPool(t, c, pool.Options{Recycle: true, Size: 1})
+	a, err := c.New(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Put(a)
+	waitStats(t, p, "a ready", func(s pool.Stats) bool { return s.Ready == 1 })
+	p.Detach(a) // ready, not in use: ignored
+	if st := p.Stats(); st.Ready != 1 || st.Detached != 0 {
+		t.Fatalf("Detach of a ready sandbox changed the pool: %+v", st)
+	}
+	got, err := p.TakeWarm(t.Context())
+	if err != nil || got == nil {
+		t.Fatalf("TakeWarm: %v, %v", got, err)
+	}
+	p.Detach(got)
+	if st := p.Stats(); st.Alive() != 0 || st.Detached != 1 || st.Destroyed != 0 {
+		t.Fatalf("after Detach: %+v; want nothing alive, one detached, none destroyed", st)
+	}
+	if err := p.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if out := sh(t, got, "echo alive"); out != "alive\n" {
+		t.Fatalf("detached sandbox after Close: %q", out)
+	}
+	got.Destroy(t.Context())
+}
