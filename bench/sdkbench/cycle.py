@@ -5,7 +5,7 @@ DSec server. Prints complete cycles per second end to end.
 
     /usr/bin/python3 bench/sdkbench/cycle.py [--n 1000] [--concurrency 200] \\
         [--image busybox:latest] [--endpoint URL] [--token TOKEN] \\
-        [--pool SIZE [--compare]] [--one-call]
+        [--pool SIZE [--compare]] [--one-call] [--distinct]
 
 With --pool SIZE a warm pool of the same spec is created first (the SDK's
 create_pool) and filled before timing starts: each create then takes a
@@ -16,6 +16,14 @@ printed. The pool is deleted at the end. With --one-call each cycle is
 one request, the SDK's run: the node creates, runs and destroys back to
 back.
 
+With --distinct every cycle's spec (warm-up included) has its own env var
+TASK=<n>, so no two creates share a spec key: no warm pool or automatic
+pool (same-spec recycling) can serve them, as in an RL job whose every
+task has its own workspace image. Only recycling across specs (the edge's
+rebase pools) can spare such a create a new agent. When the endpoint
+serves /metrics (dsecd up does), the node's creates by source (fresh,
+rebased, recycled, pool) over the timed loop are printed too.
+
 Endpoint and token default as in the SDK ($DSEC_ENDPOINT / $DSEC_TOKEN /
 the admin token of /var/lib/dsec). Uses Debian's python3 with python3-httpx.
 """
@@ -25,6 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
+import itertools
+import re
 import statistics
 import sys
 import time
@@ -32,7 +43,38 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sdk" / "python"))
 
+import httpx  # noqa: E402
 from libdsec import BackendKind, DSecClient, DSecError, SandboxSpec  # noqa: E402
+
+
+def spec_source(spec: SandboxSpec, distinct: bool):
+    """Returns the function that gives each cycle its spec: spec itself, or
+    with --distinct spec with a TASK=<n> of its own."""
+    if not distinct:
+        return lambda: spec
+    n = itertools.count()
+    return lambda: dataclasses.replace(spec, env=[f"TASK={next(n)}"])
+
+
+async def creates_by_source(endpoint: str):
+    """The node's dsec_edge_sandbox_creates_total by source from the
+    endpoint's /metrics (summed over backends), or None when it
+    serves none (only a dsecd that runs the server and an edge in one
+    process, as `dsecd up`, has both there)."""
+    try:
+        async with httpx.AsyncClient(timeout=10) as h:
+            r = await h.get(endpoint.rstrip("/") + "/metrics")
+        if r.status_code != 200:
+            return None
+    except httpx.HTTPError:
+        return None
+    out = collections.Counter()
+    for line in r.text.splitlines():
+        m = re.match(r'dsec_edge_sandbox_creates_total\{(.*)\} (\S+)$', line)
+        if m:
+            src = re.search(r'source="([^"]*)"', m.group(1))
+            out[src.group(1) if src else "?"] += float(m.group(2))
+    return out if out else None
 
 
 async def cycle(client: DSecClient, spec: SandboxSpec, stats) -> None:
@@ -87,23 +129,13 @@ def new_stats():
     return {"errors": collections.Counter(), "create": [], "exec": [], "destroy": [], "cycle": []}
 
 
-async def run_loop(client: DSecClient, spec: SandboxSpec, args, label: str):
-    """Warm-up cycles, then args.n cycles with args.concurrency in flight.
-    Returns (complete cycles, seconds, stats)."""
-    warm = new_stats()
-    await asyncio.gather(*(cycle(client, spec, warm) for _ in range(args.warmup)))
-    if warm["errors"]:
-        print(f"[{label}] warm-up errors: {dict(warm['errors'])}")
-    return await timed_loop(client, spec, args)
-
-
-async def timed_loop(client: DSecClient, spec: SandboxSpec, args):
+async def timed_loop(client: DSecClient, specs, args):
     stats = new_stats()
     sem = asyncio.Semaphore(args.concurrency)
 
     async def bounded():
         async with sem:
-            await cycle(client, spec, stats)
+            await cycle(client, specs(), stats)
 
     start = time.perf_counter()
     await asyncio.gather(*(bounded() for _ in range(args.n)))
@@ -159,6 +191,7 @@ async def main() -> int:
     ap.add_argument("--compare", action="store_true", help="with --pool: run the loop without the pool first, then with it")
     ap.add_argument("--pool-timeout", type=float, default=600, help="seconds to wait for the pool to fill")
     ap.add_argument("--one-call", action="store_true", help="each cycle is one request, the SDK's run (create, exec, destroy on the node), instead of three")
+    ap.add_argument("--distinct", action="store_true", help="every cycle's spec has its own env var TASK=<n>: no two creates share a spec key")
     args = ap.parse_args()
     if args.one_call:
         global cycle
@@ -167,19 +200,35 @@ async def main() -> int:
         ap.error("--n and --concurrency must be >= 1, --warmup and --pool >= 0")
     if args.compare and not args.pool:
         ap.error("--compare needs --pool SIZE")
+    if args.distinct and args.pool:
+        ap.error("--distinct and --pool exclude each other: a pool serves one spec")
 
     # No resources by default: 200 in flight must fit the node's capacity
     # whatever its core count, and the benchmark measures the API path.
     resources = {k: v for k, v in (("cpu", args.cpu), ("mem_mb", args.mem_mb)) if v}
     spec = SandboxSpec(backend=BackendKind.CONTAINER, base_image=args.image, resources=resources)
+    specs = spec_source(spec, args.distinct)
     ok = True
     async with await DSecClient.create(endpoint=args.endpoint, token=args.token, max_connections=max(64, args.concurrency * 2)) as client:
-        print(f"endpoint {client.endpoint}  image {args.image}  n={args.n}  in flight={args.concurrency}  warm-up={args.warmup}")
+        print(
+            f"endpoint {client.endpoint}  image {args.image}  n={args.n}  in flight={args.concurrency}  warm-up={args.warmup}"
+            + ("  distinct specs" if args.distinct else "")
+        )
         rates = {}
         if not args.pool or args.compare:
-            done, elapsed, stats = await run_loop(client, spec, args, "no pool")
-            report("no pool", args, done, elapsed, stats)
-            rates["no pool"] = done / elapsed
+            label = "distinct specs" if args.distinct else "no pool"
+            warm = new_stats()
+            await asyncio.gather(*(cycle(client, specs(), warm) for _ in range(args.warmup)))
+            if warm["errors"]:
+                print(f"[{label}] warm-up errors: {dict(warm['errors'])}")
+            before = await creates_by_source(client.endpoint)
+            done, elapsed, stats = await timed_loop(client, specs, args)
+            after = await creates_by_source(client.endpoint)
+            report(label, args, done, elapsed, stats)
+            if before is not None and after is not None:
+                diff = {k: int(after[k] - before[k]) for k in sorted(after) if after[k] != before[k]}
+                print(f"  node creates by source over the timed loop: {diff}")
+            rates[label] = done / elapsed
             ok = ok and done == args.n
         if args.pool:
             label = f"pool {args.pool}"
@@ -188,13 +237,13 @@ async def main() -> int:
                 filled = await wait_full(client, pool.id, args.pool, args.pool_timeout)
                 print(f"[{label}] pool {pool.id} on node {pool.node}: {args.pool} ready in {filled:.2f}s")
                 warm = new_stats()
-                await asyncio.gather(*(cycle(client, spec, warm) for _ in range(args.warmup)))
+                await asyncio.gather(*(cycle(client, specs(), warm) for _ in range(args.warmup)))
                 if warm["errors"]:
                     print(f"[{label}] warm-up errors: {dict(warm['errors'])}")
                 # Timing starts from a full pool, as a pool made ahead of a job.
                 await wait_full(client, pool.id, args.pool, args.pool_timeout)
                 before = await pool_info(client, pool.id)
-                done, elapsed, stats = await timed_loop(client, spec, args)
+                done, elapsed, stats = await timed_loop(client, specs, args)
                 after = await pool_info(client, pool.id)
                 report(label, args, done, elapsed, stats)
                 rates[label] = done / elapsed

@@ -63,7 +63,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.fnWarm, "fn-warm", edge.DefaultFnWarm, "clean sandboxes each fncall pool (one per language image) keeps ready")
 	fl.IntVar(&f.fnMax, "fn-max", edge.DefaultFnMax, "most sandboxes of one fncall pool; calls beyond wait")
 	fl.IntVar(&f.fnQueue, "fn-queue", edge.DefaultFnQueue, "most fncall calls waiting for a sandbox; beyond, Unavailable with a retry-after hint")
-	fl.IntVar(&f.autoPool, "auto-pool", edge.DefaultAutoPool, "destroyed sandboxes a node may always keep, reset, per hot spec for its next creates (more when the spec had more alive at once lately, within capacity); 0 disables recycling")
+	fl.IntVar(&f.autoPool, "auto-pool", edge.DefaultAutoPool, "destroyed sandboxes a node may always keep, reset, per hot spec for its next creates (more when the spec had more alive at once lately, within capacity), and per tenant to rebase onto creates of other specs; 0 disables recycling")
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 

@@ -25,7 +25,8 @@ import (
 // create; only hot specs are recycled (created at least twice by the tenant
 // within autoPoolIdle): in an RL job whose every task has its own workspace
 // layer no two sandboxes share a spec, and holding each for reuse would only
-// cost a reset and memory.
+// cost a reset and memory. Those go to their tenant's rebase pool instead,
+// to serve creates of any spec (rebase.go).
 //
 // How many a pool keeps ready follows the spec's demand. A sandbox handed
 // back to a pool that already has its cap ready or being reset is torn

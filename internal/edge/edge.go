@@ -42,6 +42,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
@@ -113,8 +114,10 @@ type Config struct {
 	// AutoPool is the least number of destroyed sandboxes of one spec (per
 	// tenant) the node may keep, reset, for the next creates of that spec;
 	// above it the pool follows the spec's recent peak alive (see
-	// autopool.go). 0 turns recycling off. The CLI's default is
-	// DefaultAutoPool.
+	// autopool.go). It also bounds the destroyed sandboxes each tenant's
+	// rebase pool keeps, quiesced, for creates of other specs (see
+	// rebase.go). 0 turns both kinds of recycling off. The CLI's default
+	// is DefaultAutoPool.
 	AutoPool int
 }
 
@@ -156,6 +159,10 @@ type Edge struct {
 	// says which specs are hot (see autopool.go).
 	autoPools map[string]*warmPool
 	recent    map[string]recentCreate
+	// rebasePools keep destroyed sandboxes, quiesced, for the next
+	// creates of any spec by their tenant, by rebasePoolKey (see
+	// rebase.go).
+	rebasePools map[string]*pool.Pool
 
 	stop    context.CancelFunc
 	stopCtx context.Context
@@ -290,6 +297,7 @@ func New(cfg Config) (*Edge, error) {
 		fnPools:     map[string]*fnPool{},
 		autoPools:   map[string]*warmPool{},
 		recent:      map[string]recentCreate{},
+		rebasePools: map[string]*pool.Pool{},
 		ckLayers:    map[string]int{},
 		stop:        stop,
 		stopCtx:     stopCtx,

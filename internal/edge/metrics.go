@@ -25,7 +25,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"language", "status"}),
 		creates: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dsec_edge_sandbox_creates_total",
-			Help: "Sandboxes created on this node, by backend and source: fresh (built by the backend), pool (taken from a warm pool), recycled (a destroyed sandbox of the same spec, reset, from an automatic pool).",
+			Help: "Sandboxes created on this node, by backend and source: fresh (built by the backend), pool (taken from a warm pool), recycled (a destroyed sandbox of the same spec, reset, from an automatic pool), rebased (a destroyed sandbox of another spec of the tenant, rebased onto this one).",
 		}, []string{"backend", "source"}),
 		destroys: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dsec_edge_sandbox_destroys_total",

@@ -274,11 +274,16 @@ func (e *Edge) closePools(ctx context.Context) {
 	e.mu.Lock()
 	pools := slices.Collect(maps.Values(e.pools))
 	pools = slices.AppendSeq(pools, maps.Values(e.autoPools))
+	rebase := slices.Collect(maps.Values(e.rebasePools))
 	clear(e.pools)
 	clear(e.autoPools)
+	clear(e.rebasePools)
 	e.mu.Unlock()
 	for _, wp := range pools {
 		wp.p.Close(ctx)
+	}
+	for _, p := range rebase {
+		p.Close(ctx)
 	}
 }
 

@@ -145,6 +145,7 @@ func (e *Edge) reapLoop(ctx context.Context) {
 		expired, lost, forgotten, next := e.collect(now, sweep)
 		if sweep {
 			e.sweepAutoPools(ctx)
+			e.sweepRebasePools(ctx)
 		}
 		e.reap(ctx, expired, lost)
 		for _, id := range forgotten {

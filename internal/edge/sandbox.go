@@ -20,6 +20,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
@@ -300,11 +301,18 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		return nil, err
 	}
 	sb.rspec = rspec
+	source := createSource(wp)
 	if rs != nil {
 		// The sandbox keeps its pool's runtime ID: rollback re-creates
 		// under it.
 		sb.rspec.ID = rs.ID()
 		sb.pool = wp
+	} else if rs = e.takeRebased(ctx, sb); rs != nil {
+		// A sandbox of another spec rebased onto this one: it keeps its
+		// runtime ID, as a recycled one does, and belongs to no pool.
+		// Its hostname is this sandbox's ID, kept for a rollback.
+		sb.rspec.ID, sb.rspec.Hostname = rs.ID(), hostnameOf(id)
+		source = sourceRebased
 	} else {
 		rs, err = e.cfg.Backends[kind].Create(ctx, sb.rspec)
 	}
@@ -350,9 +358,13 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	e.schedule(sb)
 	out := e.toProto(sb)
 	e.mu.Unlock()
-	e.metrics.creates.WithLabelValues(spec.Backend, createSource(sb.pool)).Inc()
+	e.metrics.creates.WithLabelValues(spec.Backend, source).Inc()
 	return out, nil
 }
+
+// sourceRebased is the creates metric's source label of a sandbox rebased
+// from another spec (see rebase.go).
+const sourceRebased = "rebased"
 
 // createSource is the creates metric's source label of a sandbox taken
 // from wp (nil: built by the backend).
@@ -669,16 +681,26 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	sb.destroying = done
 	rs, wp, frozen, closing := sb.rt, sb.pool, sb.frozen, e.closed
 	e.mu.Unlock()
+	var rebase *pool.Pool
 	if wp == nil && !frozen && !closing {
 		wp = e.autoPoolFor(sb, rs) // recycled rather than torn down
+		if wp == nil {
+			// Kept for the tenant's next create of another spec.
+			rebase = e.rebasePoolFor(sb, rs)
+		}
 	}
 
 	var err error
-	if wp != nil && !frozen && !closing {
+	switch {
+	case wp != nil && !frozen && !closing:
 		// Back to its warm pool: reset in place in the background, then
 		// ready for the next create (or destroyed if the pool is full).
 		wp.p.Put(rs)
-	} else {
+	case rebase != nil:
+		// Quiesced in the background, then ready to be rebased (or
+		// destroyed if the pool is full).
+		rebase.Put(rs)
+	default:
 		err = dropRuntime(context.WithoutCancel(ctx), wp, rs)
 	}
 	// Counted before the state turns destroyed, so whoever sees the state

@@ -1,0 +1,31 @@
+package edge
+
+import (
+	"slices"
+	"strings"
+
+	"github.com/dsec-dev/dsec/internal/pool"
+)
+
+// RebasePoolStats returns the counters of tenant's rebase pools (one per
+// user-namespace mode), sorted by key.
+func (e *Edge) RebasePoolStats(tenant string) []pool.Stats {
+	e.mu.Lock()
+	var keys []string
+	for k := range e.rebasePools {
+		if strings.HasPrefix(k, tenant+"/") {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	pools := make([]*pool.Pool, len(keys))
+	for i, k := range keys {
+		pools[i] = e.rebasePools[k]
+	}
+	e.mu.Unlock()
+	out := make([]pool.Stats, len(pools))
+	for i, p := range pools {
+		out[i] = p.Stats()
+	}
+	return out
+}
