@@ -48,6 +48,9 @@ type cluster struct {
 	beats   chan struct{}
 	edges   map[string]*testEdge
 	clients clients
+	// autoPool is the edges' Config.AutoPool (0: no recycling), for the
+	// edges added after it is set.
+	autoPool int
 }
 
 type testEdge struct {
@@ -150,6 +153,7 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, oc placement.O
 		Servers:           []string{c.url},
 		ClusterToken:      clusterToken,
 		HeartbeatInterval: 50 * time.Millisecond,
+		AutoPool:          c.autoPool,
 		Registry:          prometheus.NewRegistry(),
 		Logger:            slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})

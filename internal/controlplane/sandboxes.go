@@ -14,6 +14,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/edge"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
@@ -167,12 +168,22 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 	req.Exclude = exclude
 	if len(exclude) == 0 {
 		// A node with a ready sandbox of a matching warm pool serves the
-		// create in the time of a take: try those nodes first.
-		if warm := s.reg.warmNodes(prep.key, p.Tenant); len(warm) > 0 {
+		// create in the time of a take, and one with a ready sandbox of
+		// the tenant's rebase pool (edge.RebaseKey: any container spec)
+		// in the time of a reset: try those nodes first, in that order.
+		keys := []string{prep.key}
+		if prep.user.Backend == string(runtime.KindContainer) {
+			keys = append(keys, edge.RebaseKey(false))
+		}
+		for _, key := range keys {
+			warm := s.reg.warmNodes(key, p.Tenant)
+			if len(warm) == 0 {
+				continue
+			}
 			req.Exclude = s.reg.nodesExcept(warm)
 			out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
 			if err == nil && out[0].err == nil {
-				s.reg.tookWarm(out[0].node, prep.key)
+				s.reg.tookWarm(out[0].node, key)
 				return out[0], nil
 			}
 			req.Exclude = nil

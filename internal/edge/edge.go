@@ -42,7 +42,6 @@ import (
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
-	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
@@ -162,7 +161,10 @@ type Edge struct {
 	// rebasePools keep destroyed sandboxes, quiesced, for the next
 	// creates of any spec by their tenant, by rebasePoolKey (see
 	// rebase.go).
-	rebasePools map[string]*pool.Pool
+	rebasePools map[string]*rebasePool
+	// tenantContainers counts each tenant's container sandboxes charged
+	// to the node (a rebase pool's demand).
+	tenantContainers map[string]int
 
 	stop    context.CancelFunc
 	stopCtx context.Context
@@ -297,10 +299,12 @@ func New(cfg Config) (*Edge, error) {
 		fnPools:     map[string]*fnPool{},
 		autoPools:   map[string]*warmPool{},
 		recent:      map[string]recentCreate{},
-		rebasePools: map[string]*pool.Pool{},
-		ckLayers:    map[string]int{},
-		stop:        stop,
-		stopCtx:     stopCtx,
+		rebasePools: map[string]*rebasePool{},
+
+		tenantContainers: map[string]int{},
+		ckLayers:         map[string]int{},
+		stop:             stop,
+		stopCtx:          stopCtx,
 	}
 	if !cfg.NoTrajectory {
 		if err := e.openTrajectory(); err != nil {

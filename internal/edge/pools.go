@@ -282,8 +282,8 @@ func (e *Edge) closePools(ctx context.Context) {
 	for _, wp := range pools {
 		wp.p.Close(ctx)
 	}
-	for _, p := range rebase {
-		p.Close(ctx)
+	for _, rp := range rebase {
+		rp.p.Close(ctx)
 	}
 }
 
@@ -302,7 +302,7 @@ func (e *Edge) poolSummaries(held map[string]int) []*dsecv1.PoolSummary {
 			held[l]++
 		}
 	}
-	return out
+	return append(out, e.rebaseSummaries()...)
 }
 
 func (s *service) CreatePoolOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeCreatePoolRequest]) (*connect.Response[dsecv1.CreatePoolResponse], error) {

@@ -3,7 +3,11 @@ package edge
 import (
 	"context"
 	"errors"
+	"maps"
+	"slices"
 	"strconv"
+
+	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -25,13 +29,20 @@ import (
 //
 // A rebase pool never creates and never waits: a create finds a quiesced
 // sandbox ready or creates fresh (waiting for a quiesce in flight would
-// hold the create for a sandbox a fresh create does not need). It keeps up
-// to Config.AutoPool ready, fewer when half the node's available memory
-// would not hold that many idle sandboxes, empties after autoPoolIdle
-// without a create by the tenant, and is dropped once empty. Ready
-// sandboxes are not charged to the node's capacity, as automatic pools'
-// are not, and are not in heartbeats (they match no spec key; servers have
-// no use for them yet). Sandboxes never cross tenants, nor user-namespace
+// hold the create for a sandbox a fresh create does not need). How many it
+// keeps ready follows the tenant's demand as the automatic pools' caps do,
+// more simply: at least Config.AutoPool, and grown to the most container
+// sandboxes the tenant has had on the node at once, so that what an RL
+// job's 200 rollouts in flight hand back is kept for the next 200 creates
+// (a fixed cap of 64 tore down a third of it); never beyond what the
+// node's capacity leaves beside other tenants' sandboxes, and grown only
+// while half the node's available memory would hold that many idle
+// sandboxes (growable). It empties after autoPoolIdle without a create by
+// the tenant and is dropped once empty (the next one starts at the
+// floor). Ready sandboxes are not charged to the node's capacity, as
+// automatic pools' are not; they are in heartbeats under RebaseKey, so
+// that servers send the tenant's creates of any container spec to a node
+// that can rebase one. Sandboxes never cross tenants, nor user-namespace
 // modes (a Rebase cannot change that mode). A rebased sandbox keeps the
 // runtime ID of the sandbox it was created as (rollback re-creates under
 // it, as for recycled ones), but its hostname is its own sandbox ID, kept
@@ -45,7 +56,22 @@ const rebasePoolPrefix = "rebase-"
 // rebasePoolKey keys the rebase pools: one per tenant and user-namespace
 // mode.
 func rebasePoolKey(tenant string, userNS bool) string {
-	return tenant + "/userns=" + strconv.FormatBool(userNS)
+	return tenant + "/" + RebaseKey(userNS)
+}
+
+// RebaseKey is the pool key under which heartbeats report a tenant's
+// rebase pool: a ready sandbox there serves a create of any container spec
+// of the tenant with that user-namespace mode. Spec keys (PoolKey) are
+// hex digests, so they never take this form.
+func RebaseKey(userNS bool) string {
+	return "rebase/userns=" + strconv.FormatBool(userNS)
+}
+
+// rebasePool is a tenant's rebase pool.
+type rebasePool struct {
+	p      *pool.Pool
+	tenant string
+	userNS bool
 }
 
 // quiesce is the rebase pools' reset (pool.Options.Reset): a parked
@@ -54,21 +80,11 @@ func quiesce(ctx context.Context, s runtime.Sandbox) error {
 	return s.(runtime.Rebaser).Quiesce(ctx)
 }
 
-// rebasePoolSize is how many quiesced sandboxes a rebase pool may keep
-// ready: Config.AutoPool, fewer when half the node's available memory would
-// not hold that many idle sandboxes (readyFootprint each).
-func rebasePoolSize(autoPool int) int {
-	avail, err := memAvailable()
-	if err != nil {
-		return autoPool
-	}
-	return max(min(autoPool, int(avail/2/readyFootprint)), 0)
-}
-
 // rebasePoolFor returns sb's tenant's rebase pool, creating it, or nil when
 // sb cannot be rebased later: recycling is off, the node is closing, sb is
 // not recyclable (see recyclable) or its runtime cannot rebase. The caller
-// has found no automatic or explicit pool for sb.
+// has found no automatic or explicit pool for sb, which is still charged
+// to the node. The pool's cap grows to the tenant's demand (see above).
 func (e *Edge) rebasePoolFor(sb *sandbox, rs runtime.Sandbox) *pool.Pool {
 	if e.cfg.AutoPool <= 0 || !recyclable(sb, rs) {
 		return nil
@@ -78,21 +94,41 @@ func (e *Edge) rebasePoolFor(sb *sandbox, rs runtime.Sandbox) *pool.Pool {
 	}
 	key := rebasePoolKey(sb.tenant, sb.rspec.UserNamespace)
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	if e.closed {
+		e.mu.Unlock()
 		return nil
 	}
-	if p := e.rebasePools[key]; p != nil {
-		return p
+	rp := e.rebasePools[key]
+	size := 0
+	if rp != nil {
+		size = rp.p.Stats().Size
 	}
-	// Memory is read under e.mu here, but only once per pool.
-	p := pool.New(pool.Options{
-		Recycle: true, Size: rebasePoolSize(e.cfg.AutoPool), IdleShrink: autoPoolIdle,
-		Reset:  quiesce,
-		Logger: e.log.With("pool", rebasePoolPrefix+key, "tenant", sb.tenant),
-	})
-	e.rebasePools[key] = p
-	return p
+	// The tenant's container sandboxes here, sb included, and the room
+	// the other tenants' leave.
+	mine := e.tenantContainers[sb.tenant]
+	others := max(e.used[runtime.KindContainer].Sandboxes-int64(mine), 0)
+	room := e.cfg.Capacity[runtime.KindContainer].Sandboxes - others
+	want := max(int(min(int64(mine), room)), e.cfg.AutoPool)
+	if rp == nil {
+		rp = &rebasePool{tenant: sb.tenant, userNS: sb.rspec.UserNamespace}
+		rp.p = pool.New(pool.Options{
+			Recycle: true, Size: growable(want, 0, e.cfg.AutoPool), IdleShrink: autoPoolIdle,
+			Reset:  quiesce,
+			Logger: e.log.With("pool", rebasePoolPrefix+key, "tenant", sb.tenant),
+		})
+		e.rebasePools[key] = rp
+		e.mu.Unlock()
+		return rp.p
+	}
+	e.mu.Unlock()
+	// Outside e.mu (growable may read /proc/meminfo): a concurrent destroy
+	// may resize to an older cap meanwhile; the next one sets it right.
+	if want > size {
+		if n := growable(want, size, e.cfg.AutoPool); n > size {
+			rp.p.Resize(n)
+		}
+	}
+	return rp.p
 }
 
 // takeRebased takes a quiesced sandbox of sb's tenant's rebase pool, if
@@ -105,11 +141,12 @@ func (e *Edge) takeRebased(ctx context.Context, sb *sandbox) runtime.Sandbox {
 		return nil
 	}
 	e.mu.Lock()
-	p := e.rebasePools[rebasePoolKey(sb.tenant, sb.rspec.UserNamespace)]
+	rp := e.rebasePools[rebasePoolKey(sb.tenant, sb.rspec.UserNamespace)]
 	e.mu.Unlock()
-	if p == nil {
+	if rp == nil {
 		return nil
 	}
+	p := rp.p
 	rs := p.TryTake()
 	if rs == nil {
 		return nil
@@ -152,14 +189,29 @@ func hostnameOf(id string) string {
 func (e *Edge) sweepRebasePools(ctx context.Context) {
 	var idle []*pool.Pool
 	e.mu.Lock()
-	for key, p := range e.rebasePools {
-		if st := p.Stats(); st.Alive() == 0 && st.Target < st.Size {
+	for key, rp := range e.rebasePools {
+		if st := rp.p.Stats(); st.Alive() == 0 && st.Target < st.Size {
 			delete(e.rebasePools, key)
-			idle = append(idle, p)
+			idle = append(idle, rp.p)
 		}
 	}
 	e.mu.Unlock()
 	for _, p := range idle {
 		p.Close(ctx) // a Put racing this destroys its sandbox: safe
 	}
+}
+
+// rebaseSummaries describes the rebase pools for heartbeats.
+func (e *Edge) rebaseSummaries() []*dsecv1.PoolSummary {
+	e.mu.Lock()
+	pools := slices.Collect(maps.Values(e.rebasePools))
+	e.mu.Unlock()
+	out := make([]*dsecv1.PoolSummary, 0, len(pools))
+	for _, rp := range pools {
+		st := rp.p.Stats()
+		key := RebaseKey(rp.userNS)
+		out = append(out, &dsecv1.PoolSummary{Id: rebasePoolPrefix + rp.tenant + "/" + key, Tenant: rp.tenant,
+			Key: key, Ready: int32(st.Ready), Size: int32(st.Size)})
+	}
+	return out
 }

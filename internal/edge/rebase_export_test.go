@@ -20,7 +20,7 @@ func (e *Edge) RebasePoolStats(tenant string) []pool.Stats {
 	slices.Sort(keys)
 	pools := make([]*pool.Pool, len(keys))
 	for i, k := range keys {
-		pools[i] = e.rebasePools[k]
+		pools[i] = e.rebasePools[k].p
 	}
 	e.mu.Unlock()
 	out := make([]pool.Stats, len(pools))

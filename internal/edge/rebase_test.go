@@ -366,3 +366,31 @@ func memoryLimit(t *testing.T, pid int) string {
 	t.Fatalf("no memory cgroup for %d in %s", pid, b)
 	return ""
 }
+
+// TestRebasePoolFollowsDemand: a rebase pool's cap grows past
+// Config.AutoPool to the most container sandboxes its tenant has had on
+// the node at once, so that what a burst hands back is kept for the next
+// burst rather than torn down; it stops at what the node's capacity holds.
+func TestRebasePoolFollowsDemand(t *testing.T) {
+	w := newWorld(t)
+	n := w.startNode(t, "rb5", func(c *edge.Config) { c.AutoPool = 2 })
+	var ids []string
+	for i := range 5 {
+		sb := n.mustCreate(t, tenant("a"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=" + strconv.Itoa(i)}})
+		ids = append(ids, sb.Id)
+	}
+	for _, id := range ids {
+		if err := n.destroy(t, tenant("a"), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitRebaseReady(t, n, "a", 5)
+	if st := onlyRebasePool(t, n, "a"); st.Size != 5 || st.Destroyed != 0 {
+		t.Fatalf("rebase pool after 5 sandboxes came back with AutoPool 2: %+v; want a cap of 5, none torn down", st)
+	}
+	wantCreates(t, n, 5, 0)
+	for i := range 5 {
+		n.mustCreate(t, tenant("a"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=x" + strconv.Itoa(i)}})
+	}
+	wantCreates(t, n, 5, 5)
+}

@@ -432,6 +432,9 @@ func (e *Edge) charge(sb *sandbox) {
 	for _, d := range sb.layers {
 		e.layers[d]++
 	}
+	if sb.kind == runtime.KindContainer {
+		e.tenantContainers[sb.tenant]++
+	}
 	sb.charged = true
 }
 
@@ -448,6 +451,11 @@ func (e *Edge) uncharge(sb *sandbox) {
 	for _, d := range sb.layers {
 		if e.layers[d]--; e.layers[d] <= 0 {
 			delete(e.layers, d)
+		}
+	}
+	if sb.kind == runtime.KindContainer {
+		if e.tenantContainers[sb.tenant]--; e.tenantContainers[sb.tenant] <= 0 {
+			delete(e.tenantContainers, sb.tenant)
 		}
 	}
 }
