@@ -130,19 +130,8 @@ func TestHarnessEndToEnd(t *testing.T) {
 	tmp := t.TempDir()
 	cgBefore := dsecbenchCgroups(t)
 
-	cmd := exec.CommandContext(t.Context(), bin, "-systems", strings.Join(systems, ","),
-		"-n", "3", "-warmup", "1", "-total", "6", "-c", "2,3", "-idle", "3", "-peer-idle", "3", "-json")
-	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("harness: %v\n%s", err, stderr.String())
-	}
-	var results []Result
-	if err := json.Unmarshal(out, &results); err != nil {
-		t.Fatalf("harness JSON: %v\n%s", err, out)
-	}
+	results, _ := runHarness(t, bin, tmp, "", "-systems", strings.Join(systems, ","),
+		"-n", "3", "-warmup", "1", "-total", "6", "-c", "2,3", "-idle", "3", "-peer-idle", "3")
 	if len(results) != len(systems) {
 		t.Fatalf("got %d results for %d systems", len(results), len(systems))
 	}
@@ -264,27 +253,16 @@ func TestHarnessDSecPool(t *testing.T) {
 
 	const n, warmup, total = 3, 1, 40
 	c2 := defaultPoolSize + 4 // more in flight than the pool keeps ready
-	cmd := exec.CommandContext(t.Context(), bin, "-systems", "dsec-pool",
+	// From the repository root: the row builds ./cmd/dsec-agent.
+	results, stderr := runHarness(t, bin, tmp, testutil.RepoRoot(t), "-systems", "dsec-pool",
 		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(warmup), "-total", strconv.Itoa(total),
-		"-c", "2,"+strconv.Itoa(c2), "-json")
-	cmd.Dir = testutil.RepoRoot(t) // the row builds ./cmd/dsec-agent
-	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("harness: %v\n%s", err, stderr.String())
-	}
-	var results []Result
-	if err := json.Unmarshal(out, &results); err != nil {
-		t.Fatalf("harness JSON: %v\n%s", err, out)
-	}
+		"-c", "2,"+strconv.Itoa(c2))
 	if len(results) != 1 || results[0].System != "dsec-pool" {
 		t.Fatalf("results %+v, want one dsec-pool row", results)
 	}
 	r := results[0]
 	if r.Err != "" {
-		t.Fatalf("dsec-pool: %s\n%s", r.Err, stderr.String())
+		t.Fatalf("dsec-pool: %s\n%s", r.Err, stderr)
 	}
 	if r.Seq == nil || r.Seq.N != n || r.Seq.MedianMs <= 0 || len(r.Conc) != 2 || r.Conc[1].Total != total {
 		t.Errorf("bad cycle figures: seq %+v conc %+v", r.Seq, r.Conc)
@@ -331,23 +309,11 @@ func TestHarnessDSecRebase(t *testing.T) {
 	dsecBefore := dsecCgroups(t)
 
 	const n, warmup, total, size = 3, 1, 30, 4
-	cmd := exec.CommandContext(t.Context(), bin, "-systems", "dsec-rebase", "-pool-size", strconv.Itoa(size),
+	results, stderr := runHarness(t, bin, tmp, testutil.RepoRoot(t), "-systems", "dsec-rebase", "-pool-size", strconv.Itoa(size),
 		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(warmup), "-total", strconv.Itoa(total),
-		"-c", strconv.Itoa(size+4), "-phases", "seq,conc", "-json")
-	cmd.Dir = testutil.RepoRoot(t)
-	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("harness: %v\n%s", err, stderr.String())
-	}
-	var results []Result
-	if err := json.Unmarshal(out, &results); err != nil {
-		t.Fatalf("harness JSON: %v\n%s", err, out)
-	}
+		"-c", strconv.Itoa(size+4), "-phases", "seq,conc")
 	if len(results) != 1 || results[0].System != "dsec-rebase" || results[0].Err != "" {
-		t.Fatalf("results %+v, want one dsec-rebase row without error\n%s", results, stderr.String())
+		t.Fatalf("results %+v, want one dsec-rebase row without error\n%s", results, stderr)
 	}
 	r := results[0]
 	if len(r.Pool) != 2 {
@@ -365,4 +331,25 @@ func TestHarnessDSecRebase(t *testing.T) {
 			t.Errorf("harness left cgroup %s", p)
 		}
 	}
+}
+
+// runHarness runs the harness binary with args and -json, with TMPDIR tmp
+// and in dir (the test's directory when empty), and returns its results
+// and its log.
+func runHarness(t *testing.T, bin, tmp, dir string, args ...string) ([]Result, string) {
+	t.Helper()
+	cmd := exec.CommandContext(t.Context(), bin, append(args, "-json")...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("harness: %v\n%s", err, stderr.String())
+	}
+	var results []Result
+	if err := json.Unmarshal(out, &results); err != nil {
+		t.Fatalf("harness JSON: %v\n%s", err, out)
+	}
+	return results, stderr.String()
 }

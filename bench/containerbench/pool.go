@@ -88,13 +88,18 @@ func (d *dsecPool) Cycle(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	return runTrueAndPut(ctx, d.pool, sb)
+}
+
+// runTrueAndPut runs /bin/true in sb and hands sb to p.
+func runTrueAndPut(ctx context.Context, p *pool.Pool, sb rt.Sandbox) error {
 	res, err := sb.Exec(ctx, rt.ExecRequest{Argv: []string{"/bin/true"}}, nil)
 	if err != nil {
 		// A failed exec may have left it broken: never reuse it.
-		d.pool.Discard(sb)
+		p.Discard(sb)
 		return err
 	}
-	d.pool.Put(sb)
+	p.Put(sb)
 	if res.ExitCode != 0 {
 		return fmt.Errorf("/bin/true exited %d", res.ExitCode)
 	}
@@ -109,12 +114,16 @@ func (d *dsecPool) StartIdle(context.Context, int) (func(context.Context) error,
 
 // Settle waits until the pool has no reset, create or destroy in flight and
 // its ready target is met: the work the last cycles deferred is done.
-func (d *dsecPool) Settle(ctx context.Context) error {
+func (d *dsecPool) Settle(ctx context.Context) error { return settlePool(ctx, d.pool, true) }
+
+// settlePool waits until p has no reset, create or destroy in flight and
+// nothing in use, and, if full, its ready target is met.
+func settlePool(ctx context.Context, p *pool.Pool, full bool) error {
 	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
 	defer cancel()
 	for {
-		st := d.pool.Stats()
-		if st.Resetting == 0 && st.Creating == 0 && st.Destroying == 0 && st.InUse == 0 && st.Ready >= st.Target {
+		st := p.Stats()
+		if st.Resetting == 0 && st.Creating == 0 && st.Destroying == 0 && st.InUse == 0 && (!full || st.Ready >= st.Target) {
 			return nil
 		}
 		select {

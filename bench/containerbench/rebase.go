@@ -17,7 +17,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,17 +24,16 @@ import (
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 )
 
+// dsecRebase is dsecPool with another pool: its Reset is Quiesce (timed
+// into resets), its takes never create, and hits and misses are counted
+// here.
 type dsecRebase struct {
-	dsecSystem
-	pool         *pool.Pool
+	dsecPool
 	hits, misses atomic.Int64
-
-	mu       sync.Mutex
-	quiesces []time.Duration // every successful Quiesce's wall time, in order
 }
 
 func newDSecRebase() System {
-	return &dsecRebase{dsecSystem: dsecSystem{name: "dsec-rebase", warm: edgeWarm}}
+	return &dsecRebase{dsecPool: dsecPool{dsecSystem: dsecSystem{name: "dsec-rebase", warm: edgeWarm}}}
 }
 
 func (d *dsecRebase) Setup(ctx context.Context, env Env) error {
@@ -57,7 +55,7 @@ func (d *dsecRebase) Setup(ctx context.Context, env Env) error {
 			err := q.Quiesce(ctx)
 			if err == nil {
 				d.mu.Lock()
-				d.quiesces = append(d.quiesces, time.Since(start))
+				d.resets = append(d.resets, time.Since(start))
 				d.mu.Unlock()
 			}
 			return err
@@ -97,16 +95,7 @@ func (d *dsecRebase) Cycle(ctx context.Context) error {
 			return err
 		}
 	}
-	res, err := sb.Exec(ctx, rt.ExecRequest{Argv: []string{"/bin/true"}}, nil)
-	if err != nil {
-		d.pool.Discard(sb)
-		return err
-	}
-	d.pool.Put(sb) // a fresh one is adopted (or destroyed when the pool is full)
-	if res.ExitCode != 0 {
-		return fmt.Errorf("/bin/true exited %d", res.ExitCode)
-	}
-	return nil
+	return runTrueAndPut(ctx, d.pool, sb) // a fresh one is adopted (or destroyed when the pool is full)
 }
 
 // StartIdle is not used: the harness skips the idle phase for this row
@@ -117,21 +106,7 @@ func (d *dsecRebase) StartIdle(context.Context, int) (func(context.Context) erro
 
 // Settle waits until nothing handed back is still being quiesced or
 // destroyed. A recycling pool never creates, so "full" is not waited for.
-func (d *dsecRebase) Settle(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
-	defer cancel()
-	for {
-		st := d.pool.Stats()
-		if st.Resetting == 0 && st.Destroying == 0 && st.InUse == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("pool did not settle (%+v): %w", st, ctx.Err())
-		case <-time.After(2 * time.Millisecond):
-		}
-	}
-}
+func (d *dsecRebase) Settle(ctx context.Context) error { return settlePool(ctx, d.pool, false) }
 
 // PoolCounters: Hits are cycles that rebased a handed-back sandbox, Misses
 // cycles that created one; Resets are the pool's quiesces.
@@ -141,17 +116,6 @@ func (d *dsecRebase) PoolCounters() PoolCounters {
 	defer d.mu.Unlock()
 	return PoolCounters{
 		Hits: d.hits.Load(), Misses: d.misses.Load(), Resets: st.Resets, ResetFailures: st.ResetFailures,
-		Destroyed: st.Destroyed, ResetTimes: append([]time.Duration(nil), d.quiesces...),
+		Destroyed: st.Destroyed, ResetTimes: append([]time.Duration(nil), d.resets...),
 	}
-}
-
-func (d *dsecRebase) Teardown(ctx context.Context) error {
-	var errs []error
-	if d.pool != nil {
-		if err := d.pool.Close(ctx); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	errs = append(errs, d.dsecSystem.Teardown(ctx))
-	return errors.Join(errs...)
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
 // TestRebase: with Config.AutoPool, a destroyed sandbox of a spec nobody
@@ -63,7 +64,7 @@ func TestRebase(t *testing.T) {
 	if out != "from b\n0\nb\n" {
 		t.Fatalf("rebased sandbox of spec B, want B's files and env and nothing of A's:\n%s", out)
 	}
-	if got := memoryLimit(t, agent); got != strconv.Itoa(96<<20) {
+	if got := testutil.MemoryLimit(t, agent); got != strconv.Itoa(96<<20) {
 		t.Fatalf("rebased sandbox's memory limit is %s, want spec B's %d", got, 96<<20)
 	}
 	if got, err := n.get(t, tenant("a"), b.Id); err != nil || got.State != edge.StateRunning || len(got.Layers) != 2 {
@@ -98,7 +99,7 @@ func TestRebase(t *testing.T) {
 	if want := c.Id[:min(len(c.Id), 63)] + "\n0\nc\n"; out != want {
 		t.Fatalf("sandbox rebased onto spec C: got\n%s\nwant\n%s", out, want)
 	}
-	if got := memoryLimit(t, agent); got == strconv.Itoa(96<<20) {
+	if got := testutil.MemoryLimit(t, agent); got == strconv.Itoa(96<<20) {
 		t.Fatalf("spec C sets no memory limit, but the rebased sandbox keeps spec B's %s", got)
 	}
 	// A rollback re-creates the sandbox under its runtime ID (A's) but
@@ -333,38 +334,6 @@ func waitRebaseReady(t *testing.T, n *node, tenant string, ready int) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-}
-
-// memoryLimit is the memory limit of the sandbox cgroup that holds pid, as
-// the host sees it (v1 memory.limit_in_bytes or v2 memory.max).
-func memoryLimit(t *testing.T, pid int) string {
-	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		f := strings.SplitN(line, ":", 3)
-		switch {
-		case len(f) == 3 && f[0] == "0" && f[1] == "":
-			if _, err := os.Stat("/sys/fs/cgroup/memory"); err == nil {
-				continue // hybrid: the memory controller is on v1
-			}
-			v, err := os.ReadFile(filepath.Join("/sys/fs/cgroup", f[2], "memory.max"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return strings.TrimSpace(string(v))
-		case len(f) == 3 && strings.Contains(","+f[1]+",", ",memory,"):
-			v, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", f[2], "memory.limit_in_bytes"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return strings.TrimSpace(string(v))
-		}
-	}
-	t.Fatalf("no memory cgroup for %d in %s", pid, b)
-	return ""
 }
 
 // TestRebasePoolFollowsDemand: a rebase pool's cap grows past

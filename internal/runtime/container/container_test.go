@@ -89,6 +89,18 @@ func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
 
 func (e *env) spec(t *testing.T) rt.Spec { return e.newSpec() }
 
+// create creates a sandbox of a new spec, destroyed when the test ends.
+func (e *env) create(t *testing.T) rt.Sandbox {
+	t.Helper()
+	ctx := context.Background()
+	sb, err := e.backend.Create(ctx, e.spec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sb.Destroy(ctx) })
+	return sb
+}
+
 // newSpec is spec for benchmarks too.
 func (e *env) newSpec() rt.Spec {
 	return rt.Spec{
@@ -174,11 +186,7 @@ func TestWarmPoolCleanup(t *testing.T) {
 func TestSecurityProfile(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	want := fmt.Sprintf("%016x", uint64(caps.DockerDefault()))
 	for _, user := range []string{"", "65534"} {
 		res, err := sb.Exec(ctx, rt.ExecRequest{Argv: []string{"cat", "/proc/self/status"}, User: user}, nil)

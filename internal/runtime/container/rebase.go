@@ -113,7 +113,7 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	s.next = nil
 	s.fsMu.Unlock()
 	if stale != nil {
-		s.releaseRoot(stale.fd, stale.upper, stale.work)
+		s.releaseRoot(stale.fd, stale.upper, stale.work, nil)
 	}
 	root, err := s.newRoot()
 	if err != nil {
@@ -142,7 +142,7 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 			s.b.log.Warn("rebase: release old layer", "sandbox", s.id, "layer", l.Digest, "err", err)
 		}
 	}
-	s.releaseRoot(oldRoot, oldUpper, oldWork)
+	s.releaseRoot(oldRoot, oldUpper, oldWork, nil)
 	if err := s.Update(ctx, spec.Resources); err != nil {
 		return fmt.Errorf("rebase: %w", err)
 	}
@@ -151,9 +151,12 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	return nil
 }
 
-// releaseRoot closes a root's last reference (unmounting its overlay) and
-// removes its directories, in the background; Destroy waits for it.
-func (s *sandbox) releaseRoot(fd int, upper, work string) {
+// releaseRoot closes a root's last reference and removes its directories,
+// in the background, then runs then (if not nil); Destroy waits for it.
+// Closing the reference unmounts the old overlay, here rather than on the
+// caller's path; then its directories are the edge's again, and removing
+// them costs as much as the user wrote.
+func (s *sandbox) releaseRoot(fd int, upper, work string, then func()) {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
@@ -162,6 +165,9 @@ func (s *sandbox) releaseRoot(fd int, upper, work string) {
 			if err := os.RemoveAll(d); err != nil {
 				s.b.log.Warn("remove old overlay directory", "sandbox", s.id, "dir", d, "err", err)
 			}
+		}
+		if then != nil {
+			then()
 		}
 	}()
 }

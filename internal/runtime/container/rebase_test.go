@@ -11,6 +11,7 @@ import (
 
 	"github.com/dsec-dev/dsec/internal/layer"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
 // buildLayer makes a layer of files (path -> content) for specs stacked on
@@ -36,38 +37,6 @@ func (e *env) buildLayer(t *testing.T, files map[string]string) rt.Layer {
 		t.Fatal(err)
 	}
 	return rt.Layer{Digest: desc.Digest, Path: path}
-}
-
-// memoryLimit is the memory limit of the sandbox cgroup that holds pid, as
-// the host sees it (v1 memory.limit_in_bytes or v2 memory.max).
-func memoryLimit(t *testing.T, pid int) string {
-	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		f := strings.SplitN(line, ":", 3)
-		switch {
-		case len(f) == 3 && f[0] == "0" && f[1] == "":
-			if _, err := os.Stat("/sys/fs/cgroup/memory"); err == nil {
-				continue // hybrid: the memory controller is on v1
-			}
-			v, err := os.ReadFile(filepath.Join("/sys/fs/cgroup", f[2], "memory.max"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return strings.TrimSpace(string(v))
-		case len(f) == 3 && strings.Contains(","+f[1]+",", ",memory,"):
-			v, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", f[2], "memory.limit_in_bytes"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return strings.TrimSpace(string(v))
-		}
-	}
-	t.Fatalf("no memory cgroup for %d in %s", pid, b)
-	return ""
 }
 
 // TestRebase: a sandbox rebased onto another spec keeps its runtime ID and
@@ -112,7 +81,7 @@ func TestRebase(t *testing.T) {
 		strings.Contains(out, "x\n") || !strings.Contains(out, "No such file") || strings.Contains(out, "sleep 1000") {
 		t.Errorf("the previous user's files or processes survive Rebase:\n%s", out)
 	}
-	if got := memoryLimit(t, agentPid); got != strconv.Itoa(128<<20) {
+	if got := testutil.MemoryLimit(t, agentPid); got != strconv.Itoa(128<<20) {
 		t.Errorf("memory limit after Rebase: %s, want %d", got, 128<<20)
 	}
 	if e.mounts.Refs(ws.Digest) != 1 || e.mounts.Refs(e.layer.Digest) != 1 {
@@ -146,11 +115,7 @@ func TestRebase(t *testing.T) {
 func TestRebaseRefused(t *testing.T) {
 	e := newEnv(t, 0)
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	sh(t, sb, "echo kept > /root/kept")
 	for _, c := range []struct {
 		name string
@@ -180,11 +145,7 @@ func TestRebaseRefused(t *testing.T) {
 func TestQuiesce(t *testing.T) {
 	e := newEnv(t, 0)
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	sh(t, sb, "echo kept > /root/kept && (setsid sleep 1000 </dev/null >/dev/null 2>&1 &)")
 	if err := sb.(rt.Rebaser).Quiesce(ctx); err != nil {
 		t.Fatal(err)

@@ -174,21 +174,7 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	s.resetsRebuilt.Add(1)
 	s.pristine = s.pristineOrNil(root.upper, root.work)
 
-	s.bg.Add(1)
-	go func() {
-		defer s.bg.Done()
-		// The last reference to the old root: closing it unmounts the old
-		// overlay, here rather than on Reset's path. Then its directories
-		// are the edge's again, and removing them costs as much as the user
-		// wrote.
-		unix.Close(oldRoot)
-		for _, d := range []string{oldUpper, oldWork} {
-			if err := os.RemoveAll(d); err != nil {
-				s.b.log.Warn("remove old overlay directory", "sandbox", s.id, "dir", d, "err", err)
-			}
-		}
-		s.prepareNext()
-	}()
+	s.releaseRoot(oldRoot, oldUpper, oldWork, s.prepareNext)
 	return nil
 }
 

@@ -143,11 +143,7 @@ func TestResetKeepsUnchanged(t *testing.T) {
 
 func testResetKeepsUnchanged(t *testing.T, e *env, settled bool) {
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	fresh := sh(t, sb, stateScript)
 	upper := sb.(rt.Differ).UpperDir()
 	var settling int64
@@ -212,11 +208,7 @@ func TestResetRebuildsChanged(t *testing.T) {
 
 func testResetRebuildsChanged(t *testing.T, e *env, settled bool) {
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	fresh := sh(t, sb, stateScript)
 	cases := []struct {
 		name   string

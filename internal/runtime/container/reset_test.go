@@ -17,11 +17,7 @@ import (
 func TestResetUpperDir(t *testing.T) {
 	e := newEnv(t, 0)
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	d := sb.(rt.Differ)
 	old := d.UpperDir()
 	if err := sb.WriteFile(ctx, "/before", []byte("1"), 0o644); err != nil {
@@ -104,12 +100,7 @@ func TestResetDestroyRemovesAll(t *testing.T) {
 // first Reset opened and keeps.
 func TestResetRestoresAgentLimits(t *testing.T) {
 	e := newProbeEnv(t)
-	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(t)
 	const probe = `cat /proc/1/limits; ulimit -n; ulimit -c`
 	fresh := sh(t, sb, probe)
 	for round := range 2 {
