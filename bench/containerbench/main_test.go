@@ -299,8 +299,9 @@ func TestHarnessDSecPool(t *testing.T) {
 // TestHarnessDSecRebase runs the dsec-rebase row end to end: with the pool
 // started full, every sequential cycle rebases a handed-back sandbox onto
 // a spec of its own and every hand-back is quiesced; with more in flight
-// than the pool holds, the extra takes create and the extra hand-backs are
-// destroyed; nothing is left behind.
+// than the pool holds, every take is served (rebased, or created when
+// nothing is ready or coming) and every hand-back is quiesced or, beyond
+// the pool's size, destroyed; nothing is left behind.
 func TestHarnessDSecRebase(t *testing.T) {
 	testutil.RequireRoot(t)
 	bin := testutil.BuildBinary(t, "./bench/containerbench")
@@ -322,8 +323,10 @@ func TestHarnessDSecRebase(t *testing.T) {
 	if seq := r.Pool[0]; seq.Hits != n+warmup || seq.Misses != 0 || seq.Resets != n+warmup || seq.ResetFailures != 0 {
 		t.Errorf("sequential pool figures %+v: want %d rebases and as many quiesces", seq, n+warmup)
 	}
-	if c := r.Pool[1]; c.Hits+c.Misses != total || c.Hits == 0 || c.Misses == 0 || c.Resets+c.Destroyed != total || c.ResetFailures != 0 {
-		t.Errorf("concurrent pool figures %+v: want %d takes, some rebased and some created, each hand-back quiesced or destroyed", c, total)
+	// How many of the extra takes create depends on timing (a take waits
+	// for a quiesce in flight rather than creating).
+	if c := r.Pool[1]; c.Hits+c.Misses != total || c.Hits == 0 || c.Resets+c.Destroyed != total || c.ResetFailures != 0 {
+		t.Errorf("concurrent pool figures %+v: want %d takes, some rebased, each hand-back quiesced or destroyed", c, total)
 	}
 	assertNoLeaks(t, tmp, cgBefore)
 	for p := range dsecCgroups(t) {
