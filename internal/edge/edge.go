@@ -306,8 +306,13 @@ func New(cfg Config) (*Edge, error) {
 		stop:             stop,
 		stopCtx:          stopCtx,
 	}
+	if err := cfg.Registry.Register(poolCollector{e}); err != nil {
+		stop()
+		return nil, fmt.Errorf("register edge metrics: %w", err)
+	}
 	if !cfg.NoTrajectory {
 		if err := e.openTrajectory(); err != nil {
+			cfg.Registry.Unregister(poolCollector{e})
 			stop()
 			return nil, err
 		}

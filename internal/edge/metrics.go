@@ -3,6 +3,7 @@ package edge
 import (
 	"fmt"
 
+	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -55,4 +56,44 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}
 	}
 	return m, nil
+}
+
+// poolSandboxesDesc describes dsec_edge_pool_sandboxes.
+var poolSandboxesDesc = prometheus.NewDesc("dsec_edge_pool_sandboxes",
+	"Sandboxes held by the node's pools, by kind (warm: PoolService pools; auto: automatic pools of hot specs; rebase: tenants' rebase pools; fncall) and state (ready, in_use, resetting). Ready sandboxes of auto and rebase pools are not charged to the node's capacity.",
+	[]string{"kind", "state"}, nil)
+
+// poolCollector reports dsec_edge_pool_sandboxes from the pools' counters
+// at each scrape, so that an operator sees what the node holds idle.
+type poolCollector struct{ e *Edge }
+
+func (c poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolSandboxesDesc }
+
+func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
+	e := c.e
+	byKind := map[string][]*pool.Pool{}
+	e.mu.Lock()
+	for _, wp := range e.pools {
+		byKind["warm"] = append(byKind["warm"], wp.p)
+	}
+	for _, wp := range e.autoPools {
+		byKind["auto"] = append(byKind["auto"], wp.p)
+	}
+	for _, rp := range e.rebasePools {
+		byKind["rebase"] = append(byKind["rebase"], rp.p)
+	}
+	for _, fp := range e.fnPools {
+		byKind["fncall"] = append(byKind["fncall"], fp.p)
+	}
+	e.mu.Unlock()
+	for _, kind := range []string{"warm", "auto", "rebase", "fncall"} {
+		var ready, inUse, resetting int
+		for _, p := range byKind[kind] {
+			st := p.Stats()
+			ready, inUse, resetting = ready+st.Ready, inUse+st.InUse, resetting+st.Resetting
+		}
+		for state, n := range map[string]int{"ready": ready, "in_use": inUse, "resetting": resetting} {
+			ch <- prometheus.MustNewConstMetric(poolSandboxesDesc, prometheus.GaugeValue, float64(n), kind, state)
+		}
+	}
 }

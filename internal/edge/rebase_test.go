@@ -357,9 +357,40 @@ func TestRebasePoolFollowsDemand(t *testing.T) {
 	if st := onlyRebasePool(t, n, "a"); st.Size != 5 || st.Destroyed != 0 {
 		t.Fatalf("rebase pool after 5 sandboxes came back with AutoPool 2: %+v; want a cap of 5, none torn down", st)
 	}
+	if got := poolGauge(t, n, "rebase", "ready"); got != 5 {
+		t.Fatalf("dsec_edge_pool_sandboxes{kind=rebase,state=ready} = %v, want 5", got)
+	}
 	wantCreates(t, n, 5, 0)
 	for i := range 5 {
 		n.mustCreate(t, tenant("a"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=x" + strconv.Itoa(i)}})
 	}
 	wantCreates(t, n, 5, 5)
+	if got := poolGauge(t, n, "rebase", "ready"); got != 0 {
+		t.Fatalf("dsec_edge_pool_sandboxes{kind=rebase,state=ready} = %v after the takes, want 0", got)
+	}
+}
+
+// poolGauge is dsec_edge_pool_sandboxes{kind, state} on n.
+func poolGauge(t *testing.T, n *node, kind, state string) float64 {
+	t.Helper()
+	fams, err := n.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		if f.GetName() != "dsec_edge_pool_sandboxes" {
+			continue
+		}
+		for _, m := range f.Metric {
+			have := map[string]string{}
+			for _, l := range m.Label {
+				have[l.GetName()] = l.GetValue()
+			}
+			if have["kind"] == kind && have["state"] == state {
+				return m.GetGauge().GetValue()
+			}
+		}
+	}
+	t.Fatalf("no dsec_edge_pool_sandboxes{kind=%q,state=%q}", kind, state)
+	return 0
 }
