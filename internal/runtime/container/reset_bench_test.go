@@ -39,6 +39,37 @@ func BenchmarkReset(b *testing.B) {
 	b.ReportMetric(float64(spent.Nanoseconds())/float64(b.N), "reset-ns/op")
 }
 
+// BenchmarkRebase is what recycling across specs pays between two users:
+// a command, then Quiesce and a Rebase onto a spec of its own (the same
+// layers, another ID and env). quiesce-ns/op and rebase-ns/op are the two
+// calls alone; compare with BenchmarkDestroyCreate's create and destroy.
+func BenchmarkRebase(b *testing.B) {
+	e := newEnv(b, 0)
+	ctx := context.Background()
+	sb, err := e.backend.Create(ctx, e.newSpec())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Destroy(ctx)
+	r := sb.(rt.Rebaser)
+	var quiescing, rebasing time.Duration
+	for b.Loop() {
+		benchExec(b, sb)
+		start := time.Now()
+		if err := r.Quiesce(ctx); err != nil {
+			b.Fatal(err)
+		}
+		mid := time.Now()
+		if err := r.Rebase(ctx, e.newSpec()); err != nil {
+			b.Fatal(err)
+		}
+		quiescing += mid.Sub(start)
+		rebasing += time.Since(mid)
+	}
+	b.ReportMetric(float64(quiescing.Nanoseconds())/float64(b.N), "quiesce-ns/op")
+	b.ReportMetric(float64(rebasing.Nanoseconds())/float64(b.N), "rebase-ns/op")
+}
+
 // BenchmarkDestroyCreate is the alternative to Reset: a command, then
 // Destroy and a new Create over the same layers; "cold" spawns an agent per
 // create, "warm" takes pre-started ones (Options.Warm) while the pool
