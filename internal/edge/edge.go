@@ -165,6 +165,11 @@ type Edge struct {
 	// tenantContainers counts each tenant's container sandboxes charged
 	// to the node (a rebase pool's demand).
 	tenantContainers map[string]int
+	// idleMu guards idle, the sandboxes idle in automatic and rebase pools
+	// as summed at idleAt (see idleSum).
+	idleMu sync.Mutex
+	idle   int64
+	idleAt time.Time
 
 	stop    context.CancelFunc
 	stopCtx context.Context

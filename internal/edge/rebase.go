@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strconv"
+	"time"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 
@@ -140,14 +141,7 @@ func (e *Edge) takeRebased(ctx context.Context, sb *sandbox) runtime.Sandbox {
 	if e.cfg.AutoPool <= 0 || sb.kind != runtime.KindContainer {
 		return nil
 	}
-	e.mu.Lock()
-	rp := e.rebasePools[rebasePoolKey(sb.tenant, sb.rspec.UserNamespace)]
-	e.mu.Unlock()
-	if rp == nil {
-		return nil
-	}
-	p := rp.p
-	rs := p.TryTake()
+	p, rs := e.takeForRebase(sb)
 	if rs == nil {
 		return nil
 	}
@@ -173,6 +167,98 @@ func (e *Edge) takeRebased(ctx context.Context, sb *sandbox) runtime.Sandbox {
 		}
 	}
 	return nil
+}
+
+// roomToKeep reports whether a sandbox of kind being destroyed, still
+// charged to the node, may be kept idle in an automatic or rebase pool:
+// the node's live sandboxes of kind and the idle ones of those pools (not
+// charged to capacity; each holds an agent, mounts and ~20 of the edge's
+// descriptors) must stay within the kind's sandbox capacity, which the
+// open-file limit bounds. Each pool's cap is bounded on its own; this
+// bounds their sum, which many hot specs, or many tenants, could push past
+// the node's descriptors. The idle count is summed over every pool at
+// most every idleSumEvery (a node can hold a thousand pools, and this
+// runs on every destroy), so it may lag by what that window's destroys
+// and creates moved.
+func (e *Edge) roomToKeep(kind runtime.Kind) bool {
+	e.mu.Lock()
+	live := e.used[kind].Sandboxes
+	capa := e.cfg.Capacity[kind].Sandboxes
+	e.mu.Unlock()
+	return live+e.idleSum() <= capa
+}
+
+// idleSumEvery is how long roomToKeep reuses a sum of idle sandboxes.
+const idleSumEvery = 20 * time.Millisecond
+
+// idleSum is the sandboxes ready or being reset in automatic and rebase
+// pools, summed at most every idleSumEvery.
+func (e *Edge) idleSum() int64 {
+	e.idleMu.Lock()
+	defer e.idleMu.Unlock()
+	if now := time.Now(); now.Sub(e.idleAt) >= idleSumEvery {
+		e.mu.Lock()
+		pools := make([]*pool.Pool, 0, len(e.autoPools)+len(e.rebasePools))
+		for _, wp := range e.autoPools {
+			pools = append(pools, wp.p)
+		}
+		for _, rp := range e.rebasePools {
+			pools = append(pools, rp.p)
+		}
+		e.mu.Unlock()
+		n := int64(0)
+		for _, p := range pools {
+			st := p.Stats()
+			n += int64(st.Ready + st.Resetting)
+		}
+		e.idle, e.idleAt = n, now
+	}
+	return e.idle
+}
+
+// takeForRebase takes a sandbox of sb's tenant to rebase onto sb's spec,
+// never waiting: a quiesced one of the tenant's rebase pool, else a ready
+// one of one of the tenant's automatic pools, the pool whose spec was
+// created longest ago first. A spec is hot after two creates, so in a job
+// whose specs each come back once or twice its automatic pools fill with
+// sandboxes nobody asks for again; until the pools empty (autoPoolIdle)
+// they would sit idle while other specs' creates started new agents (one
+// run of 1,000 cycles in which every spec was the previous run's: 823 of
+// 1,000 creates fresh, 1,020 idle sandboxes held).
+func (e *Edge) takeForRebase(sb *sandbox) (*pool.Pool, runtime.Sandbox) {
+	type cand struct {
+		p    *pool.Pool
+		last time.Time
+	}
+	var autos []cand
+	e.mu.Lock()
+	rp := e.rebasePools[rebasePoolKey(sb.tenant, sb.rspec.UserNamespace)]
+	for ak, wp := range e.autoPools {
+		if wp.tenant == sb.tenant {
+			autos = append(autos, cand{wp.p, e.recent[ak].last})
+		}
+	}
+	e.mu.Unlock()
+	if rp != nil {
+		if rs := rp.p.TryTake(); rs != nil {
+			return rp.p, rs
+		}
+	}
+	// Most of a busy tenant's automatic pools have nothing ready: only
+	// those that do are ordered.
+	ready := autos[:0]
+	for _, c := range autos {
+		if c.p.Stats().Ready > 0 {
+			ready = append(ready, c)
+		}
+	}
+	slices.SortFunc(ready, func(a, b cand) int { return a.last.Compare(b.last) })
+	for _, c := range ready {
+		if rs := c.p.TryTake(); rs != nil {
+			return c.p, rs
+		}
+	}
+	return nil, nil
 }
 
 // hostnameOf is the hostname of sandbox id, as the backends derive it from

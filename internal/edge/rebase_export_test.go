@@ -3,6 +3,7 @@ package edge
 import (
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/dsec-dev/dsec/internal/pool"
 )
@@ -28,4 +29,12 @@ func (e *Edge) RebasePoolStats(tenant string) []pool.Stats {
 		out[i] = p.Stats()
 	}
 	return out
+}
+
+// ForgetIdleSum makes the next roomToKeep sum the pools' idle sandboxes
+// afresh instead of reusing a sum younger than idleSumEvery.
+func (e *Edge) ForgetIdleSum() {
+	e.idleMu.Lock()
+	e.idleAt = time.Time{}
+	e.idleMu.Unlock()
 }

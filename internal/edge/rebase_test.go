@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/edge"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/layer"
+	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
@@ -393,4 +395,83 @@ func poolGauge(t *testing.T, n *node, kind, state string) float64 {
 	}
 	t.Fatalf("no dsec_edge_pool_sandboxes{kind=%q,state=%q}", kind, state)
 	return 0
+}
+
+// TestRebaseFromAutoPool: when the tenant's rebase pool has nothing ready,
+// a create of a new spec takes a ready sandbox of one of the tenant's
+// automatic pools (a spec that was hot) and rebases it, instead of leaving
+// it idle until the pool empties and starting a new agent.
+func TestRebaseFromAutoPool(t *testing.T) {
+	w := newWorld(t)
+	n := w.startNode(t, "rb6", func(c *edge.Config) { c.AutoPool = 2 })
+	hot := &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=hot"}}
+	a := n.mustCreate(t, tenant("a"), hot)
+	b := n.mustCreate(t, tenant("a"), hot) // the spec is hot now
+	for _, id := range []string{a.Id, b.Id} {
+		if err := n.destroy(t, tenant("a"), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if sts := n.edge.AutoPoolStats("a"); len(sts) == 1 && sts[0].Ready == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the hot spec's automatic pool never had 2 ready: %+v", n.edge.AutoPoolStats("a"))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if sts := n.edge.RebasePoolStats("a"); len(sts) != 0 && sts[0].Ready != 0 {
+		t.Fatalf("tenant a has a rebase pool with ready sandboxes: %+v", sts)
+	}
+	c := n.mustCreate(t, tenant("a"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=cold"}})
+	wantCreates(t, n, 2, 1) // a and b fresh, c rebased
+	if got := n.sh(t, c.Id, "echo $TASK; hostname"); got != "cold\n"+c.Id[:min(len(c.Id), 63)]+"\n" {
+		t.Fatalf("sandbox rebased from the automatic pool: %q", got)
+	}
+	if st := onlyAutoPool(t, n, "a"); st.Ready != 1 || st.Detached != 1 {
+		t.Fatalf("automatic pool after the rebase: %+v; want one ready, one detached", st)
+	}
+	// Another tenant never takes from a's automatic pool.
+	n.mustCreate(t, tenant("b"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=b"}})
+	if st := onlyAutoPool(t, n, "a"); st.Ready != 1 {
+		t.Fatalf("tenant b's create took from tenant a's automatic pool: %+v", st)
+	}
+}
+
+// TestIdleBoundedByCapacity: the sandboxes kept idle in automatic and
+// rebase pools count, with the live ones, against the node's sandbox
+// capacity (which the open-file limit bounds): a destroy that would take
+// the sum past it tears the sandbox down instead of keeping it.
+func TestIdleBoundedByCapacity(t *testing.T) {
+	w := newWorld(t)
+	n := w.startNode(t, "rb7", func(c *edge.Config) {
+		c.AutoPool = 4
+		c.Capacity = map[runtime.Kind]placement.Capacity{runtime.KindContainer: {MilliCPU: 8000, MemoryBytes: 16 << 30, Sandboxes: 3}}
+	})
+	var ids []string
+	for i := range 3 {
+		ids = append(ids, n.mustCreate(t, tenant("a"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=" + strconv.Itoa(i)}}).Id)
+	}
+	for _, id := range ids {
+		if err := n.destroy(t, tenant("a"), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitRebaseReady(t, n, "a", 3) // 0 live + 3 idle: within capacity 3
+	// Tenant b cannot use a's idle sandboxes: its create is fresh, and
+	// destroying it would make 1 live + 3 idle, past capacity.
+	bsb := n.mustCreate(t, tenant("b"), &dsecv1.SandboxSpec{Image: baseImage})
+	pid := agentPID(t, w.backend, bsb.Id)
+	n.edge.ForgetIdleSum() // a's last hand-back may be younger than the sum
+	if err := n.destroy(t, tenant("b"), bsb.Id); err != nil {
+		t.Fatal(err)
+	}
+	if sts := n.edge.RebasePoolStats("b"); len(sts) != 0 {
+		t.Fatalf("tenant b's sandbox was kept past the node's capacity: %+v", sts)
+	}
+	if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+		t.Fatalf("tenant b's agent %d still exists after its destroy (%v): not torn down", pid, err)
+	}
 }

@@ -690,7 +690,7 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	rs, wp, frozen, closing := sb.rt, sb.pool, sb.frozen, e.closed
 	e.mu.Unlock()
 	var rebase *pool.Pool
-	if wp == nil && !frozen && !closing {
+	if wp == nil && !frozen && !closing && e.roomToKeep(sb.kind) {
 		wp = e.autoPoolFor(sb, rs) // recycled rather than torn down
 		if wp == nil {
 			// Kept for the tenant's next create of another spec.

@@ -57,9 +57,8 @@ func (s *sandbox) quiesceLocked(ctx context.Context, op string) error {
 //     whatever was under it) and the hostname set.
 //  4. The cgroup takes the new resources, and the spec's exec defaults
 //     (Env, Workdir, User) and layers become the sandbox's; the old layers
-//     are released and the old directories removed in the background. No
-//     pristine state is taken (see the end): the next Reset, if any,
-//     builds a new root.
+//     are released and the old directories removed in the background; the
+//     new pristine state is taken for the next Reset.
 //
 // Before step 3 a failure leaves the old root in place (the new layers are
 // released again); from step 3 on it leaves the sandbox unusable. Either
@@ -148,11 +147,12 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 		return fmt.Errorf("rebase: %w", err)
 	}
 	s.resetsRebuilt.Add(1)
-	// No pristine state (dropped above): taking one is a third of a
-	// Rebase (~0.45 ms of its ~1.6), on the create's path, and a rebased
-	// sandbox is usually quiesced and rebased again, which never reads
-	// it. If its spec turns hot instead, its first Reset builds a new root
-	// and takes the pristine state then.
+	// Taken on the create's path (~0.45 ms, a third of a Rebase): a
+	// rebased sandbox whose spec is hot goes to an automatic pool, and
+	// without it every Reset there would build a new root (2-3 ms and
+	// four directory operations; measured: repeated runs of the --distinct
+	// SDK loop, where every spec is hot, fell from 143 to 88 cycles/s).
+	s.pristine = s.pristineOrNil(root.upper, root.work)
 	return nil
 }
 
