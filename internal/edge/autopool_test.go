@@ -250,9 +250,14 @@ func hostnameOf(t *testing.T, n *node, id string) string {
 // onlyAutoPool returns the counters of tenant's one automatic pool.
 func onlyAutoPool(t *testing.T, n *node, tenant string) pool.Stats {
 	t.Helper()
-	sts := n.edge.AutoPoolStats(tenant)
+	return onlyPool(t, "automatic", tenant, n.edge.AutoPoolStats(tenant))
+}
+
+// onlyPool returns the one pool of sts, tenant's pools of one kind.
+func onlyPool(t *testing.T, kind, tenant string, sts []pool.Stats) pool.Stats {
+	t.Helper()
 	if len(sts) != 1 {
-		t.Fatalf("tenant %s has %d automatic pools, want 1", tenant, len(sts))
+		t.Fatalf("tenant %s has %d %s pools, want 1", tenant, len(sts), kind)
 	}
 	return sts[0]
 }

@@ -315,11 +315,7 @@ func wantCreates(t *testing.T, n *node, fresh, rebased float64) {
 // onlyRebasePool returns the counters of tenant's one rebase pool.
 func onlyRebasePool(t *testing.T, n *node, tenant string) pool.Stats {
 	t.Helper()
-	sts := n.edge.RebasePoolStats(tenant)
-	if len(sts) != 1 {
-		t.Fatalf("tenant %s has %d rebase pools, want 1", tenant, len(sts))
-	}
-	return sts[0]
+	return onlyPool(t, "rebase", tenant, n.edge.RebasePoolStats(tenant))
 }
 
 // waitRebaseReady waits until tenant's rebase pool has ready sandboxes

@@ -89,11 +89,12 @@ func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
 
 func (e *env) spec(t *testing.T) rt.Spec { return e.newSpec() }
 
-// create creates a sandbox of a new spec, destroyed when the test ends.
-func (e *env) create(t *testing.T) rt.Sandbox {
+// create creates a sandbox of a new spec, destroyed when the test or
+// benchmark ends.
+func (e *env) create(t testing.TB) rt.Sandbox {
 	t.Helper()
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.spec(t))
+	sb, err := e.backend.Create(ctx, e.newSpec())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -21,11 +21,7 @@ import (
 func BenchmarkReset(b *testing.B) {
 	e := newEnv(b, 0)
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.newSpec())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(b)
 	r := sb.(rt.Resetter)
 	var spent time.Duration
 	for b.Loop() {
@@ -46,11 +42,7 @@ func BenchmarkReset(b *testing.B) {
 func BenchmarkRebase(b *testing.B) {
 	e := newEnv(b, 0)
 	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.newSpec())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(b)
 	r := sb.(rt.Rebaser)
 	var quiescing, rebasing time.Duration
 	for b.Loop() {
@@ -119,12 +111,7 @@ func BenchmarkDestroyCreate(b *testing.B) {
 // inside the sandbox.
 func BenchmarkExecTrue(b *testing.B) {
 	e := newEnv(b, 0)
-	ctx := context.Background()
-	sb, err := e.backend.Create(ctx, e.newSpec())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sb.Destroy(ctx)
+	sb := e.create(b)
 	pid, ok := e.backend.AgentPID(sb.ID())
 	if !ok {
 		b.Fatal("no agent PID")
