@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
@@ -287,17 +288,42 @@ func (e *Edge) sweepRebasePools(ctx context.Context) {
 	}
 }
 
-// rebaseSummaries describes the rebase pools for heartbeats.
+// rebaseSummaries describes, for heartbeats, what each tenant has ready to
+// rebase (RebaseKey): its rebase pool's ready sandboxes and its automatic
+// pools' (which takeForRebase also takes). Only the rebase pool's own
+// size is reported.
 func (e *Edge) rebaseSummaries() []*dsecv1.PoolSummary {
+	type tally struct{ ready, size int32 }
 	e.mu.Lock()
 	pools := slices.Collect(maps.Values(e.rebasePools))
+	autos := slices.Collect(maps.Values(e.autoPools))
 	e.mu.Unlock()
-	out := make([]*dsecv1.PoolSummary, 0, len(pools))
+	// Automatic pools hold sandboxes of container specs, which have no
+	// user namespace (the container backend refuses them).
+	by := map[string]*tally{}
+	at := func(tenant string, userNS bool) *tally {
+		k := rebasePoolKey(tenant, userNS)
+		if by[k] == nil {
+			by[k] = &tally{}
+		}
+		return by[k]
+	}
 	for _, rp := range pools {
 		st := rp.p.Stats()
-		key := RebaseKey(rp.userNS)
-		out = append(out, &dsecv1.PoolSummary{Id: rebasePoolPrefix + rp.tenant + "/" + key, Tenant: rp.tenant,
-			Key: key, Ready: int32(st.Ready), Size: int32(st.Size)})
+		t := at(rp.tenant, rp.userNS)
+		t.ready += int32(st.Ready)
+		t.size += int32(st.Size)
+	}
+	for _, wp := range autos {
+		if st := wp.p.Stats(); st.Ready > 0 {
+			at(wp.tenant, false).ready += int32(st.Ready)
+		}
+	}
+	out := make([]*dsecv1.PoolSummary, 0, len(by))
+	for _, k := range slices.Sorted(maps.Keys(by)) {
+		tenant, key, _ := strings.Cut(k, "/")
+		t := by[k]
+		out = append(out, &dsecv1.PoolSummary{Id: rebasePoolPrefix + k, Tenant: tenant, Key: key, Ready: t.ready, Size: t.size})
 	}
 	return out
 }

@@ -421,6 +421,18 @@ func TestRebaseFromAutoPool(t *testing.T) {
 	if sts := n.edge.RebasePoolStats("a"); len(sts) != 0 && sts[0].Ready != 0 {
 		t.Fatalf("tenant a has a rebase pool with ready sandboxes: %+v", sts)
 	}
+	// Heartbeats tell servers that tenant a has 2 to rebase here.
+	rebasable := func() int32 {
+		for _, s := range n.edge.PoolSummaries() {
+			if s.GetTenant() == "a" && s.GetKey() == edge.RebaseKey(false) {
+				return s.GetReady()
+			}
+		}
+		return 0
+	}
+	if got := rebasable(); got != 2 {
+		t.Fatalf("heartbeat: tenant a has %d ready to rebase, want 2 (its automatic pool's)", got)
+	}
 	c := n.mustCreate(t, tenant("a"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=cold"}})
 	wantCreates(t, n, 2, 1) // a and b fresh, c rebased
 	if got := n.sh(t, c.Id, "echo $TASK; hostname"); got != "cold\n"+c.Id[:min(len(c.Id), 63)]+"\n" {
@@ -428,6 +440,9 @@ func TestRebaseFromAutoPool(t *testing.T) {
 	}
 	if st := onlyAutoPool(t, n, "a"); st.Ready != 1 || st.Detached != 1 {
 		t.Fatalf("automatic pool after the rebase: %+v; want one ready, one detached", st)
+	}
+	if got := rebasable(); got != 1 {
+		t.Fatalf("heartbeat after the rebase: tenant a has %d ready to rebase, want 1", got)
 	}
 	// Another tenant never takes from a's automatic pool.
 	n.mustCreate(t, tenant("b"), &dsecv1.SandboxSpec{Image: baseImage, Env: []string{"TASK=b"}})
