@@ -160,3 +160,69 @@ func TestQuiesce(t *testing.T) {
 		t.Errorf("after Rebase /root holds %q", out)
 	}
 }
+
+// TestRebaseSameLayers: a Rebase onto a spec with the sandbox's layers
+// keeps the root when nobody wrote to it (the upper directory stays; only
+// hostname and exec defaults change), and builds a new one when somebody
+// did (the writes are gone).
+func TestRebaseSameLayers(t *testing.T) {
+	e := newEnv(t, 0)
+	ctx := context.Background()
+	sb := e.create(t)
+	upper := sb.(rt.Differ).UpperDir()
+	b := rt.Spec{ID: "same-b", Layers: []rt.Layer{e.layer}, Env: []string{"NEW=b"}}
+	if err := sb.(rt.Rebaser).Rebase(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	if got := sb.(rt.Differ).UpperDir(); got != upper {
+		t.Errorf("a Rebase onto the same layers of an untouched sandbox built a new root: %s, was %s", got, upper)
+	}
+	if got := sh(t, sb, "hostname; echo $NEW ${DSEC_TEST:-unset}"); got != "same-b\nb unset\n" {
+		t.Errorf("after a Rebase keeping the root: hostname and env %q", got)
+	}
+	sh(t, sb, "echo left > /root/left")
+	c := rt.Spec{ID: "same-c", Layers: []rt.Layer{e.layer}}
+	if err := sb.(rt.Rebaser).Rebase(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	if got := sb.(rt.Differ).UpperDir(); got == upper {
+		t.Errorf("a Rebase of a written sandbox kept its root %s", got)
+	}
+	if got := sh(t, sb, "hostname; ls /root"); got != "same-c\n" {
+		t.Errorf("after a Rebase of a written sandbox: %q, want the new hostname and an empty /root", got)
+	}
+}
+
+// TestResetManyLayers: a sandbox of several layers gets its new overlays
+// (Reset's full path, Rebase) although their list is longer than the 256
+// bytes fsconfig takes in one string (each layer's directory is ~100
+// bytes here, as under a node's data directory).
+func TestResetManyLayers(t *testing.T) {
+	e := newEnv(t, 0)
+	ctx := context.Background()
+	var layers []rt.Layer
+	layers = append(layers, e.layer)
+	for i := range 4 {
+		layers = append(layers, e.buildLayer(t, map[string]string{"layer" + strconv.Itoa(i): strconv.Itoa(i)}))
+	}
+	spec := e.newSpec()
+	spec.Layers = layers
+	sb, err := e.backend.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sb.Destroy(ctx) })
+	sh(t, sb, "echo left > /root/left")
+	reset(t, sb)
+	if got := sh(t, sb, "cat /layer0 /layer3; ls /root"); got != "03" {
+		t.Errorf("after a full Reset of a 5-layer sandbox: %q, want the layers' files and an empty /root", got)
+	}
+	b := e.newSpec()
+	b.Layers = append([]rt.Layer{e.layer}, layers[3:]...)
+	if err := sb.(rt.Rebaser).Rebase(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, sb, "cat /layer1 /layer3 2>/dev/null; true"); got != "3" {
+		t.Errorf("after a Rebase onto 3 of the layers: %q, want layer3's file only", got)
+	}
+}

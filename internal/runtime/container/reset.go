@@ -595,7 +595,25 @@ func newOverlay(lower []string, upper, work string) (int, error) {
 	fail := func(what string, err error) (int, error) {
 		return -1, fmt.Errorf("new overlay (%d layers): %s: %w%s", len(lower), what, err, fsMessages(fsfd))
 	}
-	for _, kv := range [][2]string{{"source", "overlay"}, {"lowerdir", strings.Join(lower, ":")}, {"upperdir", upper}, {"workdir", work}} {
+	if err := unix.FsconfigSetString(fsfd, "source", "overlay"); err != nil {
+		return fail("source", err)
+	}
+	// fsconfig takes string values of at most 256 bytes, and a lowerdir
+	// list of a few layers under a data directory passes that: layers go
+	// one at a time ("lowerdir+", Linux 6.8 and later, top first as in the
+	// list) where the kernel has it, as a list otherwise.
+	for i, l := range lower {
+		if err := unix.FsconfigSetString(fsfd, "lowerdir+", l); err != nil {
+			if i == 0 && errors.Is(err, unix.EINVAL) {
+				if err := unix.FsconfigSetString(fsfd, "lowerdir", strings.Join(lower, ":")); err != nil {
+					return fail("lowerdir", err)
+				}
+				break
+			}
+			return fail("lowerdir+ "+l, err)
+		}
+	}
+	for _, kv := range [][2]string{{"upperdir", upper}, {"workdir", work}} {
 		if err := unix.FsconfigSetString(fsfd, kv[0], kv[1]); err != nil {
 			return fail(kv[0], err)
 		}
