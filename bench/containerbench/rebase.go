@@ -1,25 +1,35 @@
 package main
 
 // The "dsec-rebase" row: every cycle's spec is one no earlier cycle had
-// (its own ID and environment), the case of an RL job whose every task has
-// its own workspace, where a same-spec pool ("dsec-pool") never hits. The
-// cycle takes a sandbox another cycle handed back, quiesced (rt.Rebaser:
-// its processes killed in the background), and rebases it onto the new
-// spec on the caller's path: a new overlay, root swap, hostname and
-// resources; when none is ready it creates one as the "dsec" row does. The
-// hand-back is a Put to a recycling pool (internal/pool, Options.Reset =
-// Quiesce), as the edge's rebase pools do. The pool starts with -pool-size
-// sandboxes handed back by earlier tasks, as on a node that has been
-// serving the job for a while.
+// (its own ID and environment, and a workspace layer on top of the busybox
+// one that differs from the one the sandbox it gets had), the case of an
+// RL job whose every task has its own workspace, where a same-spec pool
+// ("dsec-pool") never hits. The cycle takes a sandbox another cycle handed
+// back, quiesced (rt.Rebaser: its processes killed in the background), and
+// rebases it onto the new spec on the caller's path: a new overlay, root
+// swap, hostname and resources; when none is ready it creates one as the
+// "dsec" row does. The workspace layers are rebaseLayers small ones,
+// rotated, so their EROFS mounts are shared and kept (as a node holding
+// its job's images keeps them): what is measured is the sandbox's own
+// work. The hand-back is a Put to a recycling pool (internal/pool,
+// Options.Reset = Quiesce), as the edge's rebase pools do. The pool starts
+// with -pool-size sandboxes handed back by earlier tasks, as on a node
+// that has been serving the job for a while.
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/layer"
 	"github.com/dsec-dev/dsec/internal/pool"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 )
@@ -30,7 +40,15 @@ import (
 type dsecRebase struct {
 	dsecPool
 	hits, misses atomic.Int64
+	// workspaces are the rotated workspace layers; last is the index of
+	// the one each sandbox (by ID) was last given.
+	workspaces []rt.Layer
+	lastMu     sync.Mutex
+	last       map[string]int
 }
+
+// rebaseLayers is how many workspace layers the dsec-rebase row rotates.
+const rebaseLayers = 4
 
 func newDSecRebase() System {
 	return &dsecRebase{dsecPool: dsecPool{dsecSystem: dsecSystem{name: "dsec-rebase", warm: edgeWarm}}}
@@ -42,6 +60,29 @@ func (d *dsecRebase) Setup(ctx context.Context, env Env) error {
 	}
 	if err := d.dsecSystem.Setup(ctx, env); err != nil {
 		return err
+	}
+	store, err := blobstore.NewDir(filepath.Join(env.WorkDir, "blobs"))
+	if err != nil {
+		return err
+	}
+	d.last = map[string]int{}
+	for i := range rebaseLayers {
+		dir := filepath.Join(env.WorkDir, "workspace"+strconv.Itoa(i))
+		if err := os.MkdirAll(filepath.Join(dir, "task"), 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "task", "id"), []byte(strconv.Itoa(i)), 0o644); err != nil {
+			return err
+		}
+		desc, err := layer.Build(ctx, store, dir)
+		if err != nil {
+			return err
+		}
+		path, err := store.Path(desc.Digest)
+		if err != nil {
+			return err
+		}
+		d.workspaces = append(d.workspaces, rt.Layer{Digest: desc.Digest, Path: path})
 	}
 	d.pool = pool.New(pool.Options{
 		Recycle: true,
@@ -71,29 +112,42 @@ func (d *dsecRebase) Setup(ctx context.Context, env Env) error {
 	return d.Settle(ctx)
 }
 
-// spec is a spec no earlier cycle had.
-func (d *dsecRebase) spec() rt.Spec {
+// spec is a spec no earlier cycle had, with workspace layer ws.
+func (d *dsecRebase) spec(ws int) rt.Spec {
 	n := strconv.FormatInt(d.n.Add(1), 10)
-	return rt.Spec{ID: "b" + n, Layers: []rt.Layer{d.layer}, Env: []string{"TASK=" + n}}
+	return rt.Spec{ID: "b" + n, Layers: []rt.Layer{d.layer, d.workspaces[ws]}, Env: []string{"TASK=" + n}}
+}
+
+// nextWorkspace is the workspace layer after the one sandbox id was last
+// given (so that every rebase changes layers), and records it.
+func (d *dsecRebase) nextWorkspace(id string) int {
+	d.lastMu.Lock()
+	defer d.lastMu.Unlock()
+	ws := (d.last[id] + 1) % len(d.workspaces)
+	d.last[id] = ws
+	return ws
 }
 
 func (d *dsecRebase) Cycle(ctx context.Context) error {
-	spec := d.spec()
 	sb, err := d.pool.TakeWarm(ctx)
 	if err != nil {
 		return err
 	}
 	if sb != nil {
 		d.hits.Add(1)
-		if err := sb.(rt.Rebaser).Rebase(ctx, spec); err != nil {
+		if err := sb.(rt.Rebaser).Rebase(ctx, d.spec(d.nextWorkspace(sb.ID()))); err != nil {
 			d.pool.Discard(sb)
 			return err
 		}
 	} else {
 		d.misses.Add(1)
+		spec := d.spec(int(d.n.Load() % rebaseLayers))
 		if sb, err = d.backend.Create(ctx, spec); err != nil {
 			return err
 		}
+		d.lastMu.Lock()
+		d.last[sb.ID()] = int(slices.Index(d.workspaces, spec.Layers[1]))
+		d.lastMu.Unlock()
 	}
 	return runTrueAndPut(ctx, d.pool, sb) // a fresh one is adopted (or destroyed when the pool is full)
 }

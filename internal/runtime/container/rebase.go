@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -60,6 +61,12 @@ func (s *sandbox) quiesceLocked(ctx context.Context, op string) error {
 //     are released and the old directories removed in the background; the
 //     new pristine state is taken for the next Reset.
 //
+// When the new spec has the sandbox's layers (specs that differ in env,
+// resources or ID only) and the sandbox is still in its pristine state,
+// steps 2 and 3 are skipped as a Reset that finds nothing changed skips
+// them: the root is what a new overlay over those layers would be, so only
+// the hostname (from a throw-away thread), limits and exec defaults change.
+//
 // Before step 3 a failure leaves the old root in place (the new layers are
 // released again); from step 3 on it leaves the sandbox unusable. Either
 // way the caller destroys it, and Destroy releases the layers the sandbox
@@ -84,6 +91,21 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	defer s.resetMu.Unlock()
 	if err := s.quiesceLocked(ctx, "rebase"); err != nil {
 		return err
+	}
+	if sameLayers(s.spec.Layers, spec.Layers) && s.pristine != nil && s.unchanged(s.pristine) == nil {
+		// The root is what a new overlay over these layers would be (the
+		// argument is Reset's for keeping it): only the hostname, limits
+		// and exec defaults change.
+		if err := onThrowawayThread(func() error { return s.setHostname(spec.Hostname) }); err != nil {
+			return s.gone(fmt.Errorf("rebase: %w", err))
+		}
+		spec.ID = s.id
+		s.spec = spec
+		if err := s.Update(ctx, spec.Resources); err != nil {
+			return fmt.Errorf("rebase: %w", err)
+		}
+		s.resetsKept.Add(1)
+		return nil
 	}
 	s.dropPristine()
 
@@ -186,22 +208,33 @@ func (s *sandbox) swapRootAndHost(root int, hostname string) (int, error) {
 		if old, err = s.swapRootLocked(root); err != nil {
 			return err
 		}
-		fd, done, err := s.nsFD("uts")
-		if err != nil {
-			return err
-		}
-		err = unix.Setns(fd, unix.CLONE_NEWUTS)
-		done()
-		if err != nil {
-			return fmt.Errorf("join the sandbox's uts namespace: %w", err)
-		}
-		if err := unix.Sethostname([]byte(hostname)); err != nil {
-			return fmt.Errorf("sethostname: %w", err)
-		}
-		return nil
+		return s.setHostname(hostname)
 	})
 	if err != nil && old >= 0 {
 		unix.Close(old)
 	}
 	return old, err
+}
+
+// setHostname joins the sandbox's UTS namespace and sets its hostname. The
+// calling thread stays there: it must be one that is thrown away.
+func (s *sandbox) setHostname(hostname string) error {
+	fd, done, err := s.nsFD("uts")
+	if err != nil {
+		return err
+	}
+	err = unix.Setns(fd, unix.CLONE_NEWUTS)
+	done()
+	if err != nil {
+		return fmt.Errorf("join the sandbox's uts namespace: %w", err)
+	}
+	if err := unix.Sethostname([]byte(hostname)); err != nil {
+		return fmt.Errorf("sethostname: %w", err)
+	}
+	return nil
+}
+
+// sameLayers reports whether a and b are the same layers in the same order.
+func sameLayers(a, b []rt.Layer) bool {
+	return slices.EqualFunc(a, b, func(x, y rt.Layer) bool { return x.Digest == y.Digest })
 }
