@@ -22,7 +22,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -112,10 +111,10 @@ func (d *dsecRebase) Setup(ctx context.Context, env Env) error {
 	return d.Settle(ctx)
 }
 
-// spec is a spec no earlier cycle had, with workspace layer ws.
-func (d *dsecRebase) spec(ws int) rt.Spec {
-	n := strconv.FormatInt(d.n.Add(1), 10)
-	return rt.Spec{ID: "b" + n, Layers: []rt.Layer{d.layer, d.workspaces[ws]}, Env: []string{"TASK=" + n}}
+// spec is the spec of the cycle whose sandbox ID is id (no earlier cycle
+// had it: TASK=<id> too), with workspace layer ws.
+func (d *dsecRebase) spec(id string, ws int) rt.Spec {
+	return rt.Spec{ID: id, Layers: []rt.Layer{d.layer, d.workspaces[ws]}, Env: []string{"TASK=" + id}}
 }
 
 // nextWorkspace is the workspace layer after the one sandbox id was last
@@ -129,25 +128,23 @@ func (d *dsecRebase) nextWorkspace(id string) int {
 }
 
 func (d *dsecRebase) Cycle(ctx context.Context) error {
+	id := "b" + strconv.FormatInt(d.n.Add(1), 10)
 	sb, err := d.pool.TakeWarm(ctx)
 	if err != nil {
 		return err
 	}
 	if sb != nil {
 		d.hits.Add(1)
-		if err := sb.(rt.Rebaser).Rebase(ctx, d.spec(d.nextWorkspace(sb.ID()))); err != nil {
+		if err := sb.(rt.Rebaser).Rebase(ctx, d.spec(id, d.nextWorkspace(sb.ID()))); err != nil {
 			d.pool.Discard(sb)
 			return err
 		}
 	} else {
 		d.misses.Add(1)
-		spec := d.spec(int(d.n.Load() % rebaseLayers))
-		if sb, err = d.backend.Create(ctx, spec); err != nil {
+		// A fresh sandbox's runtime ID is its spec's.
+		if sb, err = d.backend.Create(ctx, d.spec(id, d.nextWorkspace(id))); err != nil {
 			return err
 		}
-		d.lastMu.Lock()
-		d.last[sb.ID()] = int(slices.Index(d.workspaces, spec.Layers[1]))
-		d.lastMu.Unlock()
 	}
 	return runTrueAndPut(ctx, d.pool, sb) // a fresh one is adopted (or destroyed when the pool is full)
 }

@@ -20,9 +20,12 @@ With --distinct every cycle's spec (warm-up included) has its own env var
 TASK=<n>, so no two creates share a spec key: no warm pool or automatic
 pool (same-spec recycling) can serve them, as in an RL job whose every
 task has its own workspace image. Only recycling across specs (the edge's
-rebase pools) can spare such a create a new agent. When the endpoint
-serves /metrics (dsecd up does), the node's creates by source (fresh,
-rebased, recycled, pool) over the timed loop are printed too.
+rebase pools) can spare such a create a new agent. The specs share the
+image, so a rebase of a sandbox nobody wrote to keeps its root; the
+containerbench dsec-rebase row measures rebases that change layers. When
+the endpoint serves /metrics (dsecd up does), the node's creates by
+source (fresh, rebased, recycled, pool) over the timed loop are printed
+too.
 
 Endpoint and token default as in the SDK ($DSEC_ENDPOINT / $DSEC_TOKEN /
 the admin token of /var/lib/dsec). Uses Debian's python3 with python3-httpx.

@@ -152,7 +152,7 @@ func (e *Edge) takeRebased(ctx context.Context, sb *sandbox) runtime.Sandbox {
 	// for ever and keep it from being swept.
 	p.Detach(rs)
 	spec := sb.rspec
-	spec.Hostname = hostnameOf(sb.id)
+	spec.Hostname = runtime.HostnameFor(sb.id)
 	err := rs.(runtime.Rebaser).Rebase(ctx, spec)
 	switch {
 	case err == nil:
@@ -260,15 +260,6 @@ func (e *Edge) takeForRebase(sb *sandbox) (*pool.Pool, runtime.Sandbox) {
 		}
 	}
 	return nil, nil
-}
-
-// hostnameOf is the hostname of sandbox id, as the backends derive it from
-// an ID when a spec names none: the ID, cut to 63 bytes.
-func hostnameOf(id string) string {
-	if len(id) > 63 {
-		return id[:63]
-	}
-	return id
 }
 
 // sweepRebasePools closes rebase pools that have emptied after going idle.

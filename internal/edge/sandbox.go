@@ -311,7 +311,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		// A sandbox of another spec rebased onto this one: it keeps its
 		// runtime ID, as a recycled one does, and belongs to no pool.
 		// Its hostname is this sandbox's ID, kept for a rollback.
-		sb.rspec.ID, sb.rspec.Hostname = rs.ID(), hostnameOf(id)
+		sb.rspec.ID, sb.rspec.Hostname = rs.ID(), runtime.HostnameFor(id)
 		source = sourceRebased
 	} else {
 		rs, err = e.cfg.Backends[kind].Create(ctx, sb.rspec)

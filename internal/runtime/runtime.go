@@ -64,7 +64,7 @@ type Spec struct {
 	ID        string
 	Layers    []Layer
 	Resources Resources
-	// Hostname inside the sandbox; defaults to the ID.
+	// Hostname inside the sandbox; defaults to HostnameFor(ID).
 	Hostname string
 	// Env, Workdir and User are defaults for every exec (from the image config).
 	Env     []string
@@ -72,6 +72,15 @@ type Spec struct {
 	User    string
 	// UserNamespace maps root inside the sandbox to an unprivileged host uid.
 	UserNamespace bool
+}
+
+// HostnameFor is the hostname of a sandbox with ID id whose spec names
+// none: the ID, cut to the 63 bytes a hostname may have.
+func HostnameFor(id string) string {
+	if len(id) > 63 {
+		return id[:63]
+	}
+	return id
 }
 
 // ExecRequest is one command to run inside a sandbox.

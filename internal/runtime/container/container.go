@@ -255,21 +255,23 @@ func (b *Backend) validate(spec *rt.Spec) error {
 	return nil
 }
 
+// defaults fills in what a valid spec may leave out (Create, Rebase).
+func (b *Backend) defaults(spec *rt.Spec) {
+	if spec.Hostname == "" {
+		spec.Hostname = rt.HostnameFor(spec.ID)
+	}
+	if spec.Resources.Pids == 0 {
+		spec.Resources.Pids = b.opts.DefaultPids
+	}
+}
+
 // Create implements runtime.Backend. Every step registers its undo; a
 // failure runs them in reverse so nothing is left behind.
 func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err error) {
 	if err := b.validate(&spec); err != nil {
 		return nil, err
 	}
-	if spec.Hostname == "" {
-		spec.Hostname = spec.ID
-		if len(spec.Hostname) > 63 {
-			spec.Hostname = spec.Hostname[:63]
-		}
-	}
-	if spec.Resources.Pids == 0 {
-		spec.Resources.Pids = b.opts.DefaultPids
-	}
+	b.defaults(&spec)
 	var undo []func()
 	defer func() {
 		if err != nil {

@@ -62,3 +62,8 @@ func PristineReadAll(sb rt.Sandbox) {
 		p.verified = math.MinInt64
 	}
 }
+
+// WaitBackground waits until the background work of sb's last Reset or
+// Rebase (old root unmounted and removed, old layers released, next root
+// prepared) is done.
+func WaitBackground(sb rt.Sandbox) { sb.(*sandbox).bg.Wait() }

@@ -57,9 +57,10 @@ func (s *sandbox) quiesceLocked(ctx context.Context, op string) error {
 //     moved over, a fresh /dev, pivot_root, the old root detached with
 //     whatever was under it) and the hostname set.
 //  4. The cgroup takes the new resources, and the spec's exec defaults
-//     (Env, Workdir, User) and layers become the sandbox's; the old layers
-//     are released and the old directories removed in the background; the
-//     new pristine state is taken for the next Reset.
+//     (Env, Workdir, User) and layers become the sandbox's; in the
+//     background the old overlay is unmounted, its directories removed and
+//     the old layers released; the new pristine state is taken for the
+//     next Reset.
 //
 // When the new spec has the sandbox's layers (specs that differ in env,
 // resources or ID only) and the sandbox is still in its pristine state,
@@ -78,15 +79,7 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	if err := s.b.validate(&spec); err != nil {
 		return fmt.Errorf("rebase: %w", err)
 	}
-	if spec.Hostname == "" {
-		spec.Hostname = spec.ID
-		if len(spec.Hostname) > 63 {
-			spec.Hostname = spec.Hostname[:63]
-		}
-	}
-	if spec.Resources.Pids == 0 {
-		spec.Resources.Pids = s.b.opts.DefaultPids
-	}
+	s.b.defaults(&spec)
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
 	if err := s.quiesceLocked(ctx, "rebase"); err != nil {
@@ -159,12 +152,15 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	s.fsMu.Unlock()
 	spec.ID = s.id
 	s.spec = spec
-	for _, l := range oldLayers {
-		if err := s.b.opts.Layers.Release(l.Digest); err != nil {
-			s.b.log.Warn("rebase: release old layer", "sandbox", s.id, "layer", l.Digest, "err", err)
+	// The old layers go once the old overlay over them is unmounted (a
+	// layer nobody else holds is unmounted on its last release).
+	s.releaseRoot(oldRoot, oldUpper, oldWork, func() {
+		for _, l := range oldLayers {
+			if err := s.b.opts.Layers.Release(l.Digest); err != nil {
+				s.b.log.Warn("rebase: release old layer", "sandbox", s.id, "layer", l.Digest, "err", err)
+			}
 		}
-	}
-	s.releaseRoot(oldRoot, oldUpper, oldWork, nil)
+	})
 	if err := s.Update(ctx, spec.Resources); err != nil {
 		return fmt.Errorf("rebase: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/dsec-dev/dsec/internal/layer"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -84,6 +85,7 @@ func TestRebase(t *testing.T) {
 	if got := testutil.MemoryLimit(t, agentPid); got != strconv.Itoa(128<<20) {
 		t.Errorf("memory limit after Rebase: %s, want %d", got, 128<<20)
 	}
+	container.WaitBackground(sb) // the old layers go with the old root
 	if e.mounts.Refs(ws.Digest) != 1 || e.mounts.Refs(e.layer.Digest) != 1 {
 		t.Errorf("layer refs after Rebase: workspace %d, base %d; want 1 and 1",
 			e.mounts.Refs(ws.Digest), e.mounts.Refs(e.layer.Digest))
