@@ -430,6 +430,8 @@ func toProtoResult(r runtime.ExecResult) *dsecv1.ExecResult {
 		Duration:        durationpb.New(r.Duration),
 		TimedOut:        r.TimedOut,
 		OomKilled:       r.OOMKilled,
+		PidsExhausted:   r.PidsExhausted,
+		DiskFull:        r.DiskFull,
 	}
 }
 

@@ -357,6 +357,8 @@ func fillExecResult(rec *trajectory.Record, res *dsecv1.ExecResult) {
 	x.StderrTruncated = res.StderrTruncated
 	x.TimedOut = res.TimedOut
 	x.OOMKilled = res.OomKilled
+	x.PidsExhausted = res.PidsExhausted
+	x.DiskFull = res.DiskFull
 	x.InfraError = res.InfraError
 	x.DurationNanos = res.GetDuration().AsDuration().Nanoseconds()
 }
@@ -381,6 +383,8 @@ func replayedExec(rec *trajectory.Record) (*dsecv1.ExecResult, error) {
 		Duration:        durationpb.New(time.Duration(x.DurationNanos)),
 		TimedOut:        x.TimedOut,
 		OomKilled:       x.OOMKilled,
+		PidsExhausted:   x.PidsExhausted,
+		DiskFull:        x.DiskFull,
 		InfraError:      x.InfraError,
 		Seq:             rec.Seq,
 		Replayed:        true,

@@ -56,6 +56,9 @@ type Resources struct {
 	MemoryBytes int64
 	// Pids bounds the number of tasks (a fork bomb stops there).
 	Pids int64
+	// DiskBytes bounds the sandbox's writable layer (what it writes over
+	// its image), enforced by the kernel.
+	DiskBytes int64
 }
 
 // Spec says what to create. Layers are ordered bottom first: the base
@@ -123,6 +126,10 @@ type ExecResult struct {
 	Duration        time.Duration
 	TimedOut        bool
 	OOMKilled       bool
+	// PidsExhausted: the sandbox's pids limit refused a fork during the exec.
+	PidsExhausted bool
+	// DiskFull: the sandbox's writable layer reached its limit during the exec.
+	DiskFull bool
 }
 
 // Differ is implemented by sandboxes whose writable layer is an overlay

@@ -125,6 +125,8 @@ type Exec struct {
 	StderrTruncated bool   `json:"stderr_truncated,omitempty"`
 	TimedOut        bool   `json:"timed_out,omitempty"`
 	OOMKilled       bool   `json:"oom_killed,omitempty"`
+	PidsExhausted   bool   `json:"pids_exhausted,omitempty"`
+	DiskFull        bool   `json:"disk_full,omitempty"`
 	InfraError      string `json:"infra_error,omitempty"`
 	DurationNanos   int64  `json:"duration_ns"`
 }

@@ -209,6 +209,12 @@ func Compare(recorded, now *Record) []string {
 		if a.OOMKilled != b.OOMKilled {
 			out = append(out, fmt.Sprintf("oom_killed differs: recorded %t, now %t", a.OOMKilled, b.OOMKilled))
 		}
+		if a.PidsExhausted != b.PidsExhausted {
+			out = append(out, fmt.Sprintf("pids_exhausted differs: recorded %t, now %t", a.PidsExhausted, b.PidsExhausted))
+		}
+		if a.DiskFull != b.DiskFull {
+			out = append(out, fmt.Sprintf("disk_full differs: recorded %t, now %t", a.DiskFull, b.DiskFull))
+		}
 		out = appendDataDiff(out, "stdout", a.Stdout, b.Stdout)
 		out = appendDataDiff(out, "stderr", a.Stderr, b.Stderr)
 	case KindReadFile:

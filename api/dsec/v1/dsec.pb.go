@@ -30,9 +30,13 @@ const (
 type Resources struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Thousandths of a core (1000 = one core).
-	MilliCpu      int64 `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
-	MemoryBytes   int64 `protobuf:"varint,2,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
-	Pids          int64 `protobuf:"varint,3,opt,name=pids,proto3" json:"pids,omitempty"`
+	MilliCpu    int64 `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes int64 `protobuf:"varint,2,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Pids        int64 `protobuf:"varint,3,opt,name=pids,proto3" json:"pids,omitempty"`
+	// Size of the writable layer (files the sandbox writes over its image),
+	// enforced by the kernel; 0 takes the tenant's or node's default. The
+	// SDKs' resources key is disk_mb, the CLI's flag --disk-size.
+	DiskBytes     int64 `protobuf:"varint,4,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -84,6 +88,13 @@ func (x *Resources) GetMemoryBytes() int64 {
 func (x *Resources) GetPids() int64 {
 	if x != nil {
 		return x.Pids
+	}
+	return 0
+}
+
+func (x *Resources) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
 	}
 	return 0
 }
@@ -955,7 +966,12 @@ type ExecResult struct {
 	Seq uint64 `protobuf:"varint,12,opt,name=seq,proto3" json:"seq,omitempty"`
 	// True when the result was recorded earlier and returned without running
 	// the command again (client fast-forward).
-	Replayed      bool `protobuf:"varint,13,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,13,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// The command hit the sandbox's pids limit (a fork failed with EAGAIN
+	// because the sandbox's task count was at resources.pids).
+	PidsExhausted bool `protobuf:"varint,14,opt,name=pids_exhausted,json=pidsExhausted,proto3" json:"pids_exhausted,omitempty"`
+	// The command hit the sandbox's writable-layer limit (resources.disk_bytes).
+	DiskFull      bool `protobuf:"varint,15,opt,name=disk_full,json=diskFull,proto3" json:"disk_full,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1077,6 +1093,20 @@ func (x *ExecResult) GetSeq() uint64 {
 func (x *ExecResult) GetReplayed() bool {
 	if x != nil {
 		return x.Replayed
+	}
+	return false
+}
+
+func (x *ExecResult) GetPidsExhausted() bool {
+	if x != nil {
+		return x.PidsExhausted
+	}
+	return false
+}
+
+func (x *ExecResult) GetDiskFull() bool {
+	if x != nil {
+		return x.DiskFull
 	}
 	return false
 }
@@ -5154,11 +5184,13 @@ var File_dsec_v1_dsec_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\n" +
-	"\x12dsec/v1/dsec.proto\x12\adsec.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"_\n" +
+	"\x12dsec/v1/dsec.proto\x12\adsec.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"~\n" +
 	"\tResources\x12\x1b\n" +
 	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12!\n" +
 	"\fmemory_bytes\x18\x02 \x01(\x03R\vmemoryBytes\x12\x12\n" +
-	"\x04pids\x18\x03 \x01(\x03R\x04pids\"\xbc\x03\n" +
+	"\x04pids\x18\x03 \x01(\x03R\x04pids\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x04 \x01(\x03R\tdiskBytes\"\xbc\x03\n" +
 	"\vSandboxSpec\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12\x1c\n" +
@@ -5228,7 +5260,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x03seq\x18\n" +
 	" \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\v \x01(\tR\trequestId\"\xa3\x03\n" +
+	"request_id\x18\v \x01(\tR\trequestId\"\xe7\x03\n" +
 	"\n" +
 	"ExecResult\x12\x18\n" +
 	"\aoutcome\x18\x01 \x01(\tR\aoutcome\x12\x1b\n" +
@@ -5246,7 +5278,9 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\vinfra_error\x18\v \x01(\tR\n" +
 	"infraError\x12\x10\n" +
 	"\x03seq\x18\f \x01(\x04R\x03seq\x12\x1a\n" +
-	"\breplayed\x18\r \x01(\bR\breplayed\";\n" +
+	"\breplayed\x18\r \x01(\bR\breplayed\x12%\n" +
+	"\x0epids_exhausted\x18\x0e \x01(\bR\rpidsExhausted\x12\x1b\n" +
+	"\tdisk_full\x18\x0f \x01(\bR\bdiskFull\";\n" +
 	"\fExecResponse\x12+\n" +
 	"\x06result\x18\x01 \x01(\v2\x13.dsec.v1.ExecResultR\x06result\"\x80\x01\n" +
 	"\x12ExecStreamResponse\x12\x18\n" +
