@@ -111,6 +111,7 @@ func Run(t *testing.T, h Harness) {
 	t.Run("reset", s.testReset)
 	t.Run("update", s.testUpdate)
 	t.Run("invalid-spec", s.testInvalidSpec)
+	t.Run("adversarial", s.testAdversarial)
 	t.Run("leaks", s.testLeaks)
 	// Whatever the subtests above did (timeouts, OOM kills, fork bombs,
 	// failed creates), once all their sandboxes are destroyed the host must
