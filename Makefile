@@ -36,22 +36,34 @@ test: deps build vet
 
 # One-node DSec in the foreground: system packages, binaries, and a starter
 # image busybox:latest (imported only if missing), then `dsec up` (which
-# runs bin/dsecd).
+# runs bin/dsecd). Meanwhile fncall's language image (python, bash, c, cpp,
+# go, nodejs for `dsec fn run` and POST /run_code) is built and imported in
+# the background (scripts/up-langimage.sh; ~2 min the first time, a check
+# afterwards); LANG_IMAGE=0 skips it.
 DATA_DIR ?= /var/lib/dsec
+LANG_ROOTFS ?= /var/cache/dsec/lang-rootfs
+LANG_IMAGE ?= 1
 up: deps build
 	./scripts/busybox-rootfs.sh $(BIN)/busybox-rootfs
+	@set -e; bg=; \
+	if [ "$(LANG_IMAGE)" = 1 ]; then \
+	  ./scripts/up-langimage.sh $(BIN)/dsec $(DATA_DIR) $(LANG_ROOTFS) & bg=$$!; \
+	  trap 'kill $$bg 2>/dev/null || true' EXIT INT TERM; \
+	fi; \
 	$(BIN)/dsec up --data-dir $(DATA_DIR) --import busybox:latest=$(BIN)/busybox-rootfs
 
 proto:
 	./scripts/proto.sh
 
 # fncall's language image (Debian bookworm + the packages the language
-# table lists) as a rootfs directory; cached: ~2 minutes the first time, a
-# no-op while the package list is unchanged. Import it with
-# `dsec image import dsec/lang:bookworm bin/lang-rootfs`.
+# table lists) as a rootfs directory, outside the checkout (a Debian tree
+# under the module would be part of `go vet ./...`); cached: ~2 minutes the
+# first time, a no-op while the package list is unchanged. `make up` builds
+# and imports it by itself; by hand:
+# `dsec image import --public --server-path dsec/lang:bookworm /var/cache/dsec/lang-rootfs`.
 .PHONY: lang-image
 lang-image:
-	./scripts/langimage.sh $(BIN)/lang-rootfs
+	./scripts/langimage.sh $(LANG_ROOTFS)
 
 clean:
 	rm -rf $(BIN)

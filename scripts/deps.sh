@@ -8,6 +8,9 @@ have mkfs.erofs || need+=(erofs-utils)
 [ -x /bin/busybox ] || need+=(busybox-static)
 [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import httpx' 2>/dev/null || need+=(python3-httpx)
 /usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
+# pip install ./sdk/python (README): venv with Debian's packages, built offline.
+/usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+/usr/bin/python3 -c 'import setuptools, wheel' 2>/dev/null || need+=(python3-setuptools python3-wheel)
 if [ "${DSEC_BENCH_DEPS:-}" = 1 ]; then
   have crun || need+=(crun)
   have runc || need+=(runc)

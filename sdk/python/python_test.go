@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/dsec-dev/dsec/internal/testutil"
@@ -34,5 +35,44 @@ func TestPythonSDK(t *testing.T) {
 	t.Logf("pytest output:\n%s", out)
 	if err != nil {
 		t.Fatalf("pytest sdk/python/tests: %v", err)
+	}
+}
+
+// TestPipInstall installs the SDK the way the README says, into a fresh
+// virtual environment that sees Debian's packages, with no package index
+// (PyPI is not reachable here, and must not be needed), and imports it from
+// outside the checkout.
+func TestPipInstall(t *testing.T) {
+	if err := exec.Command(python, "-c", "import venv, setuptools, wheel, httpx").Run(); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("%s lacks venv, setuptools, wheel or httpx (scripts/deps.sh installs python3-venv python3-setuptools python3-wheel python3-httpx): %v", python, err)
+		}
+		t.Skipf("%s lacks venv, setuptools, wheel or httpx: %v", python, err)
+	}
+	root := testutil.RepoRoot(t)
+	tmp := t.TempDir()
+	// A copy, so the build's scratch directories stay out of the checkout.
+	src := filepath.Join(tmp, "src")
+	if out, err := exec.Command("cp", "-r", filepath.Join(root, "sdk", "python"), src).CombinedOutput(); err != nil {
+		t.Fatalf("copy sdk/python: %v\n%s", err, out)
+	}
+	venv := filepath.Join(tmp, "venv")
+	run := func(dir string, name string, args ...string) string {
+		t.Helper()
+		cmd := exec.CommandContext(t.Context(), name, args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "PIP_NO_INDEX=1", "PIP_DISABLE_PIP_VERSION_CHECK=1", "PYTHONDONTWRITEBYTECODE=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s %v: %v\n%s", name, args, err, out)
+		}
+		return string(out)
+	}
+	run(tmp, python, "-m", "venv", "--system-site-packages", venv)
+	run(tmp, filepath.Join(venv, "bin", "pip"), "install", "--no-build-isolation", src)
+	got := run(tmp, filepath.Join(venv, "bin", "python"), "-c",
+		"import libdsec, os; print(libdsec.DSecClient.__name__, os.path.dirname(libdsec.__file__))")
+	if want := filepath.Join(venv, "lib"); !strings.Contains(got, "DSecClient "+want) {
+		t.Fatalf("libdsec imported from the wrong place or without DSecClient: %q (want under %s)", got, want)
 	}
 }

@@ -184,6 +184,9 @@ func New(opts Options) (*Backend, error) {
 	if _, err := os.Stat(opts.AgentPath); err != nil {
 		return nil, fmt.Errorf("dsec-agent binary: %w", err)
 	}
+	if err := checkAgentBinary(opts.AgentPath); err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(opts.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
