@@ -81,8 +81,9 @@ func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 
 func (d *dsecSystem) create(ctx context.Context) (rt.Sandbox, error) {
 	return d.backend.Create(ctx, rt.Spec{
-		ID:     "b" + strconv.FormatInt(d.n.Add(1), 10),
-		Layers: []rt.Layer{d.layer},
+		ID:        "b" + strconv.FormatInt(d.n.Add(1), 10),
+		Layers:    []rt.Layer{d.layer},
+		Resources: benchResources,
 	})
 }
 

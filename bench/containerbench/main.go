@@ -48,6 +48,7 @@ import (
 // config is what one worker measures.
 type config struct {
 	n, warmup, total, idle, poolSize int
+	resources                        string
 	cs                               []int
 	phases                           map[string]bool
 }
@@ -81,6 +82,7 @@ func mainErr() error {
 		baseline  = flag.String("baseline", "dsec", "system the ratios are computed against")
 		asJSON    = flag.Bool("json", false, "print results as JSON instead of a table")
 		poolSize  = flag.Int("pool-size", defaultPoolSize, "dsec-pool: sandboxes its warm pool keeps ready")
+		resources = flag.String("resources", "", "limits of every sandbox, e.g. cpu=1,mem=1g,pids=1024,disk=1g (DSec's spec; crun's and runc's linux.resources)")
 
 		// Worker mode: internal, set by the parent when it re-executes itself.
 		worker      = flag.String("worker", "", "internal: measure this one system and print its Result as JSON")
@@ -109,6 +111,9 @@ func mainErr() error {
 			return fmt.Errorf("-%s must be at least 1, got %d", name, v)
 		}
 	}
+	if benchResources, err = parseResources(*resources); err != nil {
+		return err
+	}
 	if *warmup < 0 {
 		return fmt.Errorf("-warmup must not be negative, got %d", *warmup)
 	}
@@ -120,7 +125,7 @@ func mainErr() error {
 	defer stop()
 
 	if *worker != "" {
-		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, poolSize: *poolSize, cs: cs, phases: phases}
+		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, poolSize: *poolSize, cs: cs, phases: phases, resources: *resources}
 		env := Env{Rootfs: *rootfs, RootfsEROFS: *erofs, WorkDir: *workDir, PoolSize: *poolSize}
 		res := runWorker(ctx, *worker, env, cfg, *hideCgroup2)
 		return json.NewEncoder(os.Stdout).Encode(res)
@@ -160,7 +165,7 @@ func mainErr() error {
 		if ctx.Err() != nil {
 			break
 		}
-		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, poolSize: *poolSize, cs: cs, phases: phases}
+		cfg := config{n: *n, warmup: *warmup, total: *total, idle: *idle, poolSize: *poolSize, cs: cs, phases: phases, resources: *resources}
 		switch {
 		case strings.HasPrefix(e.name, "docker"):
 			cfg.n, cfg.total, cfg.idle = *slowN, *slowTotal, *slowIdle
@@ -220,7 +225,7 @@ func runInWorker(ctx context.Context, e entry, base, rootDir, img string, cfg co
 	args := []string{"-worker", e.name, "-workdir", wd, "-rootfs", rootDir, "-erofs", img,
 		"-n", strconv.Itoa(cfg.n), "-warmup", strconv.Itoa(cfg.warmup), "-total", strconv.Itoa(cfg.total),
 		"-c", joinInts(cfg.cs), "-idle", strconv.Itoa(cfg.idle), "-phases", strings.Join(phases, ","),
-		"-pool-size", strconv.Itoa(cfg.poolSize)}
+		"-pool-size", strconv.Itoa(cfg.poolSize), "-resources", cfg.resources}
 	if e.hideCgroup2 {
 		args = append(args, "-hide-cgroup2")
 	}

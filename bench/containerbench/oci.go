@@ -244,9 +244,7 @@ func ociSpec(id string, args []string, cgroupsPath string) *specs.Spec {
 		},
 		Linux: &specs.Linux{
 			CgroupsPath: cgroupsPath,
-			Resources: &specs.LinuxResources{
-				Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}},
-			},
+			Resources:   ociResources(benchResources),
 			Namespaces: []specs.LinuxNamespace{
 				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
 				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace}, {Type: specs.CgroupNamespace},

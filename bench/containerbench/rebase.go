@@ -114,7 +114,7 @@ func (d *dsecRebase) Setup(ctx context.Context, env Env) error {
 // spec is the spec of the cycle whose sandbox ID is id (no earlier cycle
 // had it: TASK=<id> too), with workspace layer ws.
 func (d *dsecRebase) spec(id string, ws int) rt.Spec {
-	return rt.Spec{ID: id, Layers: []rt.Layer{d.layer, d.workspaces[ws]}, Env: []string{"TASK=" + id}}
+	return rt.Spec{ID: id, Layers: []rt.Layer{d.layer, d.workspaces[ws]}, Env: []string{"TASK=" + id}, Resources: benchResources}
 }
 
 // nextWorkspace is the workspace layer after the one sandbox id was last
