@@ -77,7 +77,7 @@ func (s *Server) runCode(ctx context.Context, p iam.Principal, r *dsecv1.RunCode
 	internal, m, _, err := s.resolveImage(ctx, p, "image", ref)
 	if err != nil {
 		if connect.CodeOf(err) == connect.CodeNotFound && r.GetImage() == "" {
-			return nil, errf(connect.CodeNotFound, "image %q of language %s not found: build it with `make lang-image` and import it with `dsec image import %s bin/lang-rootfs`", ref, lang.Name, ref)
+			return nil, errf(connect.CodeNotFound, "image %q of language %s not found: `make up` builds and imports it in the background (it says when it is ready); by hand: `make lang-image`, then `dsec image import --public --server-path %s /var/cache/dsec/lang-rootfs`", ref, lang.Name, ref)
 		}
 		return nil, err
 	}
