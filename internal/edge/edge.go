@@ -43,6 +43,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
@@ -118,6 +119,10 @@ type Config struct {
 	// rebase.go). 0 turns both kinds of recycling off. The CLI's default
 	// is DefaultAutoPool.
 	AutoPool int
+	// Defaults are the resources a sandbox gets for what its spec (and
+	// its tenant's defaults, which servers fill in) leave 0; zero fields
+	// take spec.Builtin. Heartbeats report them to servers.
+	Defaults spec.Resources
 }
 
 // Edge is one node's agent. Create it with New, mount its service with
@@ -233,6 +238,11 @@ func New(cfg Config) (*Edge, error) {
 	if cfg.Overcommit.CPU < 1 || cfg.Overcommit.Memory < 1 {
 		return nil, fmt.Errorf("edge config Overcommit %+v: ratios must be at least 1", cfg.Overcommit)
 	}
+	defaults, err := spec.NodeDefaults(cfg.Defaults)
+	if err != nil {
+		return nil, fmt.Errorf("edge config Defaults: %w", err)
+	}
+	cfg.Defaults = defaults
 	if cfg.HTTPClient == nil {
 		cfg.HTTPClient = &http.Client{}
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/fncall"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // fncall on the edge (issue 6): each (image, resources) key has a pool of
@@ -29,8 +30,16 @@ const (
 )
 
 // fnBase is what an fncall sandbox gets between calls; a call's own memory
-// limit is set for its duration only.
-var fnBase = runtime.Resources{MemoryBytes: 2 << 30, Pids: 1024}
+// limit is set for its duration only. CPU and the writable layer take the
+// node's defaults: fncall sandboxes are the node's, charged to no tenant,
+// and bounded by FnMax per image.
+var fnBase = spec.Resources{MemoryBytes: 2 << 30, Pids: 1024}
+
+// fnResources is what an fncall sandbox of this node gets.
+func (e *Edge) fnResources() runtime.Resources {
+	r := fnBase.Or(e.cfg.Defaults)
+	return runtime.Resources{MilliCPU: r.MilliCPU, MemoryBytes: r.MemoryBytes, Pids: r.Pids, DiskBytes: r.DiskBytes}
+}
 
 // fnPool is one fncall pool.
 type fnPool struct {
@@ -46,7 +55,7 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 	if err != nil {
 		return nil, err
 	}
-	rspec.Resources = fnBase
+	rspec.Resources = e.fnResources()
 	key := PoolKey("fncall", digests, nil, nil)
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -159,7 +168,7 @@ func (e *Edge) runCode(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Run
 	case err != nil:
 		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("fncall sandbox on node %q: %w", e.cfg.NodeID, err))
 	}
-	res := fncall.Call(ctx, sb, lang, req, fnBase)
+	res := fncall.Call(ctx, sb, lang, req, e.fnResources())
 	if res.Status == fncall.StatusSandboxError {
 		fp.p.Discard(sb)
 	} else {
