@@ -111,6 +111,10 @@ type Config struct {
 	// FnMax bounds its sandboxes (calls beyond wait) and FnQueue the calls
 	// waiting; defaults DefaultFnWarm, DefaultFnMax, DefaultFnQueue.
 	FnWarm, FnMax, FnQueue int
+	// FnPools bounds the images the node keeps fncall pools for (default
+	// DefaultFnPools); past it the least recently used idle pool is
+	// closed, or the call is Unavailable when every pool is busy.
+	FnPools int
 	// AutoPool is the least number of destroyed sandboxes of one spec (per
 	// tenant) the node may keep, reset, for the next creates of that spec;
 	// above it the pool follows the spec's recent peak alive (see
@@ -225,6 +229,9 @@ func New(cfg Config) (*Edge, error) {
 	}
 	if cfg.FnQueue == 0 {
 		cfg.FnQueue = DefaultFnQueue
+	}
+	if cfg.FnPools <= 0 {
+		cfg.FnPools = DefaultFnPools
 	}
 	if cfg.MaxLayers <= 0 {
 		cfg.MaxLayers = DefaultMaxLayers

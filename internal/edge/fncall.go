@@ -22,11 +22,17 @@ import (
 // fncall), and hands it back to be reset. Calls that find the pool at its
 // bound wait in the pool's bounded queue within their deadline.
 
-// Defaults of the fncall pools (Config.FnWarm, FnMax, FnQueue).
+// Defaults of the fncall pools (Config.FnWarm, FnMax, FnQueue, FnPools).
 const (
 	DefaultFnWarm  = 2
 	DefaultFnMax   = 16
 	DefaultFnQueue = 1024
+	// DefaultFnPools bounds the images a node keeps fncall pools for: a
+	// call may name any image it can see (RunCodeRequest.image), and
+	// fncall sandboxes are charged to no tenant and to no capacity, so
+	// without it a tenant with many images would hold FnMax sandboxes
+	// per image.
+	DefaultFnPools = 8
 )
 
 // fnBase is what an fncall sandbox gets between calls; a call's own memory
@@ -45,6 +51,8 @@ func (e *Edge) fnResources() runtime.Resources {
 type fnPool struct {
 	p *pool.Pool
 	n atomic.Int64
+	// used is when a call last asked for the pool (unix nanoseconds).
+	used atomic.Int64
 }
 
 // fnPoolFor returns the fncall pool of image's layers, creating it on first
@@ -63,13 +71,36 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
 	}
 	if fp := e.fnPools[key]; fp != nil {
+		fp.used.Store(time.Now().UnixNano())
 		return fp, nil
 	}
 	backend := e.cfg.Backends[runtime.KindContainer]
 	if backend == nil {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("node %q has no container backend for fncall", e.cfg.NodeID))
 	}
+	if len(e.fnPools) >= e.cfg.FnPools {
+		// Make room: the least recently asked-for pool that nobody
+		// uses or waits for goes (its ready sandboxes are destroyed).
+		var victim string
+		for k, fp := range e.fnPools {
+			st := fp.p.Stats()
+			if st.InUse == 0 && st.Waiting == 0 && (victim == "" || fp.used.Load() < e.fnPools[victim].used.Load()) {
+				victim = k
+			}
+		}
+		if victim == "" {
+			return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q: every one of its %d fncall pools (one per image) is busy; retry later", e.cfg.NodeID, e.cfg.FnPools))
+		}
+		old := e.fnPools[victim]
+		delete(e.fnPools, victim)
+		e.wg.Add(1) // Close waits for it
+		go func() {
+			defer e.wg.Done()
+			old.p.Close(context.WithoutCancel(ctx))
+		}()
+	}
 	fp := &fnPool{}
+	fp.used.Store(time.Now().UnixNano())
 	prefix := fmt.Sprintf("%s-fn%s", e.cfg.NodeID, key[:8])
 	fp.p = pool.New(pool.Options{
 		New: func(ctx context.Context) (runtime.Sandbox, error) {
