@@ -114,3 +114,20 @@ func TestWithDefaults(t *testing.T) {
 		t.Errorf("NodeDefaults(pids -1) = %v, want an error naming defaults.pids", err)
 	}
 }
+
+// BenchmarkValidate is the contract's cost on every create (server and
+// edge each pay it once).
+func BenchmarkValidate(b *testing.B) {
+	in := &dsecv1.SandboxSpec{
+		Image: "dsec/lang:bookworm", Workspace: "ws/task-17:v3", Toolkits: []string{"tools/py:1"},
+		Resources: &dsecv1.Resources{MilliCpu: 2000, MemoryBytes: 4 << 30},
+		Labels:    map[string]string{"job": "rl-7", "rollout": "123"}, Env: []string{"A=1", "B=2"},
+	}
+	for b.Loop() {
+		s, err := Validate(in)
+		if err != nil {
+			b.Fatal(err)
+		}
+		WithDefaults(s, Resources{}, Builtin)
+	}
+}
