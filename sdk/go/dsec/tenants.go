@@ -43,7 +43,7 @@ type Tenant struct {
 // (non-nil). A zero value sets a quota back to unlimited (MaxImportBytes:
 // to the server's limit) and a default back to the node's.
 type TenantUpdate struct {
-	MaxSandboxes, MaxMilliCPU, MaxMemoryBytes, MaxImportBytes *int64
+	MaxSandboxes, MaxMilliCPU, MaxMemoryBytes, MaxImportBytes          *int64
 	DefaultMilliCPU, DefaultMemoryBytes, DefaultPids, DefaultDiskBytes *int64
 }
 
