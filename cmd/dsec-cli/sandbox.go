@@ -45,6 +45,7 @@ type createFlags struct {
 	image, workspace, backend string
 	toolkits, labels, env     []string
 	cpu, memory, idleAction   string
+	disk                      string
 	ttl, idle                 time.Duration
 }
 
@@ -54,8 +55,9 @@ func (f *createFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.workspace, "workspace", "", "workspace image NAME:TAG layered over the base")
 	fl.StringArrayVar(&f.toolkits, "toolkit", nil, "toolkit image NAME:TAG layered on top (repeatable; last on top)")
 	fl.StringVar(&f.backend, "backend", "container", "backend: container")
-	fl.StringVar(&f.cpu, "cpu", "", "CPU limit in cores, e.g. 1 or 0.5")
-	fl.StringVar(&f.memory, "memory", "", "memory limit, e.g. 512m, 1g, 1GiB or bytes")
+	fl.StringVar(&f.cpu, "cpu", "", "CPU limit in cores, e.g. 1 or 0.5 (default: the tenant's, else the node's)")
+	fl.StringVar(&f.memory, "memory", "", "memory limit, e.g. 512m, 1g, 1GiB or bytes (default: the tenant's, else the node's)")
+	fl.StringVar(&f.disk, "disk-size", "", "writable-layer size (what the sandbox may write over its image), e.g. 2g (default: the tenant's, else the node's)")
 	fl.StringArrayVar(&f.labels, "label", nil, "label KEY=VALUE (repeatable)")
 	fl.StringArrayVar(&f.env, "sandbox-env", nil, "environment KEY=VALUE for every exec in the sandbox (repeatable)")
 	fl.DurationVar(&f.ttl, "ttl", 0, "maximum lifetime, e.g. 1h (default none)")
@@ -94,6 +96,11 @@ func (f *createFlags) spec() (dsec.Spec, error) {
 	}
 	if f.memory != "" {
 		if s.Resources.MemoryBytes, err = cli.ParseSize("memory", f.memory); err != nil {
+			return s, cli.UsageError{Err: err}
+		}
+	}
+	if f.disk != "" {
+		if s.Resources.DiskBytes, err = cli.ParseSize("disk-size", f.disk); err != nil {
 			return s, cli.UsageError{Err: err}
 		}
 	}
@@ -331,6 +338,8 @@ type sandboxJSON struct {
 	Toolkits     []string          `json:"toolkits,omitempty"`
 	MilliCPU     int64             `json:"milli_cpu,omitempty"`
 	MemoryBytes  int64             `json:"memory_bytes,omitempty"`
+	Pids         int64             `json:"pids,omitempty"`
+	DiskBytes    int64             `json:"disk_bytes,omitempty"`
 	Labels       map[string]string `json:"labels,omitempty"`
 	TTL          string            `json:"ttl,omitempty"`
 	IdleTimeout  string            `json:"idle_timeout,omitempty"`
@@ -344,6 +353,7 @@ func toJSON(sb *dsec.Sandbox) sandboxJSON {
 		ID: sb.ID, Node: sb.Node, Tenant: sb.Tenant, State: sb.State, Reason: sb.Reason,
 		Backend: sb.Spec.Backend, Image: sb.Spec.Image, Workspace: sb.Spec.Workspace, Toolkits: sb.Spec.Toolkits,
 		MilliCPU: sb.Spec.Resources.MilliCPU, MemoryBytes: sb.Spec.Resources.MemoryBytes,
+		Pids: sb.Spec.Resources.Pids, DiskBytes: sb.Spec.Resources.DiskBytes,
 		Labels: sb.Spec.Labels, CreatedAt: sb.CreatedAt, LastActiveAt: sb.LastActiveAt, Layers: sb.Layers,
 	}
 	if sb.Spec.TTL > 0 {
@@ -430,7 +440,8 @@ func newSandboxGetCmd(g *globals) *cobra.Command {
 				{"id", j.ID}, {"node", j.Node}, {"tenant", j.Tenant}, {"state", j.State}, {"reason", j.Reason},
 				{"backend", j.Backend}, {"image", j.Image}, {"workspace", j.Workspace},
 				{"toolkits", strings.Join(j.Toolkits, ",")}, {"cpu", cpuString(j.MilliCPU)},
-				{"memory", memString(j.MemoryBytes)}, {"labels", formatLabels(j.Labels)},
+				{"memory", memString(j.MemoryBytes)}, {"pids", pidsString(j.Pids)}, {"disk", memString(j.DiskBytes)},
+				{"labels", formatLabels(j.Labels)},
 				{"ttl", j.TTL}, {"idle_timeout", j.IdleTimeout}, {"created", ago(j.CreatedAt)},
 				{"last_active", ago(j.LastActiveAt)},
 			}
@@ -482,6 +493,13 @@ func cpuString(m int64) string {
 		return ""
 	}
 	return strconv.FormatFloat(float64(m)/1000, 'f', -1, 64)
+}
+
+func pidsString(n int64) string {
+	if n == 0 {
+		return ""
+	}
+	return strconv.FormatInt(n, 10)
 }
 
 func memString(b int64) string {

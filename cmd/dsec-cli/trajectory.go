@@ -408,6 +408,9 @@ func printStep(w io.Writer, src *trajectorySource, recs []*trajectory.Record, i 
 	if e.Pids != 0 {
 		res = append(res, fmt.Sprintf("pids %d", e.Pids))
 	}
+	if e.DiskBytes != 0 {
+		res = append(res, "disk "+memString(e.DiskBytes))
+	}
 	row("resources", strings.Join(res, ", "))
 	row("env", strings.Join(e.Env, " "))
 	row("labels", formatLabels(e.Labels))
@@ -514,7 +517,7 @@ func replay(cmd *cobra.Command, g *globals, arg string) error {
 		Image:     env.Image,
 		Workspace: env.Workspace,
 		Toolkits:  env.Toolkits,
-		Resources: dsec.Resources{MilliCPU: env.MilliCPU, MemoryBytes: env.MemoryBytes, Pids: env.Pids},
+		Resources: dsec.Resources{MilliCPU: env.MilliCPU, MemoryBytes: env.MemoryBytes, Pids: env.Pids, DiskBytes: env.DiskBytes},
 		Env:       env.Env,
 		Labels:    map[string]string{},
 		// A backstop: a replay killed before it destroys its sandbox does

@@ -62,7 +62,7 @@ func TestRunPathsAgree(t *testing.T) {
 		// run sends no stdin (the command reads an empty one), on both paths.
 		{name: "stdin", args: append(img, "--", "sh", "-c", "cat; echo done"), stdin: "ignored\n", fast: true},
 		{name: "flags", args: append(img, "-e", "A=1", "--env=B=2", "-w", "/tmp", "--cpu", "0.5", "--memory", "64m",
-			"--label", "k=v", "--sandbox-env", "C=3", "--ttl", "1h", "--", "sh", "-c", "echo $A $B $C; pwd"), fast: true},
+			"--disk-size", "512m", "--label", "k=v", "--sandbox-env", "C=3", "--ttl", "1h", "--", "sh", "-c", "echo $A $B $C; pwd"), fast: true},
 		{name: "token file", args: append([]string{"run", "--token-file", tokenFile, "--image", "busybox:latest"}, "--", "true"),
 			env: []string{"DSEC_TOKEN="}, fast: true},
 		{name: "missing image", args: []string{"run", "--image", "nope:latest", "--", "true"}, fast: true, code: 125},
@@ -74,6 +74,7 @@ func TestRunPathsAgree(t *testing.T) {
 		{name: "no command", args: img, code: 2},
 		{name: "unknown flag", args: append(img, "--bogus", "--", "true"), code: 2},
 		{name: "bad timeout", args: append(img, "--timeout", "-1s", "--", "true"), code: 2},
+		{name: "bad disk size", args: append(img, "--disk-size", "-1g", "--", "true"), code: 2},
 		{name: "missing token file", args: append([]string{"run", "--token-file", "/nonexistent"}, append(img[1:], "--", "true")...), code: 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -32,6 +32,7 @@ type runCall struct {
 	image, workspace, backend string
 	toolkits, labels, sbEnv   []string
 	cpu, memory, idleAction   string
+	disk                      string
 	ttl, idle                 time.Duration
 	// execFlags.
 	timeout   time.Duration
@@ -75,6 +76,7 @@ var runFlags = []runFlag{
 	{"backend", 0, str(func(c *runCall) *string { return &c.backend })},
 	{"cpu", 0, str(func(c *runCall) *string { return &c.cpu })},
 	{"memory", 0, str(func(c *runCall) *string { return &c.memory })},
+	{"disk-size", 0, str(func(c *runCall) *string { return &c.disk })},
 	{"label", 0, strs(func(c *runCall) *[]string { return &c.labels })},
 	{"sandbox-env", 0, strs(func(c *runCall) *[]string { return &c.sbEnv })},
 	{"ttl", 0, dur(func(c *runCall) *time.Duration { return &c.ttl })},
@@ -157,7 +159,7 @@ func (c *runCall) runRequest() (body []byte, ok bool) {
 		c.idleAction != "destroy" && c.idleAction != "freeze" {
 		return nil, false
 	}
-	var milliCPU, memBytes int64
+	var milliCPU, memBytes, diskBytes int64
 	var err error
 	if c.cpu != "" {
 		if milliCPU, err = flagval.ParseCPU("cpu", c.cpu); err != nil {
@@ -166,6 +168,11 @@ func (c *runCall) runRequest() (body []byte, ok bool) {
 	}
 	if c.memory != "" {
 		if memBytes, err = flagval.ParseSize("memory", c.memory); err != nil {
+			return nil, false
+		}
+	}
+	if c.disk != "" {
+		if diskBytes, err = flagval.ParseSize("disk-size", c.disk); err != nil {
 			return nil, false
 		}
 	}
@@ -192,6 +199,7 @@ func (c *runCall) runRequest() (body []byte, ok bool) {
 	spec.strs("toolkits", c.toolkits)
 	res.int64("milliCpu", milliCPU)
 	res.int64("memoryBytes", memBytes)
+	res.int64("diskBytes", diskBytes)
 	spec.object("resources", &res)
 	for k, v := range labels {
 		lab.key(k)

@@ -47,6 +47,7 @@ func TestParseRunLeavesTheRestToDsecCli(t *testing.T) {
 		{"--image", "x", "--idle-action", "sleep", "--", "true"},
 		{"--image", "x", "--cpu", "lots", "--", "true"},
 		{"--image", "x", "--memory", "-1g", "--", "true"},
+		{"--image", "x", "--disk-size", "lots", "--", "true"},
 		{"--image", "x", "--label", "novalue", "--", "true"},
 		{"--image", "x", "--label", "a=1", "--label", "a=2", "--", "true"},
 		{"--image", "x", "-e", "=v", "--", "true"},
@@ -79,7 +80,7 @@ func TestRunRequestIsTheSDKs(t *testing.T) {
 		},
 	}, {
 		args: []string{"--image=busybox:latest", "--workspace", "ws:1", "--toolkit", "t:1", "--toolkit=t:2",
-			"--backend", "container", "--cpu", "0.5", "--memory", "1.5g", "--label", "job=7", "--label", "k=a=b",
+			"--backend", "container", "--cpu", "0.5", "--memory", "1.5g", "--disk-size", "2g", "--label", "job=7", "--label", "k=a=b",
 			"--sandbox-env", "A=1", "--ttl", "1h", "--idle-timeout", "1.5s", "--idle-action", "freeze",
 			"--timeout", "250ms", "-e", "X=\"quoted\"\n", "-eY=2", "--env", "Z=3", "-w", "/tmp", "-uroot",
 			"--token", "tok", "--endpoint", "127.0.0.1:1",
@@ -87,7 +88,7 @@ func TestRunRequestIsTheSDKs(t *testing.T) {
 		want: &dsecv1.RunRequest{
 			Spec: &dsecv1.SandboxSpec{
 				Backend: "container", Image: "busybox:latest", Workspace: "ws:1", Toolkits: []string{"t:1", "t:2"},
-				Resources: &dsecv1.Resources{MilliCpu: 500, MemoryBytes: 3 << 29},
+				Resources: &dsecv1.Resources{MilliCpu: 500, MemoryBytes: 3 << 29, DiskBytes: 2 << 30},
 				Labels:    map[string]string{"job": "7", "k": "a=b"},
 				Ttl:       durationpb.New(time.Hour), IdleTimeout: durationpb.New(1500 * time.Millisecond),
 				Env: []string{"A=1"}, IdleAction: "freeze",

@@ -21,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // edgeFlags are the node's own settings, shared by edge and up.
@@ -36,8 +37,13 @@ type edgeFlags struct {
 	fnMax        int
 	fnQueue      int
 	autoPool     int
+	// defCPU, defMemory, defPids and defDisk are the --default-* flags:
+	// what a sandbox gets for what its spec and tenant leave 0.
+	defCPU, defMemory, defDisk string
+	defPids                    int64
 
 	capacity placement.Capacity // set by validate
+	defaults spec.Resources     // set by validate: every field set
 	mounts   *layer.Mounts      // set by build
 	backend  *container.Backend // set by build
 }
@@ -64,6 +70,10 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.fnMax, "fn-max", edge.DefaultFnMax, "most sandboxes of one fncall pool; calls beyond wait")
 	fl.IntVar(&f.fnQueue, "fn-queue", edge.DefaultFnQueue, "most fncall calls waiting for a sandbox; beyond, Unavailable with a retry-after hint")
 	fl.IntVar(&f.autoPool, "auto-pool", edge.DefaultAutoPool, "destroyed sandboxes a node may always keep, reset, per hot spec for its next creates (more when the spec had more alive at once lately, within capacity), and per tenant to rebase onto creates of other specs; 0 disables recycling")
+	fl.StringVar(&f.defCPU, "default-cpu", "", fmt.Sprintf("CPU cores a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatCPU(spec.Builtin.MilliCPU)))
+	fl.StringVar(&f.defMemory, "default-memory", "", fmt.Sprintf("memory limit a sandbox gets when neither its spec nor its tenant say, e.g. 512m (default %s)", cli.FormatSize(spec.Builtin.MemoryBytes)))
+	fl.Int64Var(&f.defPids, "default-pids", 0, fmt.Sprintf("process limit a sandbox gets when neither its spec nor its tenant say (default %d)", spec.Builtin.Pids))
+	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -90,6 +100,29 @@ func (f *edgeFlags) validate() error {
 		if f.capacity.MemoryBytes, err = cli.ParseSize("memory", f.memory); err != nil {
 			return cli.UsageError{Err: err}
 		}
+	}
+	var d spec.Resources
+	if f.defCPU != "" {
+		if d.MilliCPU, err = cli.ParseCPU("default-cpu", f.defCPU); err != nil {
+			return cli.UsageError{Err: err}
+		}
+	}
+	if f.defMemory != "" {
+		if d.MemoryBytes, err = cli.ParseSize("default-memory", f.defMemory); err != nil {
+			return cli.UsageError{Err: err}
+		}
+	}
+	if f.defDisk != "" {
+		if d.DiskBytes, err = cli.ParseSize("default-disk", f.defDisk); err != nil {
+			return cli.UsageError{Err: err}
+		}
+	}
+	if f.defPids < 0 {
+		return cli.Usagef("--default-pids %d: must not be negative", f.defPids)
+	}
+	d.Pids = f.defPids
+	if f.defaults, err = spec.NodeDefaults(d); err != nil {
+		return cli.Usagef("--default-*: %v", err)
 	}
 	return nil
 }
@@ -136,6 +169,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		FnMax:             f.fnMax,
 		FnQueue:           f.fnQueue,
 		AutoPool:          f.autoPool,
+		Defaults:          f.defaults,
 	})
 }
 

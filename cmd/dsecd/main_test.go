@@ -9,8 +9,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/spf13/cobra"
+
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // run executes dsecd's root command in-process and returns its stdout, its
@@ -84,6 +87,12 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		{[]string{"up", "--fn-warm", "5", "--fn-max", "2"}, "want 0 <= fn-warm <= fn-max"},
 		{[]string{"edge", "--server", "http://127.0.0.1:1", "--memory", "lots"}, "--memory \"lots\""},
 		{[]string{"up", "--node-id", "Bad_ID"}, "--node-id"},
+		{[]string{"up", "--default-cpu", "lots"}, "--default-cpu \"lots\""},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--default-pids", "-1"}, "--default-pids -1: must not be negative"},
+		{[]string{"up", "--default-memory", "-1g"}, "--default-memory \"-1g\": must not be negative"},
+		{[]string{"up", "--default-disk", "2048t"}, "defaults.disk_bytes"},
+		{[]string{"up", "--max-import-size", "0"}, "--max-import-size 0: must be positive"},
+		{[]string{"server", "--max-import-size", "big"}, "--max-import-size \"big\""},
 	} {
 		data := filepath.Join(t.TempDir(), "data")
 		args := append(tc.args, "--data-dir", data, "--listen", "127.0.0.1:0")
@@ -93,6 +102,30 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		}
 		if _, err := os.Stat(data); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("dsecd %s made its data dir (%v)", strings.Join(tc.args, " "), err)
+		}
+	}
+}
+
+// TestDefaultFlags: the node's --default-* flags parse as --cpu and
+// --memory do and fill what they leave with the built-in defaults, which
+// their help states.
+func TestDefaultFlags(t *testing.T) {
+	var f edgeFlags
+	cmd := &cobra.Command{Use: "x"}
+	f.register(cmd)
+	if err := cmd.Flags().Parse([]string{"--default-cpu", "0.5", "--default-disk", "2g"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.validate(); err != nil {
+		t.Fatal(err)
+	}
+	want := spec.Resources{MilliCPU: 500, MemoryBytes: spec.Builtin.MemoryBytes, Pids: spec.Builtin.Pids, DiskBytes: 2 << 30}
+	if f.defaults != want {
+		t.Fatalf("defaults %+v, want %+v", f.defaults, want)
+	}
+	for flag, def := range map[string]string{"default-cpu": "default 1)", "default-memory": "default 1GiB)", "default-pids": "default 1024)", "default-disk": "default 10GiB)"} {
+		if u := cmd.Flags().Lookup(flag).Usage; !strings.Contains(u, def) {
+			t.Errorf("--%s help %q does not say %q", flag, u, def)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/netip"
 	"strings"
@@ -83,18 +84,23 @@ type serveFlags struct {
 	queueSize    int
 	queueTimeout time.Duration
 	runCodeOpen  []string
+	// maxImport is --max-import-size; maxImportBytes it parsed.
+	maxImport      string
+	maxImportBytes int64
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
 	fl := cmd.Flags()
 	fl.IntVar(&f.queueSize, "queue-size", controlplane.DefaultQueueSize, "creates that may wait for room when every node is full; beyond it they are refused with a retry-after hint")
 	fl.DurationVar(&f.queueTimeout, "queue-timeout", controlplane.DefaultQueueTimeout, "longest wait for room of a create whose caller set no deadline")
+	fl.StringVar(&f.maxImport, "max-import-size", "", fmt.Sprintf("largest image an import may expand to after decompression, for tenants whose quota does not say and for the admin (default %s)", cli.FormatSize(controlplane.DefaultMaxImportBytes)))
 	fl.StringSliceVar(&f.runCodeOpen, "run-code-open", nil, "networks (CIDR, e.g. 10.0.0.0/8) whose callers may POST /run_code without a token, for SandboxFusion clients (default: none)")
 }
 
 // apply validates the flags into cfg.
 func (f *serveFlags) apply(cfg controlplane.Config) controlplane.Config {
 	cfg.QueueSize, cfg.QueueTimeout = f.queueSize, f.queueTimeout
+	cfg.MaxImportBytes = f.maxImportBytes
 	for _, c := range f.runCodeOpen {
 		pfx, err := netip.ParsePrefix(strings.TrimSpace(c))
 		if err != nil {
@@ -113,6 +119,16 @@ func (f *serveFlags) validate() error {
 	}
 	if f.queueTimeout <= 0 {
 		return cli.Usagef("--queue-timeout %s: must be positive", f.queueTimeout)
+	}
+	if f.maxImport != "" {
+		n, err := cli.ParseSize("max-import-size", f.maxImport)
+		if err != nil {
+			return cli.UsageError{Err: err}
+		}
+		if n == 0 {
+			return cli.Usagef("--max-import-size 0: must be positive")
+		}
+		f.maxImportBytes = n
 	}
 	for _, c := range f.runCodeOpen {
 		if _, err := netip.ParsePrefix(strings.TrimSpace(c)); err != nil {

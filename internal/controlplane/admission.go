@@ -48,6 +48,16 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 	if !queueable(first) {
 		return reservation{}, toConnect(first)
 	}
+	// A create no live node could hold even empty would only wait out
+	// its deadline in the queue, holding a slot: refuse it at once.
+	if cpu, mem, ok := s.reg.largest(prep.req.Kind, s.cfg.Overcommit); ok {
+		switch {
+		case prep.req.MilliCPU > cpu:
+			return reservation{}, errf(connect.CodeResourceExhausted, "spec.resources.milli_cpu: %d is more than any node offers (the largest: %d)", prep.req.MilliCPU, cpu)
+		case prep.req.MemoryBytes > mem:
+			return reservation{}, errf(connect.CodeResourceExhausted, "spec.resources.memory_bytes: %d is more than any node offers (the largest: %d)", prep.req.MemoryBytes, mem)
+		}
+	}
 	if s.queued.Add(1) > int64(s.cfg.QueueSize) {
 		s.queued.Add(-1)
 		s.metrics.queueFull.Inc()

@@ -29,6 +29,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
+	"github.com/dsec-dev/dsec/internal/spec"
 	dsectest "github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -51,6 +52,9 @@ type cluster struct {
 	// autoPool is the edges' Config.AutoPool (0: no recycling), for the
 	// edges added after it is set.
 	autoPool int
+	// defaults are the edges' Config.Defaults, for the edges added after
+	// it is set.
+	defaults spec.Resources
 }
 
 type testEdge struct {
@@ -154,6 +158,7 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, oc placement.O
 		ClusterToken:      clusterToken,
 		HeartbeatInterval: 50 * time.Millisecond,
 		AutoPool:          c.autoPool,
+		Defaults:          c.defaults,
 		Registry:          prometheus.NewRegistry(),
 		Logger:            slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})

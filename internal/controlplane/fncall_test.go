@@ -200,6 +200,20 @@ func TestAdmissionQueue(t *testing.T) {
 	if c.srv.queued.Load() != 0 {
 		t.Errorf("queue length %d after the wait", c.srv.queued.Load())
 	}
+
+	// A create that no node could hold even empty does not wait (it
+	// held a queue slot for the whole timeout): refused at once, naming
+	// the field, and with no queue slot taken.
+	c.srv.cfg.QueueTimeout = time.Hour
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	huge := &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MemoryBytes: 1 << 43}}
+	_, err = c.clients.sb.Create(ctx, req(c.admin, &dsecv1.CreateSandboxRequest{Spec: huge}))
+	wantCode(t, err, connect.CodeResourceExhausted, "spec.resources.memory_bytes")
+	if ctx.Err() != nil || c.srv.queued.Load() != 0 {
+		t.Errorf("the impossible create waited (%v) or holds a queue slot (%d)", ctx.Err(), c.srv.queued.Load())
+	}
+	c.srv.cfg.QueueTimeout = time.Minute
 }
 
 func TestBatchAndPools(t *testing.T) {

@@ -145,9 +145,13 @@ func (is *imageService) Import(ctx context.Context, stream *connect.ClientStream
 		internal = tenantScope(p.Tenant) + internal
 	}
 
+	limit, limitName, err := s.importLimit(ctx, p)
+	if err != nil {
+		return nil, err
+	}
 	path := hdr.GetServerPath()
 	if path == "" {
-		tmp, err := s.spool(stream)
+		tmp, err := s.spool(stream, limit, limitName)
 		if err != nil {
 			return nil, err
 		}
@@ -159,11 +163,14 @@ func (is *imageService) Import(ctx context.Context, stream *connect.ClientStream
 		return nil, err
 	}
 
-	m, err := layer.Import(ctx, s.cfg.Store, s.images, internal, path, nil)
+	m, err := layer.Import(ctx, s.cfg.Store, s.images, internal, path, nil, layer.WithMaxBytes(limit))
 	if err != nil {
 		s.metrics.fail("image_import", err)
 		if ctx.Err() != nil {
 			return nil, toConnect(ctx.Err())
+		}
+		if errors.Is(err, layer.ErrTooLarge) {
+			return nil, errf(connect.CodeResourceExhausted, "import %q: %s %d exceeded: the image expands to more than %d bytes after decompression", r.String(), limitName, limit, limit)
 		}
 		if errors.Is(err, image.ErrInvalidRef) {
 			return nil, errf(connect.CodeInvalidArgument, "header.ref: %w", err)
@@ -178,9 +185,30 @@ func (is *imageService) Import(ctx context.Context, stream *connect.ClientStream
 	return connect.NewResponse(&dsecv1.ImportImageResponse{Image: forCaller(p, internal, toImage(internal, digest, m))}), nil
 }
 
+// importLimit is what one import by p may expand to, and the name of the
+// setting that says so (for errors).
+func (s *Server) importLimit(ctx context.Context, p iam.Principal) (int64, string, error) {
+	if !p.Admin {
+		t, err := s.iam.Tenant(ctx, p.Tenant)
+		if err != nil {
+			return 0, "", errf(connect.CodeUnavailable, "tenant %q: %w", p.Tenant, err)
+		}
+		if t.Quota.MaxImportBytes > 0 {
+			return t.Quota.MaxImportBytes, fmt.Sprintf("tenant %q quota max_import_bytes", p.Tenant), nil
+		}
+	}
+	return s.cfg.MaxImportBytes, "the server's import size limit (--max-import-size)", nil
+}
+
+// spoolSlack is what an upload may exceed the import limit by: compressing
+// data that does not compress adds a little.
+func spoolSlack(limit int64) int64 { return limit/64 + 1<<20 }
+
 // spool writes the uploaded chunks to a temp file, on the blob store's file
-// system when it has one so that large uploads do not fill /tmp.
-func (s *Server) spool(stream *connect.ClientStream[dsecv1.ImportImageRequest]) (string, error) {
+// system when it has one so that large uploads do not fill /tmp. An upload
+// larger than the import limit (and a little slack) is refused as it
+// arrives: it cannot expand to less.
+func (s *Server) spool(stream *connect.ClientStream[dsecv1.ImportImageRequest], limit int64, limitName string) (string, error) {
 	dir := ""
 	if ing, ok := s.cfg.Store.(blobstore.Ingester); ok {
 		dir = ing.TempDir()
@@ -200,6 +228,9 @@ func (s *Server) spool(stream *connect.ClientStream[dsecv1.ImportImageRequest]) 
 			return fail(errf(connect.CodeInvalidArgument, "header: sent twice"))
 		}
 		c := stream.Msg().GetChunk()
+		if n+int64(len(c)) > limit+spoolSlack(limit) {
+			return fail(errf(connect.CodeResourceExhausted, "upload: %s %d exceeded: more than %d bytes uploaded", limitName, limit, n+int64(len(c))))
+		}
 		if _, err := f.Write(c); err != nil {
 			return fail(errf(connect.CodeInternal, "spool upload: %w", err))
 		}

@@ -20,6 +20,9 @@ import (
 
 type poolService struct{ s *Server }
 
+// maxPoolSize is the edge's bound on a pool's size.
+const maxPoolSize = 4096
+
 // poolKeyOf is edge.PoolKey: servers and edges must agree on it.
 func poolKeyOf(backend string, layers []string, res *dsecv1.Resources, env []string) string {
 	return edge.PoolKey(backend, layers, res, env)
@@ -53,13 +56,19 @@ func (ps *poolService) Create(ctx context.Context, req *connect.Request[dsecv1.C
 	if err != nil {
 		return nil, err
 	}
-	// Placed like one sandbox of the spec; the reservation only picks the
-	// node and the ID (the edge charges the pool's sandboxes itself).
-	res, err := s.place(p, quota, prep, nil)
+	if req.Msg.GetSize() > maxPoolSize {
+		return nil, errf(connect.CodeInvalidArgument, "size: %d is above %d", req.Msg.GetSize(), maxPoolSize)
+	}
+	// Placed like one sandbox of the spec, but charged to the tenant's
+	// quota for its whole size: a tenant's pool keeps that many
+	// sandboxes ready besides those taken from it, and they count
+	// against its quota for as long as the pool lives (heartbeats carry
+	// the charge; this reservation covers the time until the first).
+	// The edge charges the pool's sandboxes to its capacity itself.
+	res, err := s.reserve(placeReq{tenant: p.Tenant, quota: quota, req: prep.req, labels: prep.user.Labels, pool: int64(req.Msg.GetSize())})
 	if err != nil {
 		return nil, toConnect(err)
 	}
-	s.reg.release(res.id)
 	edgeReq := &dsecv1.CreatePoolRequest{
 		Spec: prep.edge, Size: req.Msg.GetSize(), MinSize: req.Msg.GetMinSize(), IdleShrink: req.Msg.GetIdleShrink(),
 	}
@@ -69,8 +78,10 @@ func (ps *poolService) Create(ctx context.Context, req *connect.Request[dsecv1.C
 		Caller: callerOf(p), PoolId: res.id, Request: edgeReq,
 	}))
 	if err != nil {
+		s.reg.release(res.id)
 		return nil, edgeFailure(res.node, err)
 	}
+	s.reg.completed(res.id)
 	return connect.NewResponse(&dsecv1.CreatePoolResponse{Pool: poolToUser(resp.Msg.GetPool())}), nil
 }
 
@@ -136,5 +147,6 @@ func (ps *poolService) Delete(ctx context.Context, req *connect.Request[dsecv1.D
 	if _, err := s.edges.get(rt.url).DeletePoolOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeDeletePoolRequest{Caller: callerOf(p), PoolId: id})); err != nil {
 		return nil, edgeFailure(rt.node, err)
 	}
+	s.reg.forgetPool(id)
 	return connect.NewResponse(&dsecv1.DeletePoolResponse{}), nil
 }

@@ -19,7 +19,9 @@ func TestRebaseRouting(t *testing.T) {
 	c.autoPool = 4
 	// n1 is small: one sandbox there weighs more than holding the image
 	// (placement's locality weight) against an empty n2.
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 8}, placement.Overcommit{})
+	// Memory is plenty on both: every sandbox gets a default of 1 GiB,
+	// which must not weigh in the comparison.
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, MemoryBytes: 1 << 40, Sandboxes: 8}, placement.Overcommit{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +36,7 @@ func TestRebaseRouting(t *testing.T) {
 		onN1 = append(onN1, sb)
 	}
 	// n2 joins empty: by load every create goes there from now on.
-	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, MemoryBytes: 1 << 40, Sandboxes: 64}, placement.Overcommit{})
 	if err := c.destroy(alice, onN1[0].GetId()); err != nil {
 		t.Fatal(err)
 	}

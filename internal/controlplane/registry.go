@@ -14,6 +14,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // Sandbox states as the API reports them.
@@ -70,6 +71,9 @@ type node struct {
 	pools []*dsecv1.PoolSummary
 	// queued is how many creates and calls wait on the node.
 	queued int32
+	// defaults are the resources the node gives what a spec leaves 0, as
+	// last reported (zero before the first heartbeat that says).
+	defaults spec.Resources
 }
 
 type lostSandbox struct {
@@ -84,6 +88,9 @@ type pendingCreate struct {
 	use              iam.Usage
 	labels           map[string]string
 	doneAt           time.Time // zero while the edge call is in flight
+	// pool is set for a pool being created (id is the pool's): use is
+	// its whole size, and a heartbeat listing the pool ends it.
+	pool bool
 }
 
 func newRegistry(timeout, retention time.Duration) *registry {
@@ -151,6 +158,18 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 			tenantUse[s.GetTenant()] = tenantUse[s.GetTenant()].Add(iam.Usage{Sandboxes: 1, MilliCPU: s.GetMilliCpu(), MemoryBytes: s.GetMemoryBytes()})
 		}
 	}
+	for i, p := range hb.GetPools() {
+		if p.GetCharged() < 0 || p.GetMilliCpu() < 0 || p.GetMemoryBytes() < 0 {
+			return fmt.Errorf("pools[%d] (%s): negative amount", i, p.GetId())
+		}
+		if p.GetCharged() > 0 && p.GetTenant() != "" {
+			tenantUse[p.GetTenant()] = tenantUse[p.GetTenant()].Add(poolUse(p))
+		}
+	}
+	defaults := spec.FromProto(hb.GetDefaults())
+	if defaults.Validate("defaults") != nil {
+		return fmt.Errorf("defaults: %+v out of bounds", defaults)
+	}
 	load := hb.GetLoad()
 	if !(load >= 0) || load > 1e6 {
 		load = 0
@@ -175,7 +194,7 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 		}
 		for id, p := range r.pending {
 			if p.node == n.id && !p.doneAt.IsZero() {
-				if _, again := sandboxes[id]; !again {
+				if _, again := sandboxes[id]; !again && !p.pool {
 					n.lost[id] = lostSandbox{summary: p.summary(), reason: reason, since: now}
 				}
 				r.dropPendingLocked(p)
@@ -188,7 +207,14 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 	n.lastSeen = now
 	n.deadLogged = false
 	n.pools, n.queued = hb.GetPools(), hb.GetQueued()
+	n.defaults = defaults
 	defer r.signalRoomLocked()
+	// A pool being created that the node now reports is charged by it.
+	for _, pl := range n.pools {
+		if p := r.pending[pl.GetId()]; p != nil && p.pool && p.node == n.id {
+			r.dropPendingLocked(p)
+		}
+	}
 	// A pending create the node now reports is counted by the heartbeat.
 	// Walk the smaller side: usually a few pending creates against
 	// thousands of reported sandboxes, but a burst can invert that.
@@ -206,6 +232,62 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 		}
 	}
 	return nil
+}
+
+// poolUse is what a pool in a heartbeat charges its tenant's quota.
+func poolUse(p *dsecv1.PoolSummary) iam.Usage {
+	return iam.Usage{Sandboxes: 1, MilliCPU: p.GetMilliCpu(), MemoryBytes: p.GetMemoryBytes()}.Scale(int64(p.GetCharged()))
+}
+
+// defaults returns the resources to fill into a spec for what it and its
+// tenant leave 0: the live nodes' reported defaults, the largest of them
+// field by field where nodes disagree (a sandbox must not get more than
+// its quota was charged, wherever it is placed), else fallback when no
+// live node has reported any.
+func (r *registry) defaults(fallback spec.Resources) spec.Resources {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	var d spec.Resources
+	for _, n := range r.nodes {
+		if r.alive(n, now) {
+			d = d.Max(n.defaults)
+		}
+	}
+	return d.Or(fallback)
+}
+
+// largest returns what the biggest live node offers for kind (capacity
+// times overcommit, CPU and memory apart), and whether any live node
+// offers kind at all.
+func (r *registry) largest(kind runtime.Kind, oc placement.Overcommit) (cpu, mem int64, ok bool) {
+	if oc.CPU == 0 {
+		oc.CPU = placement.DefaultOvercommit.CPU
+	}
+	if oc.Memory == 0 {
+		oc.Memory = placement.DefaultOvercommit.Memory
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for _, n := range r.nodes {
+		c, has := n.capacity[kind]
+		if !has || !r.alive(n, now) {
+			continue
+		}
+		ok = true
+		cpu = max(cpu, int64(float64(c.MilliCPU)*oc.CPU))
+		mem = max(mem, int64(float64(c.MemoryBytes)*oc.Memory))
+	}
+	return cpu, mem, ok
+}
+
+// tenantUse is what tenant holds as this replica sees it (live sandboxes
+// and pools on live nodes, plus its creates in flight).
+func (r *registry) tenantUse(tenant string) iam.Usage {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.tenantUseLocked(tenant, r.now())
 }
 
 func checkNonNegative(cs ...placement.Capacity) error {
@@ -234,7 +316,7 @@ func (r *registry) dropPendingLocked(p *pendingCreate) {
 		c := n.pendingUse[p.kind]
 		c.MilliCPU -= p.use.MilliCPU
 		c.MemoryBytes -= p.use.MemoryBytes
-		c.Sandboxes--
+		c.Sandboxes -= p.use.Sandboxes
 		n.pendingUse[p.kind] = c
 	}
 }
@@ -245,6 +327,19 @@ type placeReq struct {
 	quota  *iam.Quota // nil: not limited (admin)
 	req    placement.Request
 	labels map[string]string
+	// pool, when above 0, places a pool of that many sandboxes of req: its
+	// tenant's quota and the node are charged for all of them (the node
+	// is chosen as for one).
+	pool int64
+}
+
+// need is what pr charges its tenant's quota.
+func (pr placeReq) need() iam.Usage {
+	one := iam.Usage{Sandboxes: 1, MilliCPU: pr.req.MilliCPU, MemoryBytes: pr.req.MemoryBytes}
+	if pr.pool > 0 {
+		return one.Scale(pr.pool)
+	}
+	return one
 }
 
 // reservation is where one placeReq goes, or why it cannot.
@@ -269,7 +364,7 @@ func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservat
 	used := map[string]iam.Usage{}
 	var admitted []int
 	for i, pr := range reqs {
-		need := iam.Usage{Sandboxes: 1, MilliCPU: pr.req.MilliCPU, MemoryBytes: pr.req.MemoryBytes}
+		need := pr.need()
 		u, ok := used[pr.tenant]
 		if !ok {
 			u = r.tenantUseLocked(pr.tenant, now)
@@ -307,14 +402,14 @@ func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservat
 		pr := reqs[i]
 		p := &pendingCreate{
 			id: ids.NewSandbox(n.id), node: n.id, tenant: pr.tenant, kind: pr.req.Kind, labels: pr.labels,
-			use: iam.Usage{Sandboxes: 1, MilliCPU: pr.req.MilliCPU, MemoryBytes: pr.req.MemoryBytes},
+			use: pr.need(), pool: pr.pool > 0,
 		}
 		r.pending[p.id] = p
 		r.pendingUse[p.tenant] = r.pendingUse[p.tenant].Add(p.use)
 		c := n.pendingUse[p.kind]
 		c.MilliCPU += p.use.MilliCPU
 		c.MemoryBytes += p.use.MemoryBytes
-		c.Sandboxes++
+		c.Sandboxes += p.use.Sandboxes
 		n.pendingUse[p.kind] = c
 		out[i] = reservation{id: p.id, node: n.id, url: n.url}
 	}
@@ -413,6 +508,35 @@ func (r *registry) forget(id string) {
 	}
 }
 
+// forgetPool drops a deleted pool's charge at once rather than at the
+// node's next heartbeat.
+func (r *registry) forgetPool(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if p := r.pending[id]; p != nil {
+		r.dropPendingLocked(p)
+	}
+	nodeID, err := ids.NodeOf(id)
+	if err != nil {
+		return
+	}
+	n := r.nodes[nodeID]
+	if n == nil {
+		return
+	}
+	for i, pl := range n.pools {
+		if pl.GetId() != id {
+			continue
+		}
+		if pl.GetCharged() > 0 && pl.GetTenant() != "" {
+			n.tenantUse[pl.GetTenant()] = n.tenantUse[pl.GetTenant()].Sub(poolUse(pl))
+		}
+		n.pools = slices.Delete(slices.Clone(n.pools), i, i+1)
+		r.signalRoomLocked()
+		return
+	}
+}
+
 // warmNodes lists the live nodes holding a ready sandbox of a warm pool
 // with key that serves tenant, most ready first.
 func (r *registry) warmNodes(key, tenant string) []string {
@@ -504,7 +628,7 @@ func (r *registry) route(id string) (route, error) {
 	}
 	if s, ok := n.sandboxes[id]; ok {
 		rt.summary = s
-	} else if p := r.pending[id]; p != nil {
+	} else if p := r.pending[id]; p != nil && !p.pool {
 		rt.summary = p.summary()
 	}
 	if !rt.alive && rt.summary != nil {
@@ -538,7 +662,7 @@ func (r *registry) snapshot() (live []edgeRef, lost []lostEntry) {
 			}
 		}
 		for _, p := range r.pending {
-			if p.node == n.id && !p.doneAt.IsZero() {
+			if p.node == n.id && !p.doneAt.IsZero() && !p.pool {
 				lost = append(lost, lostEntry{node: n.id, summary: p.summary(), reason: notResponding(n.id)})
 			}
 		}

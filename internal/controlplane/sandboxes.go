@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sort"
-	"strings"
 	"sync"
 	"time"
 
@@ -17,22 +16,19 @@ import (
 	"github.com/dsec-dev/dsec/internal/edge"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 type sandboxService struct{ s *Server }
 
 // prepared is a validated create: the spec as the user wrote it (defaults
-// filled), the spec the edge gets (internal image names), and what
-// placement needs to know.
+// filled, resources included), the spec the edge gets (internal image
+// names), and what placement needs to know.
 type prepared struct {
 	user, edge *dsecv1.SandboxSpec
 	req        placement.Request
 	// key matches warm pools of the same spec (edge.PoolKey).
 	key string
-}
-
-var knownBackends = map[runtime.Kind]bool{
-	runtime.KindContainer: true, runtime.KindFnCall: true, runtime.KindMicroVM: true, runtime.KindFullVM: true,
 }
 
 func validDuration(field string, d *durationpb.Duration) error {
@@ -48,47 +44,26 @@ func validDuration(field string, d *durationpb.Duration) error {
 	return nil
 }
 
-func (s *Server) prepare(ctx context.Context, p iam.Principal, spec *dsecv1.SandboxSpec) (*prepared, error) {
-	if spec == nil {
-		return nil, errf(connect.CodeInvalidArgument, "spec: required")
+// prepare checks a create by the spec contract (package spec), resolves
+// its images for the caller and completes its resources: what the spec
+// leaves 0 takes the tenant's default, else the nodes' (as their
+// heartbeats report them, else Config.Defaults). The edge gets them
+// spelled out, so the quota charges what the sandbox gets and the pool
+// key of a defaulted spec is that of the same values written out.
+func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.SandboxSpec) (*prepared, error) {
+	user, err := spec.Validate(in)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	user := proto.Clone(spec).(*dsecv1.SandboxSpec)
-	if user.Backend == "" {
-		user.Backend = string(runtime.KindContainer)
-	}
-	if !knownBackends[runtime.Kind(user.Backend)] {
-		return nil, errf(connect.CodeInvalidArgument, "spec.backend: unknown backend %q (want container, fncall, microvm or fullvm)", user.Backend)
-	}
-	res := user.GetResources()
-	switch {
-	case res.GetMilliCpu() < 0:
-		return nil, errf(connect.CodeInvalidArgument, "spec.resources.milli_cpu: %d is negative", res.GetMilliCpu())
-	case res.GetMemoryBytes() < 0:
-		return nil, errf(connect.CodeInvalidArgument, "spec.resources.memory_bytes: %d is negative", res.GetMemoryBytes())
-	case res.GetPids() < 0:
-		return nil, errf(connect.CodeInvalidArgument, "spec.resources.pids: %d is negative", res.GetPids())
-	}
-	if err := validDuration("spec.ttl", user.Ttl); err != nil {
-		return nil, err
-	}
-	if err := validDuration("spec.idle_timeout", user.IdleTimeout); err != nil {
-		return nil, err
-	}
-	switch user.IdleAction {
-	case "", "destroy", "freeze":
-	default:
-		return nil, errf(connect.CodeInvalidArgument, "spec.idle_action: %q is not \"destroy\" or \"freeze\"", user.IdleAction)
-	}
-	for k := range user.Labels {
-		if k == "" || strings.ContainsAny(k, "=,") {
-			return nil, errf(connect.CodeInvalidArgument, "spec.labels: key %q must be non-empty without '=' or ','", k)
+	var tenantDefaults spec.Resources
+	if !p.Admin {
+		t, err := s.iam.Tenant(ctx, p.Tenant)
+		if err != nil {
+			return nil, errf(connect.CodeUnavailable, "tenant %q: %w", p.Tenant, err)
 		}
+		tenantDefaults = t.Defaults
 	}
-	for i, e := range user.Env {
-		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
-			return nil, errf(connect.CodeInvalidArgument, "spec.env[%d]: %q is not K=V", i, e)
-		}
-	}
+	res := spec.WithDefaults(user, tenantDefaults, s.reg.defaults(s.cfg.Defaults))
 
 	edge := proto.Clone(user).(*dsecv1.SandboxSpec)
 	seen := map[string]bool{}
@@ -106,7 +81,6 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, spec *dsecv1.Sand
 		}
 		return internal, nil
 	}
-	var err error
 	if edge.Image, err = resolve("spec.image", user.Image); err != nil {
 		return nil, err
 	}
@@ -129,7 +103,7 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, spec *dsecv1.Sand
 		user: user,
 		edge: edge,
 		req: placement.Request{
-			Kind: runtime.Kind(user.Backend), MilliCPU: res.GetMilliCpu(), MemoryBytes: res.GetMemoryBytes(),
+			Kind: runtime.Kind(user.Backend), MilliCPU: res.MilliCPU, MemoryBytes: res.MemoryBytes,
 			Layers: layers, Tenant: p.Tenant, Labels: user.Labels,
 		},
 	}, nil
@@ -190,6 +164,15 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 		}
 	}
 	out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
+	if err != nil {
+		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
+	}
+	return out[0], out[0].err
+}
+
+// reserve places one request by load alone (no warm-node preference).
+func (s *Server) reserve(pr placeReq) (reservation, error) {
+	out, err := s.reg.reserve([]placeReq{pr}, s.cfg.Overcommit)
 	if err != nil {
 		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
 	}

@@ -28,6 +28,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // Defaults for Config fields left zero.
@@ -39,6 +40,10 @@ const (
 	DefaultLostRetention = time.Hour
 	DefaultQueueSize     = 1024
 	DefaultQueueTimeout  = time.Minute
+	// DefaultMaxImportBytes bounds an import (after decompression) when
+	// neither the tenant's quota nor the server's config say: room for a
+	// full language image, not for a decompression bomb.
+	DefaultMaxImportBytes = 8 << 30
 	// maxCreateAttempts bounds how many edges one create tries before
 	// giving up: each refusal excludes that edge.
 	maxCreateAttempts = 3
@@ -88,6 +93,14 @@ type Config struct {
 	// token (SandboxFusion clients send none); they run as the admin's
 	// tenant-less identity. Empty: a token is always required.
 	RunCodeOpen []netip.Prefix
+	// Defaults are the node defaults the server fills into specs while no
+	// live node has reported its own (heartbeats carry them; `dsec up`
+	// passes its edge's). Zero fields take spec.Builtin.
+	Defaults spec.Resources
+	// MaxImportBytes bounds an image import after decompression for
+	// tenants whose quota does not set max_import_bytes, and for the
+	// admin (default DefaultMaxImportBytes).
+	MaxImportBytes int64
 }
 
 // Server is one control-plane replica.
@@ -129,6 +142,17 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.QueueTimeout == 0 {
 		cfg.QueueTimeout = DefaultQueueTimeout
+	}
+	defaults, err := spec.NodeDefaults(cfg.Defaults)
+	if err != nil {
+		return nil, fmt.Errorf("controlplane: Config.Defaults: %w", err)
+	}
+	cfg.Defaults = defaults
+	if cfg.MaxImportBytes < 0 {
+		return nil, fmt.Errorf("controlplane: Config.MaxImportBytes %d is negative", cfg.MaxImportBytes)
+	}
+	if cfg.MaxImportBytes == 0 {
+		cfg.MaxImportBytes = DefaultMaxImportBytes
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

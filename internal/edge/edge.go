@@ -43,6 +43,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
@@ -110,6 +111,10 @@ type Config struct {
 	// FnMax bounds its sandboxes (calls beyond wait) and FnQueue the calls
 	// waiting; defaults DefaultFnWarm, DefaultFnMax, DefaultFnQueue.
 	FnWarm, FnMax, FnQueue int
+	// FnPools bounds the images the node keeps fncall pools for (default
+	// DefaultFnPools); past it the least recently used idle pool is
+	// closed, or the call is Unavailable when every pool is busy.
+	FnPools int
 	// AutoPool is the least number of destroyed sandboxes of one spec (per
 	// tenant) the node may keep, reset, for the next creates of that spec;
 	// above it the pool follows the spec's recent peak alive (see
@@ -118,6 +123,10 @@ type Config struct {
 	// rebase.go). 0 turns both kinds of recycling off. The CLI's default
 	// is DefaultAutoPool.
 	AutoPool int
+	// Defaults are the resources a sandbox gets for what its spec (and
+	// its tenant's defaults, which servers fill in) leave 0; zero fields
+	// take spec.Builtin. Heartbeats report them to servers.
+	Defaults spec.Resources
 }
 
 // Edge is one node's agent. Create it with New, mount its service with
@@ -221,6 +230,9 @@ func New(cfg Config) (*Edge, error) {
 	if cfg.FnQueue == 0 {
 		cfg.FnQueue = DefaultFnQueue
 	}
+	if cfg.FnPools <= 0 {
+		cfg.FnPools = DefaultFnPools
+	}
 	if cfg.MaxLayers <= 0 {
 		cfg.MaxLayers = DefaultMaxLayers
 	}
@@ -233,6 +245,11 @@ func New(cfg Config) (*Edge, error) {
 	if cfg.Overcommit.CPU < 1 || cfg.Overcommit.Memory < 1 {
 		return nil, fmt.Errorf("edge config Overcommit %+v: ratios must be at least 1", cfg.Overcommit)
 	}
+	defaults, err := spec.NodeDefaults(cfg.Defaults)
+	if err != nil {
+		return nil, fmt.Errorf("edge config Defaults: %w", err)
+	}
+	cfg.Defaults = defaults
 	if cfg.HTTPClient == nil {
 		cfg.HTTPClient = &http.Client{}
 	}

@@ -29,6 +29,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
+	edgespec "github.com/dsec-dev/dsec/internal/spec"
 	dsectest "github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -109,6 +110,10 @@ func (w *world) startNode(t *testing.T, id string, mod func(*edge.Config)) *node
 		ClusterToken:      token,
 		HeartbeatInterval: 50 * time.Millisecond,
 		Registry:          reg,
+		// Every sandbox gets limits (1 core and 1 GiB by default): room
+		// for the many sandboxes of these tests, which measure other
+		// things than capacity unless they set their own.
+		Capacity: map[runtime.Kind]placement.Capacity{runtime.KindContainer: {MilliCPU: 1 << 20, MemoryBytes: 1 << 40}},
 	}
 	if mod != nil {
 		mod(&cfg)
@@ -444,6 +449,8 @@ func TestEdge(t *testing.T) {
 		small := w.startNode(t, "small", func(c *edge.Config) {
 			c.Capacity = map[runtime.Kind]placement.Capacity{runtime.KindContainer: {MilliCPU: 1000, MemoryBytes: 256 << 20, Sandboxes: 2}}
 			c.Overcommit = placement.Overcommit{CPU: 1, Memory: 1}
+			// What a spec without resources gets, and is charged.
+			c.Defaults = edgespec.Resources{MilliCPU: 100, MemoryBytes: 64 << 20}
 		})
 		big := spec()
 		big.Resources = &dsecv1.Resources{MemoryBytes: 512 << 20}
@@ -459,6 +466,11 @@ func TestEdge(t *testing.T) {
 		_, err = small.create(t, tenant("a"), half())
 		wantCode(t, err, connect.CodeResourceExhausted, "milli_cpu")
 		second := small.mustCreate(t, tenant("a"), spec())
+		// A spec without resources gets the node's defaults, charged
+		// to its capacity like explicit ones.
+		if got, want := edgespec.FromProto(second.Spec.GetResources()), (edgespec.Resources{MilliCPU: 100, MemoryBytes: 64 << 20, Pids: edgespec.Builtin.Pids, DiskBytes: edgespec.Builtin.DiskBytes}); got != want {
+			t.Errorf("a spec without resources got %+v, want the node's defaults %+v", got, want)
+		}
 		_, err = small.create(t, tenant("a"), spec())
 		wantCode(t, err, connect.CodeResourceExhausted, "sandboxes")
 
@@ -637,6 +649,9 @@ func TestHeartbeats(t *testing.T) {
 		}
 		if len(beat.Capacity) != 1 {
 			t.Fatalf("server %d: capacity %v", i, beat.Capacity)
+		}
+		if d := edgespec.FromProto(beat.GetDefaults()); d != edgespec.Builtin {
+			t.Errorf("server %d: heartbeat defaults %+v, want the built-in %+v", i, d, edgespec.Builtin)
 		}
 		c := beat.Capacity[0]
 		if c.Backend != "container" || c.MilliCpu != 8000 || c.MemoryBytes != 16<<30 || c.Sandboxes != 100 ||

@@ -14,6 +14,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/fncall"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // fncall on the edge (issue 6): each (image, resources) key has a pool of
@@ -21,21 +22,37 @@ import (
 // fncall), and hands it back to be reset. Calls that find the pool at its
 // bound wait in the pool's bounded queue within their deadline.
 
-// Defaults of the fncall pools (Config.FnWarm, FnMax, FnQueue).
+// Defaults of the fncall pools (Config.FnWarm, FnMax, FnQueue, FnPools).
 const (
 	DefaultFnWarm  = 2
 	DefaultFnMax   = 16
 	DefaultFnQueue = 1024
+	// DefaultFnPools bounds the images a node keeps fncall pools for: a
+	// call may name any image it can see (RunCodeRequest.image), and
+	// fncall sandboxes are charged to no tenant and to no capacity, so
+	// without it a tenant with many images would hold FnMax sandboxes
+	// per image.
+	DefaultFnPools = 8
 )
 
 // fnBase is what an fncall sandbox gets between calls; a call's own memory
-// limit is set for its duration only.
-var fnBase = runtime.Resources{MemoryBytes: 2 << 30, Pids: 1024}
+// limit is set for its duration only. CPU and the writable layer take the
+// node's defaults: fncall sandboxes are the node's, charged to no tenant,
+// and bounded by FnMax per image.
+var fnBase = spec.Resources{MemoryBytes: 2 << 30, Pids: 1024}
+
+// fnResources is what an fncall sandbox of this node gets.
+func (e *Edge) fnResources() runtime.Resources {
+	r := fnBase.Or(e.cfg.Defaults)
+	return runtime.Resources{MilliCPU: r.MilliCPU, MemoryBytes: r.MemoryBytes, Pids: r.Pids, DiskBytes: r.DiskBytes}
+}
 
 // fnPool is one fncall pool.
 type fnPool struct {
 	p *pool.Pool
 	n atomic.Int64
+	// used is when a call last asked for the pool (unix nanoseconds).
+	used atomic.Int64
 }
 
 // fnPoolFor returns the fncall pool of image's layers, creating it on first
@@ -46,7 +63,7 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 	if err != nil {
 		return nil, err
 	}
-	rspec.Resources = fnBase
+	rspec.Resources = e.fnResources()
 	key := PoolKey("fncall", digests, nil, nil)
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -54,13 +71,36 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
 	}
 	if fp := e.fnPools[key]; fp != nil {
+		fp.used.Store(time.Now().UnixNano())
 		return fp, nil
 	}
 	backend := e.cfg.Backends[runtime.KindContainer]
 	if backend == nil {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("node %q has no container backend for fncall", e.cfg.NodeID))
 	}
+	if len(e.fnPools) >= e.cfg.FnPools {
+		// Make room: the least recently asked-for pool that nobody
+		// uses or waits for goes (its ready sandboxes are destroyed).
+		var victim string
+		for k, fp := range e.fnPools {
+			st := fp.p.Stats()
+			if st.InUse == 0 && st.Waiting == 0 && (victim == "" || fp.used.Load() < e.fnPools[victim].used.Load()) {
+				victim = k
+			}
+		}
+		if victim == "" {
+			return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q: every one of its %d fncall pools (one per image) is busy; retry later", e.cfg.NodeID, e.cfg.FnPools))
+		}
+		old := e.fnPools[victim]
+		delete(e.fnPools, victim)
+		e.wg.Add(1) // Close waits for it
+		go func() {
+			defer e.wg.Done()
+			old.p.Close(context.WithoutCancel(ctx))
+		}()
+	}
 	fp := &fnPool{}
+	fp.used.Store(time.Now().UnixNano())
 	prefix := fmt.Sprintf("%s-fn%s", e.cfg.NodeID, key[:8])
 	fp.p = pool.New(pool.Options{
 		New: func(ctx context.Context) (runtime.Sandbox, error) {
@@ -159,7 +199,7 @@ func (e *Edge) runCode(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Run
 	case err != nil:
 		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("fncall sandbox on node %q: %w", e.cfg.NodeID, err))
 	}
-	res := fncall.Call(ctx, sb, lang, req, fnBase)
+	res := fncall.Call(ctx, sb, lang, req, e.fnResources())
 	if res.Status == fncall.StatusSandboxError {
 		fp.p.Discard(sb)
 	} else {

@@ -21,6 +21,8 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 		Url:    e.cfg.AdvertiseURL,
 		Load:   loadPerCore(),
 		BootId: e.bootID,
+		// Servers fill these into the specs they place here.
+		Defaults: e.cfg.Defaults.Proto(),
 	}
 	held := map[string]int{}
 	req.Pools = e.poolSummaries(held)

@@ -32,7 +32,10 @@ const (
 )
 
 // PoolKey is what makes two fresh sandboxes interchangeable: backend,
-// layer digests (bottom first), resources and extra env. Labels, ttl and
+// layer digests (bottom first), resources and extra env. Callers pass the
+// effective resources (defaults filled in: spec.WithDefaults), so that a
+// spec that left them to the defaults and one that spelled out the same
+// values share pools. Labels, ttl and
 // idle settings are a sandbox's own and not part of it. Servers compute
 // the same key to route a create to a node holding a matching pool.
 func PoolKey(backend string, layers []string, res *dsecv1.Resources, env []string) string {
@@ -49,6 +52,7 @@ func PoolKey(backend string, layers []string, res *dsecv1.Resources, env []strin
 	field(strconv.FormatInt(res.GetMilliCpu(), 10))
 	field(strconv.FormatInt(res.GetMemoryBytes(), 10))
 	field(strconv.FormatInt(res.GetPids(), 10))
+	field(strconv.FormatInt(res.GetDiskBytes(), 10))
 	for _, e := range env {
 		field(e)
 	}
@@ -62,7 +66,7 @@ type warmPool struct {
 	spec            *dsecv1.SandboxSpec
 	layers          []string
 	req             placement.Capacity
-	minSize         int
+	size, minSize   int
 	idleShrink      time.Duration
 	p               *pool.Pool
 	n               atomic.Int64
@@ -169,9 +173,9 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 	}
 	wp := &warmPool{
 		id: id, tenant: caller.Tenant, kind: kind, spec: spec, layers: digests,
-		key:     PoolKey(spec.Backend, digests, spec.Resources, spec.Env),
-		req:     placement.Capacity{MilliCPU: rspec.Resources.MilliCPU, MemoryBytes: rspec.Resources.MemoryBytes, Sandboxes: 1},
-		minSize: minSize, idleShrink: shrink,
+		key:  PoolKey(spec.Backend, digests, spec.Resources, spec.Env),
+		req:  placement.Capacity{MilliCPU: rspec.Resources.MilliCPU, MemoryBytes: rspec.Resources.MemoryBytes, Sandboxes: 1},
+		size: size, minSize: minSize, idleShrink: shrink,
 	}
 	if caller.Admin {
 		wp.tenant = ""
@@ -292,12 +296,20 @@ func (e *Edge) closePools(ctx context.Context) {
 func (e *Edge) poolSummaries(held map[string]int) []*dsecv1.PoolSummary {
 	e.mu.Lock()
 	pools := slices.Collect(maps.Values(e.pools))
+	explicit := len(pools)
 	pools = slices.AppendSeq(pools, maps.Values(e.autoPools))
 	e.mu.Unlock()
 	out := make([]*dsecv1.PoolSummary, 0, len(pools))
-	for _, wp := range pools {
+	for i, wp := range pools {
 		st := wp.p.Stats()
-		out = append(out, &dsecv1.PoolSummary{Id: wp.id, Tenant: wp.tenant, Key: wp.key, Ready: int32(st.Ready), Size: int32(st.Size)})
+		ps := &dsecv1.PoolSummary{Id: wp.id, Tenant: wp.tenant, Key: wp.key, Ready: int32(st.Ready), Size: int32(st.Size)}
+		if i < explicit && wp.tenant != "" {
+			// A tenant's pool holds up to its size ready besides the
+			// sandboxes taken from it: its quota is charged for them
+			// (the node's own recycling is not anyone's).
+			ps.Charged, ps.MilliCpu, ps.MemoryBytes = int32(wp.size), wp.req.MilliCPU, wp.req.MemoryBytes
+		}
+		out = append(out, ps)
 		for _, l := range wp.layers {
 			held[l]++
 		}

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -22,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
@@ -38,8 +38,8 @@ const (
 
 // Idle actions (SandboxSpec.idle_action).
 const (
-	IdleDestroy = "destroy"
-	IdleFreeze  = "freeze"
+	IdleDestroy = spec.IdleDestroy
+	IdleFreeze  = spec.IdleFreeze
 )
 
 // Why a sandbox was destroyed (the reason label of the destroys metric).
@@ -135,8 +135,12 @@ func invalid(format string, args ...any) error {
 	return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(format, args...))
 }
 
-// validateSpec checks what the edge can check without I/O and returns the
-// spec with defaults applied (a copy: the request is not modified).
+// validateSpec checks a spec by the contract (package spec) and what only
+// this node knows (the backends it offers), and returns a copy with the
+// node's defaults filled in for the resources it leaves 0. A server sends
+// specs whose resources it already completed (tenant defaults, else the
+// nodes' reported ones), so these apply only to what reaches the edge
+// otherwise.
 func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec) (*dsecv1.SandboxSpec, error) {
 	node, err := ids.NodeOf(id)
 	if err != nil {
@@ -145,64 +149,15 @@ func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec) (*dsecv1.SandboxS
 	if node != e.cfg.NodeID {
 		return nil, invalid("sandbox_id %q names node %q, not this node %q", id, node, e.cfg.NodeID)
 	}
-	if in == nil {
-		return nil, invalid("spec is required")
+	s, err := spec.Validate(in)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	spec := proto.CloneOf(in)
-	if spec.Backend == "" {
-		spec.Backend = string(runtime.KindContainer)
+	if _, ok := e.cfg.Backends[runtime.Kind(s.Backend)]; !ok {
+		return nil, invalid("spec.backend %q is not offered by node %q", s.Backend, e.cfg.NodeID)
 	}
-	if _, ok := e.cfg.Backends[runtime.Kind(spec.Backend)]; !ok {
-		return nil, invalid("spec.backend %q is not offered by node %q", spec.Backend, e.cfg.NodeID)
-	}
-	if spec.Image == "" {
-		return nil, invalid("spec.image is required")
-	}
-	if _, err := image.ParseRef(spec.Image); err != nil {
-		return nil, invalid("spec.image: %w", err)
-	}
-	if spec.Workspace != "" {
-		if _, err := image.ParseRef(spec.Workspace); err != nil {
-			return nil, invalid("spec.workspace: %w", err)
-		}
-	}
-	for i, t := range spec.Toolkits {
-		if _, err := image.ParseRef(t); err != nil {
-			return nil, invalid("spec.toolkits[%d]: %w", i, err)
-		}
-	}
-	if r := spec.Resources; r != nil {
-		switch {
-		case r.MilliCpu < 0:
-			return nil, invalid("spec.resources.milli_cpu %d must not be negative", r.MilliCpu)
-		case r.MemoryBytes < 0:
-			return nil, invalid("spec.resources.memory_bytes %d must not be negative", r.MemoryBytes)
-		case r.Pids < 0:
-			return nil, invalid("spec.resources.pids %d must not be negative", r.Pids)
-		}
-	}
-	if err := checkDuration("spec.ttl", spec.Ttl); err != nil {
-		return nil, err
-	}
-	if err := checkDuration("spec.idle_timeout", spec.IdleTimeout); err != nil {
-		return nil, err
-	}
-	switch spec.IdleAction {
-	case "", IdleDestroy, IdleFreeze:
-	default:
-		return nil, invalid("spec.idle_action %q must be %q or %q", spec.IdleAction, IdleDestroy, IdleFreeze)
-	}
-	for i, kv := range spec.Env {
-		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
-			return nil, invalid("spec.env[%d] %q must be K=V", i, kv)
-		}
-	}
-	for k := range spec.Labels {
-		if k == "" {
-			return nil, invalid("spec.labels: a label key must not be empty")
-		}
-	}
-	return spec, nil
+	spec.WithDefaults(s, e.cfg.Defaults)
+	return s, nil
 }
 
 func checkDuration(field string, d *durationpb.Duration) error {
@@ -247,10 +202,8 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 		layers[i] = runtime.Layer{Digest: l.Digest, Path: p}
 		digests[i] = l.Digest
 	}
-	res := runtime.Resources{}
-	if r := spec.Resources; r != nil {
-		res = runtime.Resources{MilliCPU: r.MilliCpu, MemoryBytes: r.MemoryBytes, Pids: r.Pids}
-	}
+	r := spec.GetResources()
+	res := runtime.Resources{MilliCPU: r.GetMilliCpu(), MemoryBytes: r.GetMemoryBytes(), Pids: r.GetPids(), DiskBytes: r.GetDiskBytes()}
 	return runtime.Spec{
 		ID:        id,
 		Layers:    layers,

@@ -78,8 +78,8 @@ func recoveredSandbox(in trajectory.Info) *sandbox {
 		Env:        env.Env,
 		IdleAction: env.IdleAction,
 	}
-	if env.MilliCPU != 0 || env.MemoryBytes != 0 || env.Pids != 0 {
-		spec.Resources = &dsecv1.Resources{MilliCpu: env.MilliCPU, MemoryBytes: env.MemoryBytes, Pids: env.Pids}
+	if env.MilliCPU != 0 || env.MemoryBytes != 0 || env.Pids != 0 || env.DiskBytes != 0 {
+		spec.Resources = &dsecv1.Resources{MilliCpu: env.MilliCPU, MemoryBytes: env.MemoryBytes, Pids: env.Pids, DiskBytes: env.DiskBytes}
 	}
 	if d, err := time.ParseDuration(env.TTL); err == nil {
 		spec.Ttl = durationpb.New(d)
@@ -111,6 +111,7 @@ func environment(sb *sandbox) *trajectory.Environment {
 		MilliCPU:    sb.req.MilliCPU,
 		MemoryBytes: sb.req.MemoryBytes,
 		Pids:        sb.spec.GetResources().GetPids(),
+		DiskBytes:   sb.spec.GetResources().GetDiskBytes(),
 		Env:         sb.spec.Env,
 		Labels:      sb.spec.Labels,
 	}

@@ -188,7 +188,7 @@ func TestCopyTreeErrors(t *testing.T) {
 func TestDirLayerStacksLikeTheUpper(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
-	base, err := buildFromTar(ctx, e.repo, bytes.NewReader(makeTar(t, lowerLayer)))
+	base, err := buildFromTar(ctx, e.repo, bytes.NewReader(makeTar(t, lowerLayer)), nil)
 	require.NoError(t, err)
 	baseDir := e.mount(t, base)
 

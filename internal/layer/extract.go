@@ -97,11 +97,74 @@ const (
 // NAME, and ".wh..wh..opq" the xattr trusted.overlay.opaque=y on its
 // directory.
 func Extract(ctx context.Context, r io.Reader, dir string) error {
-	stream, err := decompress(r)
+	return extract(ctx, r, dir, nil)
+}
+
+// ErrTooLarge is matched by every *SizeLimitError.
+var ErrTooLarge = errors.New("import size limit exceeded")
+
+// SizeLimitError says that an import expands past its limit.
+type SizeLimitError struct {
+	// Limit is the bound in bytes, counted after decompression.
+	Limit int64
+}
+
+func (e *SizeLimitError) Error() string {
+	return fmt.Sprintf("the image expands to more than %d bytes after decompression, the import size limit", e.Limit)
+}
+
+// Unwrap makes errors.Is(err, ErrTooLarge) hold.
+func (e *SizeLimitError) Unwrap() error { return ErrTooLarge }
+
+// entryCost is what every archive entry is charged besides its content:
+// a tar header's size, so that millions of empty files cost too.
+const entryCost = 512
+
+// budget bounds what one import may expand to, over all its layers. A nil
+// budget is unbounded.
+type budget struct{ limit, used int64 }
+
+// take charges n bytes, or fails without charging when the limit would
+// be passed.
+func (b *budget) take(n int64) error {
+	if b == nil {
+		return nil
+	}
+	if n < 0 || n > b.limit-b.used {
+		return &SizeLimitError{Limit: b.limit}
+	}
+	b.used += n
+	return nil
+}
+
+// boundedReader fails once more than its budget's limit has been read
+// through it: the decompressed stream itself (PAX records, padding) is
+// bounded as well as the entries it describes.
+type boundedReader struct {
+	r     io.Reader
+	n     int64
+	limit int64
+}
+
+func (br *boundedReader) Read(p []byte) (int, error) {
+	n, err := br.r.Read(p)
+	br.n += int64(n)
+	if br.n > br.limit {
+		return n, &SizeLimitError{Limit: br.limit}
+	}
+	return n, err
+}
+
+func extract(ctx context.Context, r io.Reader, dir string, b *budget) error {
+	decompressed, err := decompress(r)
 	if err != nil {
 		return fmt.Errorf("extract into %s: %w", dir, err)
 	}
-	defer stream.Close()
+	defer decompressed.Close()
+	var stream io.Reader = decompressed
+	if b != nil {
+		stream = &boundedReader{r: decompressed, limit: b.limit}
+	}
 	x, err := newExtractor(dir)
 	if err != nil {
 		return err
@@ -118,6 +181,11 @@ func Extract(ctx context.Context, r io.Reader, dir string) error {
 		}
 		if err != nil {
 			return fmt.Errorf("extract into %s: read tar: %w", dir, err)
+		}
+		// Charged before anything is written: a sparse entry's size is
+		// what it would take on disk, whatever the stream holds.
+		if err := b.take(entryCost + max(hdr.Size, 0)); err != nil {
+			return err
 		}
 		if err := x.entry(ctx, hdr, tr); err != nil {
 			return fmt.Errorf("extract into %s: entry %q: %w", dir, hdr.Name, err)

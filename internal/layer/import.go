@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -108,13 +109,35 @@ func isDockerSave(f io.Reader) bool {
 	}
 }
 
+// ImportOption changes how Import works.
+type ImportOption func(*importOptions)
+
+type importOptions struct{ maxBytes int64 }
+
+// WithMaxBytes bounds what the image may expand to, over all its layers:
+// the bytes of every file and an entry's header size for every entry, as
+// extracted (after decompression; a sparse file counts its full size). An
+// import past it fails with a *SizeLimitError as soon as the entry that
+// passes it is read, before that entry is written. 0 is no bound.
+func WithMaxBytes(n int64) ImportOption { return func(o *importOptions) { o.maxBytes = n } }
+
 // Import builds the layers of the image at path (see Detect for what it may
 // be), stores them and the manifest, and tags the manifest ref. Layers
 // already in the store are not duplicated. A failed import leaves no
-// temporary files; layers it already stored stay until garbage collection.
-func Import(ctx context.Context, store blobstore.Store, images *image.Store, ref, path string, progress Progress) (image.Manifest, error) {
+// temporary files and no ref; layers of a multi-layer image it already
+// stored stay until garbage collection (a tarball is one layer, refused
+// before it is stored).
+func Import(ctx context.Context, store blobstore.Store, images *image.Store, ref, path string, progress Progress, opts ...ImportOption) (image.Manifest, error) {
 	if _, err := image.ParseRef(ref); err != nil {
 		return image.Manifest{}, err
+	}
+	var o importOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	var b *budget
+	if o.maxBytes > 0 {
+		b = &budget{limit: o.maxBytes}
 	}
 	if progress == nil {
 		progress = func(int64, int64) {}
@@ -127,6 +150,9 @@ func Import(ctx context.Context, store blobstore.Store, images *image.Store, ref
 	switch kind {
 	case KindDir:
 		progress(0, 1)
+		if err := b.takeTree(path); err != nil {
+			return image.Manifest{}, err
+		}
 		desc, err := Build(ctx, store, path)
 		if err != nil {
 			return image.Manifest{}, fmt.Errorf("import %s: %w", path, err)
@@ -134,7 +160,7 @@ func Import(ctx context.Context, store blobstore.Store, images *image.Store, ref
 		progress(1, 1)
 		m.Layers = []blobstore.Descriptor{desc}
 	case KindTarball:
-		desc, err := importTarball(ctx, store, path, progress)
+		desc, err := importTarball(ctx, store, path, progress, b)
 		if err != nil {
 			return image.Manifest{}, fmt.Errorf("import %s: %w", path, err)
 		}
@@ -144,7 +170,7 @@ func Import(ctx context.Context, store blobstore.Store, images *image.Store, ref
 		if err != nil {
 			return image.Manifest{}, fmt.Errorf("import %s (%s): %w", path, kind, err)
 		}
-		m, err = importImage(ctx, store, img, progress)
+		m, err = importImage(ctx, store, img, progress, b)
 		if err != nil {
 			return image.Manifest{}, fmt.Errorf("import %s (%s): %w", path, kind, err)
 		}
@@ -169,20 +195,21 @@ func scratchDir(store blobstore.Store) (string, error) {
 	return os.MkdirTemp(parent, "extract-*")
 }
 
-// buildFromTar extracts a tar stream to a scratch directory and builds it.
-func buildFromTar(ctx context.Context, store blobstore.Store, r io.Reader) (blobstore.Descriptor, error) {
+// buildFromTar extracts a tar stream to a scratch directory and builds it,
+// charging what it extracts to b (nil: unbounded).
+func buildFromTar(ctx context.Context, store blobstore.Store, r io.Reader, b *budget) (blobstore.Descriptor, error) {
 	dir, err := scratchDir(store)
 	if err != nil {
 		return blobstore.Descriptor{}, err
 	}
 	defer os.RemoveAll(dir)
-	if err := Extract(ctx, r, dir); err != nil {
+	if err := extract(ctx, r, dir, b); err != nil {
 		return blobstore.Descriptor{}, err
 	}
 	return Build(ctx, store, dir)
 }
 
-func importTarball(ctx context.Context, store blobstore.Store, path string, progress Progress) (blobstore.Descriptor, error) {
+func importTarball(ctx context.Context, store blobstore.Store, path string, progress Progress, b *budget) (blobstore.Descriptor, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return blobstore.Descriptor{}, err
@@ -194,7 +221,7 @@ func importTarball(ctx context.Context, store blobstore.Store, path string, prog
 	}
 	total := max(info.Size(), 1)
 	progress(0, total)
-	desc, err := buildFromTar(ctx, store, &countingReader{r: f, total: total, progress: progress})
+	desc, err := buildFromTar(ctx, store, &countingReader{r: f, total: total, progress: progress}, b)
 	if err != nil {
 		return blobstore.Descriptor{}, err
 	}
@@ -282,7 +309,7 @@ func pickImage(idx v1.ImageIndex) (v1.Image, error) {
 
 // importImage turns each OCI layer into one EROFS layer, bottom first, and
 // carries over the image config.
-func importImage(ctx context.Context, store blobstore.Store, img v1.Image, progress Progress) (image.Manifest, error) {
+func importImage(ctx context.Context, store blobstore.Store, img v1.Image, progress Progress, b *budget) (image.Manifest, error) {
 	cfg, err := img.ConfigFile()
 	if err != nil {
 		return image.Manifest{}, fmt.Errorf("config: %w", err)
@@ -307,7 +334,7 @@ func importImage(ctx context.Context, store blobstore.Store, img v1.Image, progr
 		},
 	}
 	for i, l := range layers {
-		desc, err := importLayer(ctx, store, l)
+		desc, err := importLayer(ctx, store, l, b)
 		if err != nil {
 			return image.Manifest{}, fmt.Errorf("layer %d: %w", i, err)
 		}
@@ -317,11 +344,32 @@ func importImage(ctx context.Context, store blobstore.Store, img v1.Image, progr
 	return m, nil
 }
 
-func importLayer(ctx context.Context, store blobstore.Store, l v1.Layer) (blobstore.Descriptor, error) {
+func importLayer(ctx context.Context, store blobstore.Store, l v1.Layer, b *budget) (blobstore.Descriptor, error) {
 	rc, err := l.Uncompressed()
 	if err != nil {
 		return blobstore.Descriptor{}, err
 	}
 	defer rc.Close()
-	return buildFromTar(ctx, store, rc)
+	return buildFromTar(ctx, store, rc, b)
+}
+
+// takeTree charges a directory tree to b, as Extract would charge it.
+func (b *budget) takeTree(root string) error {
+	if b == nil {
+		return nil
+	}
+	return filepath.WalkDir(root, func(_ string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		n := int64(entryCost)
+		if d.Type().IsRegular() {
+			info, err := d.Info()
+			if err != nil {
+				return err
+			}
+			n += info.Size()
+		}
+		return b.take(n)
+	})
 }

@@ -58,9 +58,9 @@ func checkMerged(t *testing.T, merged string) {
 func TestWhiteoutsComposeInOverlay(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
-	lower, err := buildFromTar(ctx, e.repo, bytes.NewReader(makeTar(t, lowerLayer)))
+	lower, err := buildFromTar(ctx, e.repo, bytes.NewReader(makeTar(t, lowerLayer)), nil)
 	require.NoError(t, err)
-	upper, err := buildFromTar(ctx, e.repo, bytes.NewReader(makeTar(t, upperLayer)))
+	upper, err := buildFromTar(ctx, e.repo, bytes.NewReader(makeTar(t, upperLayer)), nil)
 	require.NoError(t, err)
 
 	// The upper layer on its own holds overlay-style whiteouts.

@@ -98,6 +98,7 @@ type Environment struct {
 	MilliCPU    int64             `json:"milli_cpu,omitempty"`
 	MemoryBytes int64             `json:"memory_bytes,omitempty"`
 	Pids        int64             `json:"pids,omitempty"`
+	DiskBytes   int64             `json:"disk_bytes,omitempty"`
 	Env         []string          `json:"env,omitempty"`
 	Labels      map[string]string `json:"labels,omitempty"`
 	TTL         string            `json:"ttl,omitempty"`

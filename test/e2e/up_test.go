@@ -242,4 +242,69 @@ func testTenants(t *testing.T, admin cli) {
 	if _, err := alice.Tenants().Create(ctx, "mallory", dsec.Quota{}); !dsec.IsPermissionDenied(err) {
 		t.Fatalf("alice creating a tenant: %v, want PermissionDenied", err)
 	}
+	testDefaults(t, admin)
+}
+
+// fields parses "key:  value" lines.
+func fields(out string) map[string]string {
+	m := map[string]string{}
+	for _, line := range strings.Split(out, "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok {
+			m[k] = strings.TrimSpace(v)
+		}
+	}
+	return m
+}
+
+// testDefaults is issue 13's quota bypass, through the CLI: a tenant with
+// --max-cpu 1 --max-memory 1g created three sandboxes without --cpu or
+// --memory, all unlimited, with "0 in use". Now each gets the node's
+// defaults (1 core, 1 GiB here) and is charged for them.
+func testDefaults(t *testing.T, admin cli) {
+	tok := admin.ok(t, "tenant", "create", "carol", "--max-cpu", "1", "--max-memory", "1g")
+	carol := cli{bin: admin.bin, endpoint: admin.endpoint, token: tok}
+	first := carol.ok(t, "sandbox", "create", "--image", "busybox:latest")
+	for i := 2; i <= 3; i++ {
+		r := carol.run(t, nil, "sandbox", "create", "--image", "busybox:latest")
+		if r.code == 0 || !strings.Contains(r.stderr, "max_milli_cpu") {
+			t.Fatalf("carol's sandbox %d without resources: %+v, want refused by max_milli_cpu", i, r)
+		}
+	}
+	if got := carol.ok(t, "tenant", "get"); !strings.Contains(got, "1 in use of 1") || !strings.Contains(got, "1.0GiB in use of 1.0GiB") {
+		t.Fatalf("tenant get:\n%s\nwant 1 core and 1 GiB in use", got)
+	}
+	// The Go SDK reads the same.
+	if tn, err := dsec.New(admin.endpoint, tok).Tenants().Get(context.Background(), ""); err != nil ||
+		tn.Usage != (dsec.Usage{Sandboxes: 1, MilliCPU: 1000, MemoryBytes: 1 << 30}) || tn.Quota.MaxMilliCPU != 1000 {
+		t.Fatalf("SDK Tenants().Get: %+v, %v", tn, err)
+	}
+	got := fields(carol.ok(t, "sandbox", "get", first))
+	for k, want := range map[string]string{"cpu": "1", "memory": "1.0GiB", "pids": "1024", "disk": "10.0GiB"} {
+		if got[k] != want {
+			t.Errorf("sandbox get: %s %q, want %q (the node's default)", k, got[k], want)
+		}
+	}
+	carol.ok(t, "sandbox", "rm", first)
+
+	// Tenant defaults, then an explicit value over them.
+	admin.ok(t, "tenant", "update", "carol", "--default-cpu", "0.25", "--default-memory", "256m")
+	var ids []string
+	for range 4 {
+		ids = append(ids, carol.ok(t, "sandbox", "create", "--image", "busybox:latest"))
+	}
+	if r := carol.run(t, nil, "sandbox", "create", "--image", "busybox:latest"); r.code == 0 {
+		t.Fatalf("a fifth sandbox of 0.25 cores under --max-cpu 1 was created")
+	}
+	carol.ok(t, "sandbox", "rm", ids[0])
+	id := carol.ok(t, "sandbox", "create", "--image", "busybox:latest", "--memory", "128m", "--disk-size", "2g")
+	got = fields(carol.ok(t, "sandbox", "get", id))
+	for k, want := range map[string]string{"cpu": "0.25", "memory": "128.0MiB", "disk": "2.0GiB"} {
+		if got[k] != want {
+			t.Errorf("sandbox get: %s %q, want %q", k, got[k], want)
+		}
+	}
+	carol.ok(t, append([]string{"sandbox", "rm", id}, ids[1:]...)...)
+	if r := carol.run(t, nil, "tenant", "update", "carol", "--max-cpu", "8"); r.code == 0 || !strings.Contains(r.stderr, "admin") {
+		t.Fatalf("carol updating her own quota: %+v, want refused (admin only)", r)
+	}
 }

@@ -27,6 +27,11 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// Resources a sandbox may use. Every sandbox has all four limits: a field
+// left 0 takes the tenant's default, else the node's (see
+// dsec tenant create --default-*, dsec up|edge --default-*), and the
+// sandbox's spec as Get reports it carries what it got. Defaults are
+// charged to quotas like explicit values.
 type Resources struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Thousandths of a core (1000 = one core).
@@ -34,8 +39,8 @@ type Resources struct {
 	MemoryBytes int64 `protobuf:"varint,2,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
 	Pids        int64 `protobuf:"varint,3,opt,name=pids,proto3" json:"pids,omitempty"`
 	// Size of the writable layer (files the sandbox writes over its image),
-	// enforced by the kernel; 0 takes the tenant's or node's default. The
-	// SDKs' resources key is disk_mb, the CLI's flag --disk-size.
+	// enforced by the kernel. The SDKs' resources key is disk_mb, the CLI's
+	// flag --disk-size.
 	DiskBytes     int64 `protobuf:"varint,4,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -5020,6 +5025,10 @@ type Quota struct {
 	MaxSandboxes   int64 `protobuf:"varint,1,opt,name=max_sandboxes,json=maxSandboxes,proto3" json:"max_sandboxes,omitempty"`
 	MaxMilliCpu    int64 `protobuf:"varint,2,opt,name=max_milli_cpu,json=maxMilliCpu,proto3" json:"max_milli_cpu,omitempty"`
 	MaxMemoryBytes int64 `protobuf:"varint,3,opt,name=max_memory_bytes,json=maxMemoryBytes,proto3" json:"max_memory_bytes,omitempty"`
+	// Largest image the tenant may import, counted after decompression (the
+	// bytes of every file and entry extracted); 0 takes the server's
+	// default (dsec server|up --max-import-size). Not a sandbox quota.
+	MaxImportBytes int64 `protobuf:"varint,4,opt,name=max_import_bytes,json=maxImportBytes,proto3" json:"max_import_bytes,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
 }
@@ -5075,17 +5084,165 @@ func (x *Quota) GetMaxMemoryBytes() int64 {
 	return 0
 }
 
+func (x *Quota) GetMaxImportBytes() int64 {
+	if x != nil {
+		return x.MaxImportBytes
+	}
+	return 0
+}
+
+// TenantUsage is what a tenant's sandboxes and pools hold now, as charged
+// against its quota (as seen by the server that answers).
+type TenantUsage struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sandboxes     int64                  `protobuf:"varint,1,opt,name=sandboxes,proto3" json:"sandboxes,omitempty"`
+	MilliCpu      int64                  `protobuf:"varint,2,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes   int64                  `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TenantUsage) Reset() {
+	*x = TenantUsage{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TenantUsage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TenantUsage) ProtoMessage() {}
+
+func (x *TenantUsage) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
+func (*TenantUsage) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+}
+
+func (x *TenantUsage) GetSandboxes() int64 {
+	if x != nil {
+		return x.Sandboxes
+	}
+	return 0
+}
+
+func (x *TenantUsage) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *TenantUsage) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+type Tenant struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Quota *Quota                 `protobuf:"bytes,2,opt,name=quota,proto3" json:"quota,omitempty"`
+	// What the tenant's sandboxes get for resources their spec leaves 0;
+	// a field 0 here takes the node's default.
+	Defaults      *Resources             `protobuf:"bytes,3,opt,name=defaults,proto3" json:"defaults,omitempty"`
+	Usage         *TenantUsage           `protobuf:"bytes,4,opt,name=usage,proto3" json:"usage,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Tenant) Reset() {
+	*x = Tenant{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Tenant) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Tenant) ProtoMessage() {}
+
+func (x *Tenant) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
+func (*Tenant) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+}
+
+func (x *Tenant) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Tenant) GetQuota() *Quota {
+	if x != nil {
+		return x.Quota
+	}
+	return nil
+}
+
+func (x *Tenant) GetDefaults() *Resources {
+	if x != nil {
+		return x.Defaults
+	}
+	return nil
+}
+
+func (x *Tenant) GetUsage() *TenantUsage {
+	if x != nil {
+		return x.Usage
+	}
+	return nil
+}
+
+func (x *Tenant) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
 type CreateTenantRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	Quota         *Quota                 `protobuf:"bytes,2,opt,name=quota,proto3" json:"quota,omitempty"`
+	Defaults      *Resources             `protobuf:"bytes,3,opt,name=defaults,proto3" json:"defaults,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5097,7 +5254,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5110,7 +5267,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -5127,18 +5284,26 @@ func (x *CreateTenantRequest) GetQuota() *Quota {
 	return nil
 }
 
+func (x *CreateTenantRequest) GetDefaults() *Resources {
+	if x != nil {
+		return x.Defaults
+	}
+	return nil
+}
+
 type CreateTenantResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Bearer token; shown once.
-	Token         string `protobuf:"bytes,2,opt,name=token,proto3" json:"token,omitempty"`
+	Token         string  `protobuf:"bytes,2,opt,name=token,proto3" json:"token,omitempty"`
+	Tenant        *Tenant `protobuf:"bytes,3,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5150,7 +5315,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5163,7 +5328,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5178,6 +5343,338 @@ func (x *CreateTenantResponse) GetToken() string {
 		return x.Token
 	}
 	return ""
+}
+
+func (x *CreateTenantResponse) GetTenant() *Tenant {
+	if x != nil {
+		return x.Tenant
+	}
+	return nil
+}
+
+// UpdateTenantRequest changes the fields it sets and keeps the others.
+// 0 sets a quota back to unlimited (max_import_bytes: to the server's
+// default) and a default back to the node's. Live sandboxes keep what they
+// got; the new values apply from the next create.
+type UpdateTenantRequest struct {
+	state              protoimpl.MessageState `protogen:"open.v1"`
+	Name               string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	MaxSandboxes       *int64                 `protobuf:"varint,2,opt,name=max_sandboxes,json=maxSandboxes,proto3,oneof" json:"max_sandboxes,omitempty"`
+	MaxMilliCpu        *int64                 `protobuf:"varint,3,opt,name=max_milli_cpu,json=maxMilliCpu,proto3,oneof" json:"max_milli_cpu,omitempty"`
+	MaxMemoryBytes     *int64                 `protobuf:"varint,4,opt,name=max_memory_bytes,json=maxMemoryBytes,proto3,oneof" json:"max_memory_bytes,omitempty"`
+	MaxImportBytes     *int64                 `protobuf:"varint,5,opt,name=max_import_bytes,json=maxImportBytes,proto3,oneof" json:"max_import_bytes,omitempty"`
+	DefaultMilliCpu    *int64                 `protobuf:"varint,6,opt,name=default_milli_cpu,json=defaultMilliCpu,proto3,oneof" json:"default_milli_cpu,omitempty"`
+	DefaultMemoryBytes *int64                 `protobuf:"varint,7,opt,name=default_memory_bytes,json=defaultMemoryBytes,proto3,oneof" json:"default_memory_bytes,omitempty"`
+	DefaultPids        *int64                 `protobuf:"varint,8,opt,name=default_pids,json=defaultPids,proto3,oneof" json:"default_pids,omitempty"`
+	DefaultDiskBytes   *int64                 `protobuf:"varint,9,opt,name=default_disk_bytes,json=defaultDiskBytes,proto3,oneof" json:"default_disk_bytes,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *UpdateTenantRequest) Reset() {
+	*x = UpdateTenantRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateTenantRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateTenantRequest) ProtoMessage() {}
+
+func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
+func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+}
+
+func (x *UpdateTenantRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *UpdateTenantRequest) GetMaxSandboxes() int64 {
+	if x != nil && x.MaxSandboxes != nil {
+		return *x.MaxSandboxes
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetMaxMilliCpu() int64 {
+	if x != nil && x.MaxMilliCpu != nil {
+		return *x.MaxMilliCpu
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetMaxMemoryBytes() int64 {
+	if x != nil && x.MaxMemoryBytes != nil {
+		return *x.MaxMemoryBytes
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetMaxImportBytes() int64 {
+	if x != nil && x.MaxImportBytes != nil {
+		return *x.MaxImportBytes
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetDefaultMilliCpu() int64 {
+	if x != nil && x.DefaultMilliCpu != nil {
+		return *x.DefaultMilliCpu
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetDefaultMemoryBytes() int64 {
+	if x != nil && x.DefaultMemoryBytes != nil {
+		return *x.DefaultMemoryBytes
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetDefaultPids() int64 {
+	if x != nil && x.DefaultPids != nil {
+		return *x.DefaultPids
+	}
+	return 0
+}
+
+func (x *UpdateTenantRequest) GetDefaultDiskBytes() int64 {
+	if x != nil && x.DefaultDiskBytes != nil {
+		return *x.DefaultDiskBytes
+	}
+	return 0
+}
+
+type UpdateTenantResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenant        *Tenant                `protobuf:"bytes,1,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateTenantResponse) Reset() {
+	*x = UpdateTenantResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateTenantResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateTenantResponse) ProtoMessage() {}
+
+func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
+func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+}
+
+func (x *UpdateTenantResponse) GetTenant() *Tenant {
+	if x != nil {
+		return x.Tenant
+	}
+	return nil
+}
+
+type GetTenantRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty: the caller's own tenant. A tenant may get only itself.
+	Name          string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetTenantRequest) Reset() {
+	*x = GetTenantRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetTenantRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetTenantRequest) ProtoMessage() {}
+
+func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
+func (*GetTenantRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+}
+
+func (x *GetTenantRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type GetTenantResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenant        *Tenant                `protobuf:"bytes,1,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetTenantResponse) Reset() {
+	*x = GetTenantResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetTenantResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetTenantResponse) ProtoMessage() {}
+
+func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
+func (*GetTenantResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+}
+
+func (x *GetTenantResponse) GetTenant() *Tenant {
+	if x != nil {
+		return x.Tenant
+	}
+	return nil
+}
+
+type ListTenantsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTenantsRequest) Reset() {
+	*x = ListTenantsRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTenantsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTenantsRequest) ProtoMessage() {}
+
+func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
+func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+}
+
+type ListTenantsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenants       []*Tenant              `protobuf:"bytes,1,rep,name=tenants,proto3" json:"tenants,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTenantsResponse) Reset() {
+	*x = ListTenantsResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTenantsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTenantsResponse) ProtoMessage() {}
+
+func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
+func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+}
+
+func (x *ListTenantsResponse) GetTenants() []*Tenant {
+	if x != nil {
+		return x.Tenants
+	}
+	return nil
 }
 
 var File_dsec_v1_dsec_proto protoreflect.FileDescriptor
@@ -5571,17 +6068,58 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\n" +
 	"FilesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\fR\x05value:\x028\x01\"z\n" +
+	"\x05value\x18\x02 \x01(\fR\x05value:\x028\x01\"\xa4\x01\n" +
 	"\x05Quota\x12#\n" +
 	"\rmax_sandboxes\x18\x01 \x01(\x03R\fmaxSandboxes\x12\"\n" +
 	"\rmax_milli_cpu\x18\x02 \x01(\x03R\vmaxMilliCpu\x12(\n" +
-	"\x10max_memory_bytes\x18\x03 \x01(\x03R\x0emaxMemoryBytes\"O\n" +
+	"\x10max_memory_bytes\x18\x03 \x01(\x03R\x0emaxMemoryBytes\x12(\n" +
+	"\x10max_import_bytes\x18\x04 \x01(\x03R\x0emaxImportBytes\"k\n" +
+	"\vTenantUsage\x12\x1c\n" +
+	"\tsandboxes\x18\x01 \x01(\x03R\tsandboxes\x12\x1b\n" +
+	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
+	"\fmemory_bytes\x18\x03 \x01(\x03R\vmemoryBytes\"\xd9\x01\n" +
+	"\x06Tenant\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12$\n" +
+	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\x12.\n" +
+	"\bdefaults\x18\x03 \x01(\v2\x12.dsec.v1.ResourcesR\bdefaults\x12*\n" +
+	"\x05usage\x18\x04 \x01(\v2\x14.dsec.v1.TenantUsageR\x05usage\x129\n" +
+	"\n" +
+	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\x7f\n" +
 	"\x13CreateTenantRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12$\n" +
-	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\"@\n" +
+	"\x05quota\x18\x02 \x01(\v2\x0e.dsec.v1.QuotaR\x05quota\x12.\n" +
+	"\bdefaults\x18\x03 \x01(\v2\x12.dsec.v1.ResourcesR\bdefaults\"i\n" +
 	"\x14CreateTenantResponse\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
-	"\x05token\x18\x02 \x01(\tR\x05token2\xc5\r\n" +
+	"\x05token\x18\x02 \x01(\tR\x05token\x12'\n" +
+	"\x06tenant\x18\x03 \x01(\v2\x0f.dsec.v1.TenantR\x06tenant\"\xc2\x04\n" +
+	"\x13UpdateTenantRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12(\n" +
+	"\rmax_sandboxes\x18\x02 \x01(\x03H\x00R\fmaxSandboxes\x88\x01\x01\x12'\n" +
+	"\rmax_milli_cpu\x18\x03 \x01(\x03H\x01R\vmaxMilliCpu\x88\x01\x01\x12-\n" +
+	"\x10max_memory_bytes\x18\x04 \x01(\x03H\x02R\x0emaxMemoryBytes\x88\x01\x01\x12-\n" +
+	"\x10max_import_bytes\x18\x05 \x01(\x03H\x03R\x0emaxImportBytes\x88\x01\x01\x12/\n" +
+	"\x11default_milli_cpu\x18\x06 \x01(\x03H\x04R\x0fdefaultMilliCpu\x88\x01\x01\x125\n" +
+	"\x14default_memory_bytes\x18\a \x01(\x03H\x05R\x12defaultMemoryBytes\x88\x01\x01\x12&\n" +
+	"\fdefault_pids\x18\b \x01(\x03H\x06R\vdefaultPids\x88\x01\x01\x121\n" +
+	"\x12default_disk_bytes\x18\t \x01(\x03H\aR\x10defaultDiskBytes\x88\x01\x01B\x10\n" +
+	"\x0e_max_sandboxesB\x10\n" +
+	"\x0e_max_milli_cpuB\x13\n" +
+	"\x11_max_memory_bytesB\x13\n" +
+	"\x11_max_import_bytesB\x14\n" +
+	"\x12_default_milli_cpuB\x17\n" +
+	"\x15_default_memory_bytesB\x0f\n" +
+	"\r_default_pidsB\x15\n" +
+	"\x13_default_disk_bytes\"?\n" +
+	"\x14UpdateTenantResponse\x12'\n" +
+	"\x06tenant\x18\x01 \x01(\v2\x0f.dsec.v1.TenantR\x06tenant\"&\n" +
+	"\x10GetTenantRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"<\n" +
+	"\x11GetTenantResponse\x12'\n" +
+	"\x06tenant\x18\x01 \x01(\v2\x0f.dsec.v1.TenantR\x06tenant\"\x14\n" +
+	"\x12ListTenantsRequest\"@\n" +
+	"\x13ListTenantsResponse\x12)\n" +
+	"\atenants\x18\x01 \x03(\v2\x0f.dsec.v1.TenantR\atenants2\xc5\r\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -5622,9 +6160,12 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x04List\x12\x19.dsec.v1.ListPoolsRequest\x1a\x1a.dsec.v1.ListPoolsResponse\x12A\n" +
 	"\x06Delete\x12\x1a.dsec.v1.DeletePoolRequest\x1a\x1b.dsec.v1.DeletePoolResponse2I\n" +
 	"\tFnService\x12<\n" +
-	"\aRunCode\x12\x17.dsec.v1.RunCodeRequest\x1a\x18.dsec.v1.RunCodeResponse2V\n" +
+	"\aRunCode\x12\x17.dsec.v1.RunCodeRequest\x1a\x18.dsec.v1.RunCodeResponse2\x9e\x02\n" +
 	"\rTenantService\x12E\n" +
-	"\x06Create\x12\x1c.dsec.v1.CreateTenantRequest\x1a\x1d.dsec.v1.CreateTenantResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\x06Create\x12\x1c.dsec.v1.CreateTenantRequest\x1a\x1d.dsec.v1.CreateTenantResponse\x12E\n" +
+	"\x06Update\x12\x1c.dsec.v1.UpdateTenantRequest\x1a\x1d.dsec.v1.UpdateTenantResponse\x12<\n" +
+	"\x03Get\x12\x19.dsec.v1.GetTenantRequest\x1a\x1a.dsec.v1.GetTenantResponse\x12A\n" +
+	"\x04List\x12\x1b.dsec.v1.ListTenantsRequest\x1a\x1c.dsec.v1.ListTenantsResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_dsec_proto_rawDescOnce sync.Once
@@ -5638,7 +6179,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 90)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 98)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -5722,158 +6263,181 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*CommandResult)(nil),                 // 79: dsec.v1.CommandResult
 	(*RunCodeResponse)(nil),               // 80: dsec.v1.RunCodeResponse
 	(*Quota)(nil),                         // 81: dsec.v1.Quota
-	(*CreateTenantRequest)(nil),           // 82: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 83: dsec.v1.CreateTenantResponse
-	nil,                                   // 84: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 85: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 86: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 87: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 88: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 89: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 90: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 91: google.protobuf.Timestamp
+	(*TenantUsage)(nil),                   // 82: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 83: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 84: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 85: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 86: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 87: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 88: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 89: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 90: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 91: dsec.v1.ListTenantsResponse
+	nil,                                   // 92: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 93: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 94: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 95: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 96: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 97: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 98: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 99: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
-	0,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	84, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	90, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	90, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
-	1,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	91, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	91, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	1,  // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	2,  // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	1,  // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	2,  // 10: dsec.v1.BatchCreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	6,  // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
-	7,  // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
-	2,  // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	85, // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
-	2,  // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	90, // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	90, // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
-	14, // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
-	14, // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	1,  // 20: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	13, // 21: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
-	14, // 22: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	86, // 23: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
-	6,  // 24: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
-	30, // 25: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	57, // 26: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
-	2,  // 27: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
-	2,  // 28: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	87, // 29: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
-	6,  // 30: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
-	45, // 31: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	1,  // 32: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
-	7,  // 33: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
-	13, // 34: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
-	14, // 35: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
-	6,  // 36: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
-	50, // 37: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
-	36, // 38: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
-	37, // 39: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
-	6,  // 40: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
-	53, // 41: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
-	30, // 42: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	91, // 43: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	59, // 44: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	57, // 45: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	57, // 46: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	57, // 47: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	57, // 48: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	90, // 49: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,  // 50: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	90, // 51: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,  // 52: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	90, // 53: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	71, // 54: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	71, // 55: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	90, // 56: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	90, // 57: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	88, // 58: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	79, // 59: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	79, // 60: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	89, // 61: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	81, // 62: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	3,  // 63: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,  // 64: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,  // 65: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11, // 66: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13, // 67: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13, // 68: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17, // 69: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	19, // 70: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	21, // 71: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	27, // 72: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	29, // 73: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	23, // 74: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	25, // 75: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	32, // 76: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	34, // 77: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	36, // 78: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	38, // 79: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	40, // 80: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	42, // 81: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	44, // 82: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	44, // 83: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	47, // 84: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	49, // 85: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	52, // 86: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	55, // 87: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	58, // 88: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	61, // 89: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	63, // 90: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	65, // 91: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	67, // 92: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	69, // 93: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	72, // 94: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	74, // 95: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	76, // 96: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	78, // 97: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	82, // 98: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	4,  // 99: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,  // 100: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10, // 101: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12, // 102: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15, // 103: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16, // 104: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18, // 105: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	20, // 106: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	22, // 107: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	28, // 108: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	31, // 109: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	24, // 110: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	26, // 111: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	33, // 112: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	35, // 113: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	37, // 114: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	39, // 115: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	41, // 116: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	43, // 117: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	46, // 118: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	46, // 119: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	48, // 120: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	51, // 121: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	54, // 122: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	56, // 123: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	60, // 124: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	62, // 125: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	64, // 126: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	66, // 127: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	68, // 128: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	70, // 129: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	73, // 130: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	75, // 131: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	77, // 132: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	80, // 133: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	83, // 134: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	99, // [99:135] is the sub-list for method output_type
-	63, // [63:99] is the sub-list for method input_type
-	63, // [63:63] is the sub-list for extension type_name
-	63, // [63:63] is the sub-list for extension extendee
-	0,  // [0:63] is the sub-list for field type_name
+	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
+	92,  // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	98,  // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	98,  // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	1,   // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	99,  // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	99,  // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	1,   // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	2,   // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
+	1,   // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	2,   // 10: dsec.v1.BatchCreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	6,   // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
+	7,   // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
+	2,   // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
+	93,  // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	2,   // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	98,  // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	98,  // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	14,  // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
+	14,  // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
+	1,   // 20: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	13,  // 21: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
+	14,  // 22: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
+	94,  // 23: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	6,   // 24: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
+	30,  // 25: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	57,  // 26: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	2,   // 27: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
+	2,   // 28: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
+	95,  // 29: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	6,   // 30: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	45,  // 31: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	1,   // 32: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	7,   // 33: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	13,  // 34: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	14,  // 35: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	6,   // 36: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	50,  // 37: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	36,  // 38: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	37,  // 39: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	6,   // 40: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	53,  // 41: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	30,  // 42: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	99,  // 43: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	59,  // 44: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	57,  // 45: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	57,  // 46: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	57,  // 47: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	57,  // 48: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	98,  // 49: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 50: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	98,  // 51: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 52: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	98,  // 53: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	71,  // 54: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	71,  // 55: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	98,  // 56: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	98,  // 57: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	96,  // 58: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	79,  // 59: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	79,  // 60: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	97,  // 61: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	81,  // 62: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 63: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	82,  // 64: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	99,  // 65: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	81,  // 66: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 67: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	83,  // 68: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	83,  // 69: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	83,  // 70: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	83,  // 71: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	3,   // 72: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	5,   // 73: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	9,   // 74: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	11,  // 75: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	13,  // 76: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	13,  // 77: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	17,  // 78: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	19,  // 79: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	21,  // 80: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	27,  // 81: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	29,  // 82: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	23,  // 83: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	25,  // 84: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	32,  // 85: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	34,  // 86: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	36,  // 87: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	38,  // 88: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	40,  // 89: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	42,  // 90: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	44,  // 91: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	44,  // 92: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	47,  // 93: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	49,  // 94: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	52,  // 95: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	55,  // 96: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	58,  // 97: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	61,  // 98: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	63,  // 99: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	65,  // 100: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	67,  // 101: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	69,  // 102: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	72,  // 103: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	74,  // 104: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	76,  // 105: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	78,  // 106: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	84,  // 107: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	86,  // 108: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	88,  // 109: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	90,  // 110: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	4,   // 111: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	8,   // 112: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	10,  // 113: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	12,  // 114: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	15,  // 115: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	16,  // 116: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	18,  // 117: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	20,  // 118: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	22,  // 119: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	28,  // 120: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	31,  // 121: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	24,  // 122: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	26,  // 123: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	33,  // 124: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	35,  // 125: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	37,  // 126: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	39,  // 127: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	41,  // 128: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	43,  // 129: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	46,  // 130: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	46,  // 131: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	48,  // 132: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	51,  // 133: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	54,  // 134: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	56,  // 135: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	60,  // 136: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	62,  // 137: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	64,  // 138: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	66,  // 139: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	68,  // 140: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	70,  // 141: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	73,  // 142: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	75,  // 143: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	77,  // 144: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	80,  // 145: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	85,  // 146: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	87,  // 147: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	89,  // 148: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	91,  // 149: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	111, // [111:150] is the sub-list for method output_type
+	72,  // [72:111] is the sub-list for method input_type
+	72,  // [72:72] is the sub-list for extension type_name
+	72,  // [72:72] is the sub-list for extension extendee
+	0,   // [0:72] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -5895,13 +6459,14 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
+	file_dsec_v1_dsec_proto_msgTypes[86].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   90,
+			NumMessages:   98,
 			NumExtensions: 0,
 			NumServices:   5,
 		},

@@ -1275,7 +1275,11 @@ type HeartbeatRequest struct {
 	// Warm pools on this node, so that servers route matching creates here.
 	Pools []*PoolSummary `protobuf:"bytes,8,rep,name=pools,proto3" json:"pools,omitempty"`
 	// Creates and calls waiting for capacity on this node.
-	Queued        int32 `protobuf:"varint,9,opt,name=queued,proto3" json:"queued,omitempty"`
+	Queued int32 `protobuf:"varint,9,opt,name=queued,proto3" json:"queued,omitempty"`
+	// The resources this node gives a sandbox for what its spec leaves 0
+	// (dsec edge --default-*); every field set. Servers fill them into the
+	// specs they place, so that quotas charge what a sandbox really gets.
+	Defaults      *Resources `protobuf:"bytes,10,opt,name=defaults,proto3" json:"defaults,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1373,14 +1377,27 @@ func (x *HeartbeatRequest) GetQueued() int32 {
 	return 0
 }
 
+func (x *HeartbeatRequest) GetDefaults() *Resources {
+	if x != nil {
+		return x.Defaults
+	}
+	return nil
+}
+
 type PoolSummary struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	Tenant string                 `protobuf:"bytes,2,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	// Canonical key of the pool's spec (what a matching create has too).
-	Key           string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	Ready         int32  `protobuf:"varint,4,opt,name=ready,proto3" json:"ready,omitempty"`
-	Size          int32  `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`
+	Key   string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	Ready int32  `protobuf:"varint,4,opt,name=ready,proto3" json:"ready,omitempty"`
+	Size  int32  `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`
+	// Sandboxes the pool charges to its tenant's quota: its size for a pool
+	// a tenant created (PoolService), 0 for the node's own recycling pools
+	// and for the admin's pools. Each is charged milli_cpu and memory_bytes.
+	Charged       int32 `protobuf:"varint,6,opt,name=charged,proto3" json:"charged,omitempty"`
+	MilliCpu      int64 `protobuf:"varint,7,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes   int64 `protobuf:"varint,8,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1446,6 +1463,27 @@ func (x *PoolSummary) GetReady() int32 {
 func (x *PoolSummary) GetSize() int32 {
 	if x != nil {
 		return x.Size
+	}
+	return 0
+}
+
+func (x *PoolSummary) GetCharged() int32 {
+	if x != nil {
+		return x.Charged
+	}
+	return 0
+}
+
+func (x *PoolSummary) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *PoolSummary) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
 	}
 	return 0
 }
@@ -1587,7 +1625,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\abackend\x18\a \x01(\tR\abackend\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb3\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe3\x02\n" +
 	"\x10HeartbeatRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x124\n" +
@@ -1597,13 +1635,18 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\tsandboxes\x18\x06 \x03(\v2\x17.dsec.v1.SandboxSummaryR\tsandboxes\x12\x17\n" +
 	"\aboot_id\x18\a \x01(\tR\x06bootId\x12*\n" +
 	"\x05pools\x18\b \x03(\v2\x14.dsec.v1.PoolSummaryR\x05pools\x12\x16\n" +
-	"\x06queued\x18\t \x01(\x05R\x06queued\"q\n" +
+	"\x06queued\x18\t \x01(\x05R\x06queued\x12.\n" +
+	"\bdefaults\x18\n" +
+	" \x01(\v2\x12.dsec.v1.ResourcesR\bdefaults\"\xcb\x01\n" +
 	"\vPoolSummary\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x10\n" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x12\x14\n" +
 	"\x05ready\x18\x04 \x01(\x05R\x05ready\x12\x12\n" +
-	"\x04size\x18\x05 \x01(\x05R\x04size\">\n" +
+	"\x04size\x18\x05 \x01(\x05R\x04size\x12\x18\n" +
+	"\acharged\x18\x06 \x01(\x05R\acharged\x12\x1b\n" +
+	"\tmilli_cpu\x18\a \x01(\x03R\bmilliCpu\x12!\n" +
+	"\fmemory_bytes\x18\b \x01(\x03R\vmemoryBytes\">\n" +
 	"\x11HeartbeatResponse\x12)\n" +
 	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xfc\x0e\n" +
 	"\vEdgeService\x12J\n" +
@@ -1692,30 +1735,31 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	(*BatchRollbackRequest)(nil),        // 37: dsec.v1.BatchRollbackRequest
 	(*CreatePoolRequest)(nil),           // 38: dsec.v1.CreatePoolRequest
 	(*RunCodeRequest)(nil),              // 39: dsec.v1.RunCodeRequest
-	(*CreateSandboxResponse)(nil),       // 40: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 41: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 42: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 43: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 44: dsec.v1.ExecStreamResponse
-	(*RunResponse)(nil),                 // 45: dsec.v1.RunResponse
-	(*WriteFileResponse)(nil),           // 46: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 47: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 48: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 49: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 50: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 51: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 52: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 53: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 54: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 55: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 56: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 57: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 58: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 59: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 60: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 61: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 62: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 63: dsec.v1.RunCodeResponse
+	(*Resources)(nil),                   // 40: dsec.v1.Resources
+	(*CreateSandboxResponse)(nil),       // 41: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 42: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 43: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 44: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 45: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 46: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 47: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 48: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 49: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 50: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 51: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 52: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 53: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 54: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 55: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 56: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 57: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 58: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 59: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 60: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 61: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 62: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 63: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 64: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
@@ -1757,63 +1801,64 @@ var file_dsec_v1_edge_proto_depIdxs = []int32{
 	19, // 36: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
 	20, // 37: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
 	22, // 38: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	1,  // 39: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 40: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 41: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 42: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 43: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 44: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	6,  // 45: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	7,  // 46: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 47: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	8,  // 48: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	13, // 49: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	9,  // 50: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	10, // 51: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	11, // 52: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	12, // 53: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 54: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 55: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 56: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 57: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	14, // 58: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	15, // 59: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	16, // 60: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	3,  // 61: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	17, // 62: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	18, // 63: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	21, // 64: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	40, // 65: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	41, // 66: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	42, // 67: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	43, // 68: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	44, // 69: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	45, // 70: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	46, // 71: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	47, // 72: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	48, // 73: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	49, // 74: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	50, // 75: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	51, // 76: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	52, // 77: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	53, // 78: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	54, // 79: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	55, // 80: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	56, // 81: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	57, // 82: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	57, // 83: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	58, // 84: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	59, // 85: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	60, // 86: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	61, // 87: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	62, // 88: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	63, // 89: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	23, // 90: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	65, // [65:91] is the sub-list for method output_type
-	39, // [39:65] is the sub-list for method input_type
-	39, // [39:39] is the sub-list for extension type_name
-	39, // [39:39] is the sub-list for extension extendee
-	0,  // [0:39] is the sub-list for field type_name
+	40, // 39: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	1,  // 40: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 41: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 42: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 43: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 44: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 45: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	6,  // 46: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	7,  // 47: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 48: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	8,  // 49: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	13, // 50: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	9,  // 51: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	10, // 52: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	11, // 53: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	12, // 54: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 55: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 56: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 57: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 58: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	14, // 59: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	15, // 60: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	16, // 61: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	3,  // 62: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	17, // 63: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	18, // 64: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	21, // 65: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	41, // 66: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	42, // 67: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	43, // 68: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	44, // 69: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	45, // 70: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	46, // 71: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	47, // 72: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	48, // 73: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	49, // 74: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	50, // 75: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	51, // 76: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	52, // 77: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	53, // 78: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	54, // 79: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	55, // 80: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	56, // 81: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	57, // 82: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	58, // 83: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	58, // 84: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	59, // 85: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	60, // 86: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	61, // 87: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	62, // 88: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	63, // 89: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	64, // 90: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	23, // 91: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	66, // [66:92] is the sub-list for method output_type
+	40, // [40:66] is the sub-list for method input_type
+	40, // [40:40] is the sub-list for extension type_name
+	40, // [40:40] is the sub-list for extension extendee
+	0,  // [0:40] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }

@@ -101,3 +101,9 @@ func ParseCPU(flag, s string) (int64, error) { return flagval.ParseCPU(flag, s) 
 // ParseSize turns "512m", "1g", "1GiB", "1.5g" or a plain byte count into
 // bytes.
 func ParseSize(flag, s string) (int64, error) { return flagval.ParseSize(flag, s) }
+
+// FormatCPU writes milliCPU as ParseCPU reads it.
+func FormatCPU(milli int64) string { return flagval.FormatCPU(milli) }
+
+// FormatSize writes bytes as ParseSize reads them.
+func FormatSize(b int64) string { return flagval.FormatSize(b) }

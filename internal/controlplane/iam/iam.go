@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // AdminTenant is the tenant name recorded on objects the admin creates. It is
@@ -57,12 +58,14 @@ type Principal struct {
 	Admin  bool
 }
 
-// Quota bounds what one tenant's live sandboxes may hold at once; a zero
-// field is unlimited.
+// Quota bounds what one tenant's live sandboxes and pools may hold at
+// once; a zero field is unlimited. MaxImportBytes bounds one image import
+// after decompression; zero takes the server's default.
 type Quota struct {
 	MaxSandboxes   int64 `json:"maxSandboxes,omitempty"`
 	MaxMilliCPU    int64 `json:"maxMilliCpu,omitempty"`
 	MaxMemoryBytes int64 `json:"maxMemoryBytes,omitempty"`
+	MaxImportBytes int64 `json:"maxImportBytes,omitempty"`
 }
 
 // Usage is what a tenant's sandboxes hold (or what one more would add).
@@ -126,8 +129,15 @@ func (q Quota) Validate() error {
 		return fmt.Errorf("%w: quota.max_milli_cpu %d is negative", ErrInvalid, q.MaxMilliCPU)
 	case q.MaxMemoryBytes < 0:
 		return fmt.Errorf("%w: quota.max_memory_bytes %d is negative", ErrInvalid, q.MaxMemoryBytes)
+	case q.MaxImportBytes < 0:
+		return fmt.Errorf("%w: quota.max_import_bytes %d is negative", ErrInvalid, q.MaxImportBytes)
 	}
 	return nil
+}
+
+// Scale returns u for n of the same sandbox (a pool's size).
+func (u Usage) Scale(n int64) Usage {
+	return Usage{u.Sandboxes * n, u.MilliCPU * n, u.MemoryBytes * n}
 }
 
 // validName: 1-63 of [a-z0-9-], not starting or ending with '-' (written
@@ -162,9 +172,12 @@ func ValidateName(name string) error {
 type Tenant struct {
 	Name string `json:"name"`
 	// TokenSHA256 is the hex sha256 of the tenant's bearer token.
-	TokenSHA256 string    `json:"tokenSha256"`
-	Quota       Quota     `json:"quota"`
-	Created     time.Time `json:"created"`
+	TokenSHA256 string `json:"tokenSha256"`
+	Quota       Quota  `json:"quota"`
+	// Defaults are what the tenant's sandboxes get for resources their
+	// spec leaves 0; a zero field takes the node's default.
+	Defaults spec.Resources `json:"defaults,omitzero"`
+	Created  time.Time      `json:"created"`
 }
 
 // DefaultCacheTTL bounds how long a replica trusts its cached copy of a
@@ -275,12 +288,15 @@ func (a *IAM) lookup(ctx context.Context, name string) (cached, error) {
 // CreateTenant records a new tenant and returns its bearer token, which is
 // not stored anywhere and cannot be shown again. Two replicas racing to
 // create the same name may both succeed; the later record wins.
-func (a *IAM) CreateTenant(ctx context.Context, name string, q Quota) (string, error) {
+func (a *IAM) CreateTenant(ctx context.Context, name string, q Quota, defaults spec.Resources) (string, error) {
 	if err := ValidateName(name); err != nil {
 		return "", err
 	}
 	if err := q.Validate(); err != nil {
 		return "", err
+	}
+	if err := defaults.Validate("defaults"); err != nil {
+		return "", fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	_, err := a.refs.Get(ctx, refPrefix+name)
 	if err == nil {
@@ -291,22 +307,86 @@ func (a *IAM) CreateTenant(ctx context.Context, name string, q Quota) (string, e
 	}
 	token := name + "." + randomHex(32)
 	sum := sha256.Sum256([]byte(token))
-	t := Tenant{Name: name, TokenSHA256: hex.EncodeToString(sum[:]), Quota: q, Created: a.now().UTC()}
+	t := Tenant{Name: name, TokenSHA256: hex.EncodeToString(sum[:]), Quota: q, Defaults: defaults, Created: a.now().UTC()}
+	if err := a.store(ctx, t, sum); err != nil {
+		return "", err
+	}
+	return token, nil
+}
+
+// store writes t's record and points its ref at it.
+func (a *IAM) store(ctx context.Context, t Tenant, sum [sha256.Size]byte) error {
 	b, err := json.Marshal(t)
 	if err != nil {
-		return "", fmt.Errorf("tenant %q: %w", name, err)
+		return fmt.Errorf("tenant %q: %w", t.Name, err)
 	}
 	desc, err := a.blobs.Put(ctx, bytes.NewReader(b))
 	if err != nil {
-		return "", fmt.Errorf("tenant %q: store record: %w", name, err)
+		return fmt.Errorf("tenant %q: store record: %w", t.Name, err)
 	}
-	if err := a.refs.Set(ctx, refPrefix+name, desc.Digest); err != nil {
-		return "", fmt.Errorf("tenant %q: store ref: %w", name, err)
+	if err := a.refs.Set(ctx, refPrefix+t.Name, desc.Digest); err != nil {
+		return fmt.Errorf("tenant %q: store ref: %w", t.Name, err)
 	}
 	a.mu.Lock()
-	a.cache[name] = cached{t: t, hash: sum, loaded: a.now()}
+	a.cache[t.Name] = cached{t: t, hash: sum, loaded: a.now()}
 	a.mu.Unlock()
-	return token, nil
+	return nil
+}
+
+// UpdateTenant changes a tenant's quota and defaults: change gets the
+// current record (read from the blob store, not the cache) and edits it;
+// the name, token and creation time stay. Other replicas see the change
+// within their cache TTL. Two replicas racing to update the same tenant
+// may lose one of the changes (the later record wins), as for creates.
+// The error wraps blobstore.ErrNotFound for an unknown tenant.
+func (a *IAM) UpdateTenant(ctx context.Context, name string, change func(*Tenant)) (Tenant, error) {
+	if err := ValidateName(name); err != nil {
+		return Tenant{}, err
+	}
+	a.mu.Lock()
+	delete(a.cache, name)
+	a.mu.Unlock()
+	c, err := a.lookup(ctx, name)
+	if err != nil {
+		return Tenant{}, err
+	}
+	t := c.t
+	change(&t)
+	t.Name, t.TokenSHA256, t.Created = c.t.Name, c.t.TokenSHA256, c.t.Created
+	if err := t.Quota.Validate(); err != nil {
+		return Tenant{}, err
+	}
+	if err := t.Defaults.Validate("defaults"); err != nil {
+		return Tenant{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if err := a.store(ctx, t, c.hash); err != nil {
+		return Tenant{}, err
+	}
+	return t, nil
+}
+
+// ListTenants returns every tenant's record, sorted by name.
+func (a *IAM) ListTenants(ctx context.Context) ([]Tenant, error) {
+	refs, err := a.refs.List(ctx, refPrefix)
+	if err != nil {
+		return nil, fmt.Errorf("list tenants: %w", err)
+	}
+	out := make([]Tenant, 0, len(refs))
+	for _, r := range refs {
+		name := strings.TrimPrefix(r.Name, refPrefix)
+		if ValidateName(name) != nil {
+			continue
+		}
+		t, err := a.Tenant(ctx, name)
+		if errors.Is(err, blobstore.ErrNotFound) {
+			continue // deleted since List read it
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, t)
+	}
+	return out, nil
 }
 
 func randomHex(n int) string {

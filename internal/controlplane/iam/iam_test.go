@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 func newStore(t *testing.T) *blobstore.Dir {
@@ -132,7 +133,7 @@ func TestAuthenticate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tok, err := a.CreateTenant(ctx, "alice", Quota{MaxSandboxes: 5})
+	tok, err := a.CreateTenant(ctx, "alice", Quota{MaxSandboxes: 5}, spec.Resources{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +194,7 @@ func TestCreateTenantErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := a.CreateTenant(ctx, "alice", Quota{}); err != nil {
+	if _, err := a.CreateTenant(ctx, "alice", Quota{}, spec.Resources{}); err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
@@ -206,7 +207,7 @@ func TestCreateTenantErrors(t *testing.T) {
 		{"Bad", Quota{}, ErrInvalid},
 		{"bob", Quota{MaxMilliCPU: -5}, ErrInvalid},
 	} {
-		if _, err := a.CreateTenant(ctx, tc.name, tc.q); !errors.Is(err, tc.err) {
+		if _, err := a.CreateTenant(ctx, tc.name, tc.q, spec.Resources{}); !errors.Is(err, tc.err) {
 			t.Errorf("CreateTenant(%q, %+v) = %v, want %v", tc.name, tc.q, err, tc.err)
 		}
 	}
@@ -218,7 +219,7 @@ func TestTenantCacheExpires(t *testing.T) {
 	a, _ := New("x", store)
 	now := time.Unix(1000, 0)
 	a.now = func() time.Time { return now }
-	if _, err := a.CreateTenant(ctx, "alice", Quota{MaxSandboxes: 1}); err != nil {
+	if _, err := a.CreateTenant(ctx, "alice", Quota{MaxSandboxes: 1}, spec.Resources{}); err != nil {
 		t.Fatal(err)
 	}
 	// Another replica rewrites the record (as a future quota update would).
@@ -226,7 +227,7 @@ func TestTenantCacheExpires(t *testing.T) {
 	if err := store.Refs().Delete(ctx, "tenants/alice"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := b.CreateTenant(ctx, "alice", Quota{MaxSandboxes: 9}); err != nil {
+	if _, err := b.CreateTenant(ctx, "alice", Quota{MaxSandboxes: 9}, spec.Resources{}); err != nil {
 		t.Fatal(err)
 	}
 	if got, _ := a.Tenant(ctx, "alice"); got.Quota.MaxSandboxes != 1 {

@@ -32,8 +32,8 @@ const (
 
 // startUp runs `dsec up` on a fresh data directory with busybox imported
 // and returns a client for it. Cleanup stops it (SIGTERM destroys its
-// sandboxes).
-func startUp(t *testing.T) *dsec.Client {
+// sandboxes). extra are more flags for dsec up.
+func startUp(t *testing.T, extra ...string) *dsec.Client {
 	t.Helper()
 	testutil.RequireRoot(t)
 	bin := testutil.BuildBinary(t, "./cmd/dsec")
@@ -47,8 +47,9 @@ func startUp(t *testing.T) *dsec.Client {
 	ln.Close()
 	var log strings.Builder
 	var logMu sync.Mutex
-	cmd := exec.Command(bin, "up", "--data-dir", data, "--listen", addr, "--agent", agent, "--node-id", "live",
-		"--log-level", "warn", "--max-sandboxes", fmt.Sprint(liveSlots), "--queue-size", "1", "--fn-warm", "1")
+	args := append([]string{"up", "--data-dir", data, "--listen", addr, "--agent", agent, "--node-id", "live",
+		"--log-level", "warn", "--max-sandboxes", fmt.Sprint(liveSlots), "--queue-size", "1", "--fn-warm", "1"}, extra...)
+	cmd := exec.Command(bin, args...)
 	w := writerFunc(func(b []byte) (int, error) { logMu.Lock(); defer logMu.Unlock(); return log.Write(b) })
 	cmd.Stdout, cmd.Stderr = w, w
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -40,12 +40,17 @@ const (
 	IdleFreeze = "freeze"
 )
 
-// Resources bounds a sandbox. Zero fields are left to the server's defaults.
+// Resources bounds a sandbox. Zero fields take the tenant's defaults, else
+// the node's: every sandbox has all four limits, and its quota is charged
+// for what it gets (a Sandbox's Spec shows it).
 type Resources struct {
 	// MilliCPU is thousandths of a core (1000 = one core).
 	MilliCPU    int64
 	MemoryBytes int64
 	Pids        int64
+	// DiskBytes bounds the writable layer (what the sandbox writes over
+	// its image).
+	DiskBytes int64
 }
 
 // Spec says what sandbox to create.
@@ -87,6 +92,7 @@ func (s Spec) proto() *dsecv1.SandboxSpec {
 			MilliCpu:    s.Resources.MilliCPU,
 			MemoryBytes: s.Resources.MemoryBytes,
 			Pids:        s.Resources.Pids,
+			DiskBytes:   s.Resources.DiskBytes,
 		}
 	}
 	if s.TTL > 0 {
@@ -114,6 +120,7 @@ func specFromProto(p *dsecv1.SandboxSpec) Spec {
 			MilliCPU:    p.GetResources().GetMilliCpu(),
 			MemoryBytes: p.GetResources().GetMemoryBytes(),
 			Pids:        p.GetResources().GetPids(),
+			DiskBytes:   p.GetResources().GetDiskBytes(),
 		},
 	}
 	if p.Ttl != nil {

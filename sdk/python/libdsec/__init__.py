@@ -35,6 +35,7 @@ from .models import (
     RunCodeResult,
     SandboxInfo,
     SandboxSpec,
+    TenantInfo,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "JobResult",
     "ImageInfo",
     "PoolInfo",
+    "TenantInfo",
     "RunCodeResult",
     "CommandResult",
     "DEFAULT_ENDPOINT",

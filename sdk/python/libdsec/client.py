@@ -27,6 +27,8 @@ from .models import (
     RunCodeResult,
     SandboxInfo,
     SandboxSpec,
+    TenantInfo,
+    _resources_json,
     b64decode,
     b64encode,
     env_list,
@@ -1021,20 +1023,100 @@ class DSecClient:
         max_sandboxes: int = 0,
         max_cpu: float = 0,
         max_mem_mb: float = 0,
+        max_import_mb: float = 0,
+        defaults: Optional[Mapping[str, float]] = None,
     ) -> str:
-        """Creates a tenant (admin only) and returns its bearer token, shown once. 0 means unlimited."""
-        quota: Dict[str, str] = {}
-        if max_sandboxes:
-            quota["maxSandboxes"] = str(int(max_sandboxes))
-        if max_cpu:
-            quota["maxMilliCpu"] = str(int(round(max_cpu * 1000)))
-        if max_mem_mb:
-            quota["maxMemoryBytes"] = str(int(round(max_mem_mb * 1024 * 1024)))
+        """Creates a tenant (admin only) and returns its bearer token, shown
+        once. Quotas of 0 are unlimited (``max_import_mb`` 0: the server's
+        limit). ``defaults`` (the ``resources`` keys of SandboxSpec: cpu,
+        mem_mb, pids, disk_mb) are what its sandboxes get for resources
+        their spec leaves out; a key missing takes the node's default."""
+        quota = _quota_json(max_sandboxes=max_sandboxes, max_cpu=max_cpu, max_mem_mb=max_mem_mb, max_import_mb=max_import_mb)
         body: Dict[str, Any] = {"name": name}
-        if quota:
-            body["quota"] = quota
+        if any(v != "0" for v in quota.values()):
+            body["quota"] = {k: v for k, v in quota.items() if v != "0"}
+        res = _resources_json(defaults or {})
+        if res:
+            body["defaults"] = res
         resp = await self._t.unary(f"{_TENANT}/Create", body)
         return resp.get("token", "")
+
+    async def update_tenant(
+        self,
+        name: str,
+        *,
+        max_sandboxes: Optional[int] = None,
+        max_cpu: Optional[float] = None,
+        max_mem_mb: Optional[float] = None,
+        max_import_mb: Optional[float] = None,
+        defaults: Optional[Mapping[str, Optional[float]]] = None,
+    ) -> TenantInfo:
+        """Changes what is given of a tenant's quota and defaults (admin
+        only) and returns the tenant. None keeps a value; 0 sets a quota
+        back to unlimited and a default (a ``defaults`` key with 0) back to
+        the node's. Live sandboxes keep what they got."""
+        body: Dict[str, Any] = {"name": name}
+        for key, value in (("max_sandboxes", max_sandboxes), ("max_cpu", max_cpu),
+                           ("max_mem_mb", max_mem_mb), ("max_import_mb", max_import_mb)):
+            if value is not None:
+                if float(value) < 0:
+                    raise ValueError(f"{key} must not be negative, got {value!r}")
+                json_key, convert = _QUOTA_FIELDS[key]
+                body[json_key] = str(convert(value))
+        for key, value in (defaults or {}).items():
+            if value is None:
+                continue
+            if key not in _DEFAULT_FIELDS:
+                raise ValueError(f"defaults[{key!r}]: unknown resource (want cpu, mem_mb, pids or disk_mb)")
+            if float(value) < 0:
+                raise ValueError(f"defaults[{key!r}] must not be negative, got {value!r}")
+            json_key, convert = _DEFAULT_FIELDS[key]
+            body[json_key] = str(convert(value))
+        resp = await self._t.unary(f"{_TENANT}/Update", body)
+        return TenantInfo.from_json(resp.get("tenant") or {})
+
+    async def get_tenant(self, name: str = "") -> TenantInfo:
+        """A tenant's quota, defaults and usage; ``name`` empty is the
+        caller's own tenant (a tenant may get only itself)."""
+        resp = await self._t.unary(f"{_TENANT}/Get", {"name": name} if name else {})
+        return TenantInfo.from_json(resp.get("tenant") or {})
+
+    async def list_tenants(self) -> List[TenantInfo]:
+        """Every tenant (admin only)."""
+        resp = await self._t.unary(f"{_TENANT}/List", {})
+        return [TenantInfo.from_json(t) for t in resp.get("tenants") or []]
+
+
+def _cores(v: float) -> int:
+    return int(round(float(v) * 1000))
+
+
+def _mib(v: float) -> int:
+    return int(round(float(v) * 1024 * 1024))
+
+
+# UpdateTenantRequest's fields by the SDK's keyword or resources key.
+_QUOTA_FIELDS: Dict[str, Any] = {
+    "max_sandboxes": ("maxSandboxes", int),
+    "max_cpu": ("maxMilliCpu", _cores),
+    "max_mem_mb": ("maxMemoryBytes", _mib),
+    "max_import_mb": ("maxImportBytes", _mib),
+}
+_DEFAULT_FIELDS: Dict[str, Any] = {
+    "cpu": ("defaultMilliCpu", _cores),
+    "mem_mb": ("defaultMemoryBytes", _mib),
+    "pids": ("defaultPids", int),
+    "disk_mb": ("defaultDiskBytes", _mib),
+}
+
+
+def _quota_json(*, max_sandboxes: float = 0, max_cpu: float = 0, max_mem_mb: float = 0, max_import_mb: float = 0) -> Dict[str, str]:
+    return {
+        "maxSandboxes": str(int(max_sandboxes)),
+        "maxMilliCpu": str(_cores(max_cpu)),
+        "maxMemoryBytes": str(_mib(max_mem_mb)),
+        "maxImportBytes": str(_mib(max_import_mb)),
+    }
 
 
 class Sandbox:

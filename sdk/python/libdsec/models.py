@@ -52,8 +52,11 @@ class SandboxSpec:
     """What to create.
 
     ``resources`` takes ``cpu`` (cores, fractions allowed), ``mem_mb``
-    (MiB) and ``pids``; anything else is refused so a typo does not
-    silently create an unbounded sandbox. ``env`` (a mapping or a list of
+    (MiB), ``pids`` and ``disk_mb`` (MiB the sandbox may write over its
+    image); anything else is refused so a typo does not silently go
+    unlimited. What is left out takes the tenant's default, else the
+    node's, and is charged to the tenant's quota like an explicit value: a
+    sandbox's spec as the server returns it carries what it got. ``env`` (a mapping or a list of
     ``K=V``) is added to every exec in the sandbox. ``idle_action`` is what
     ``idle_timeout_s`` does: ``"destroy"`` (the default) or ``"freeze"``
     (the sandbox keeps its processes and memory until ``thaw``).
@@ -104,14 +107,7 @@ class SandboxSpec:
             backend = BackendKind(backend)
         except ValueError:
             pass  # a backend newer than this SDK: keep the name
-        r = d.get("resources") or {}
-        resources: Dict[str, float] = {}
-        if r.get("milliCpu"):
-            resources["cpu"] = int(r["milliCpu"]) / 1000
-        if r.get("memoryBytes"):
-            resources["mem_mb"] = int(r["memoryBytes"]) / _MIB
-        if r.get("pids"):
-            resources["pids"] = int(r["pids"])
+        resources = _resources_dict(d.get("resources") or {})
         return cls(
             backend=backend,
             base_image=d.get("image", ""),
@@ -137,9 +133,60 @@ def _resources_json(res: Mapping[str, float]) -> Dict[str, str]:
             out["memoryBytes"] = str(int(round(float(value) * _MIB)))
         elif key == "pids":
             out["pids"] = str(int(value))
+        elif key == "disk_mb":
+            out["diskBytes"] = str(int(round(float(value) * _MIB)))
         else:
-            raise ValueError(f"resources[{key!r}]: unknown resource (want cpu, mem_mb or pids)")
+            raise ValueError(f"resources[{key!r}]: unknown resource (want cpu, mem_mb, pids or disk_mb)")
     return out
+
+
+def _resources_dict(r: Mapping[str, Any]) -> Dict[str, float]:
+    """The SDK's resources keys of a dsec.v1.Resources in JSON (zeros left out)."""
+    out: Dict[str, float] = {}
+    if r.get("milliCpu"):
+        out["cpu"] = int(r["milliCpu"]) / 1000
+    if r.get("memoryBytes"):
+        out["mem_mb"] = int(r["memoryBytes"]) / _MIB
+    if r.get("pids"):
+        out["pids"] = int(r["pids"])
+    if r.get("diskBytes"):
+        out["disk_mb"] = int(r["diskBytes"]) / _MIB
+    return out
+
+
+@dataclass
+class TenantInfo:
+    """A tenant: its quota (0 = unlimited; ``max_import_mb`` 0 = the
+    server's limit), the ``defaults`` its sandboxes get for resources their
+    spec leaves out (the ``resources`` keys of SandboxSpec; a key missing
+    takes the node's default), and ``usage``: what its sandboxes and pools
+    hold now as charged to the quota (``sandboxes``, ``cpu``, ``mem_mb``)."""
+
+    name: str
+    max_sandboxes: int = 0
+    max_cpu: float = 0
+    max_mem_mb: float = 0
+    max_import_mb: float = 0
+    defaults: Dict[str, float] = field(default_factory=dict)
+    usage: Dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TenantInfo":
+        q = d.get("quota") or {}
+        u = d.get("usage") or {}
+        return cls(
+            name=d.get("name", ""),
+            max_sandboxes=int(q.get("maxSandboxes", 0)),
+            max_cpu=int(q.get("maxMilliCpu", 0)) / 1000,
+            max_mem_mb=int(q.get("maxMemoryBytes", 0)) / _MIB,
+            max_import_mb=int(q.get("maxImportBytes", 0)) / _MIB,
+            defaults=_resources_dict(d.get("defaults") or {}),
+            usage={
+                "sandboxes": int(u.get("sandboxes", 0)),
+                "cpu": int(u.get("milliCpu", 0)) / 1000,
+                "mem_mb": int(u.get("memoryBytes", 0)) / _MIB,
+            },
+        )
 
 
 @dataclass

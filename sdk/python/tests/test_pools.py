@@ -50,7 +50,8 @@ async def test_pool_serves_acquire_and_takes_back_reset_sandboxes(server):
         try:
             assert pool.id and pool.size == 2
             assert pool.spec is not None and pool.spec.base_image == IMAGE
-            assert pool.spec.resources == {"cpu": 0.25, "mem_mb": 64}
+            # What the spec gave, and the node's defaults for the rest.
+            assert pool.spec.resources == {"cpu": 0.25, "mem_mb": 64, "pids": 1024, "disk_mb": 10240}
             p = await wait_pool(client, pool.id, lambda p: p.ready == 2, "ready == 2")
             hits, misses = p.hits, p.misses
 

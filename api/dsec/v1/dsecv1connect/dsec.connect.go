@@ -129,6 +129,12 @@ const (
 	FnServiceRunCodeProcedure = "/dsec.v1.FnService/RunCode"
 	// TenantServiceCreateProcedure is the fully-qualified name of the TenantService's Create RPC.
 	TenantServiceCreateProcedure = "/dsec.v1.TenantService/Create"
+	// TenantServiceUpdateProcedure is the fully-qualified name of the TenantService's Update RPC.
+	TenantServiceUpdateProcedure = "/dsec.v1.TenantService/Update"
+	// TenantServiceGetProcedure is the fully-qualified name of the TenantService's Get RPC.
+	TenantServiceGetProcedure = "/dsec.v1.TenantService/Get"
+	// TenantServiceListProcedure is the fully-qualified name of the TenantService's List RPC.
+	TenantServiceListProcedure = "/dsec.v1.TenantService/List"
 )
 
 // SandboxServiceClient is a client for the dsec.v1.SandboxService service.
@@ -1279,7 +1285,11 @@ func (UnimplementedFnServiceHandler) RunCode(context.Context, *connect.Request[v
 
 // TenantServiceClient is a client for the dsec.v1.TenantService service.
 type TenantServiceClient interface {
+	// Create, Update and List need the admin token.
 	Create(context.Context, *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error)
+	Update(context.Context, *connect.Request[v1.UpdateTenantRequest]) (*connect.Response[v1.UpdateTenantResponse], error)
+	Get(context.Context, *connect.Request[v1.GetTenantRequest]) (*connect.Response[v1.GetTenantResponse], error)
+	List(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error)
 }
 
 // NewTenantServiceClient constructs a client for the dsec.v1.TenantService service. By default, it
@@ -1299,12 +1309,33 @@ func NewTenantServiceClient(httpClient connect.HTTPClient, baseURL string, opts 
 			connect.WithSchema(tenantServiceMethods.ByName("Create")),
 			connect.WithClientOptions(opts...),
 		),
+		update: connect.NewClient[v1.UpdateTenantRequest, v1.UpdateTenantResponse](
+			httpClient,
+			baseURL+TenantServiceUpdateProcedure,
+			connect.WithSchema(tenantServiceMethods.ByName("Update")),
+			connect.WithClientOptions(opts...),
+		),
+		get: connect.NewClient[v1.GetTenantRequest, v1.GetTenantResponse](
+			httpClient,
+			baseURL+TenantServiceGetProcedure,
+			connect.WithSchema(tenantServiceMethods.ByName("Get")),
+			connect.WithClientOptions(opts...),
+		),
+		list: connect.NewClient[v1.ListTenantsRequest, v1.ListTenantsResponse](
+			httpClient,
+			baseURL+TenantServiceListProcedure,
+			connect.WithSchema(tenantServiceMethods.ByName("List")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // tenantServiceClient implements TenantServiceClient.
 type tenantServiceClient struct {
 	create *connect.Client[v1.CreateTenantRequest, v1.CreateTenantResponse]
+	update *connect.Client[v1.UpdateTenantRequest, v1.UpdateTenantResponse]
+	get    *connect.Client[v1.GetTenantRequest, v1.GetTenantResponse]
+	list   *connect.Client[v1.ListTenantsRequest, v1.ListTenantsResponse]
 }
 
 // Create calls dsec.v1.TenantService.Create.
@@ -1312,9 +1343,28 @@ func (c *tenantServiceClient) Create(ctx context.Context, req *connect.Request[v
 	return c.create.CallUnary(ctx, req)
 }
 
+// Update calls dsec.v1.TenantService.Update.
+func (c *tenantServiceClient) Update(ctx context.Context, req *connect.Request[v1.UpdateTenantRequest]) (*connect.Response[v1.UpdateTenantResponse], error) {
+	return c.update.CallUnary(ctx, req)
+}
+
+// Get calls dsec.v1.TenantService.Get.
+func (c *tenantServiceClient) Get(ctx context.Context, req *connect.Request[v1.GetTenantRequest]) (*connect.Response[v1.GetTenantResponse], error) {
+	return c.get.CallUnary(ctx, req)
+}
+
+// List calls dsec.v1.TenantService.List.
+func (c *tenantServiceClient) List(ctx context.Context, req *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error) {
+	return c.list.CallUnary(ctx, req)
+}
+
 // TenantServiceHandler is an implementation of the dsec.v1.TenantService service.
 type TenantServiceHandler interface {
+	// Create, Update and List need the admin token.
 	Create(context.Context, *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error)
+	Update(context.Context, *connect.Request[v1.UpdateTenantRequest]) (*connect.Response[v1.UpdateTenantResponse], error)
+	Get(context.Context, *connect.Request[v1.GetTenantRequest]) (*connect.Response[v1.GetTenantResponse], error)
+	List(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error)
 }
 
 // NewTenantServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -1330,10 +1380,34 @@ func NewTenantServiceHandler(svc TenantServiceHandler, opts ...connect.HandlerOp
 		connect.WithSchema(tenantServiceMethods.ByName("Create")),
 		connect.WithHandlerOptions(opts...),
 	)
+	tenantServiceUpdateHandler := connect.NewUnaryHandler(
+		TenantServiceUpdateProcedure,
+		svc.Update,
+		connect.WithSchema(tenantServiceMethods.ByName("Update")),
+		connect.WithHandlerOptions(opts...),
+	)
+	tenantServiceGetHandler := connect.NewUnaryHandler(
+		TenantServiceGetProcedure,
+		svc.Get,
+		connect.WithSchema(tenantServiceMethods.ByName("Get")),
+		connect.WithHandlerOptions(opts...),
+	)
+	tenantServiceListHandler := connect.NewUnaryHandler(
+		TenantServiceListProcedure,
+		svc.List,
+		connect.WithSchema(tenantServiceMethods.ByName("List")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.TenantService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case TenantServiceCreateProcedure:
 			tenantServiceCreateHandler.ServeHTTP(w, r)
+		case TenantServiceUpdateProcedure:
+			tenantServiceUpdateHandler.ServeHTTP(w, r)
+		case TenantServiceGetProcedure:
+			tenantServiceGetHandler.ServeHTTP(w, r)
+		case TenantServiceListProcedure:
+			tenantServiceListHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -1345,4 +1419,16 @@ type UnimplementedTenantServiceHandler struct{}
 
 func (UnimplementedTenantServiceHandler) Create(context.Context, *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.TenantService.Create is not implemented"))
+}
+
+func (UnimplementedTenantServiceHandler) Update(context.Context, *connect.Request[v1.UpdateTenantRequest]) (*connect.Response[v1.UpdateTenantResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.TenantService.Update is not implemented"))
+}
+
+func (UnimplementedTenantServiceHandler) Get(context.Context, *connect.Request[v1.GetTenantRequest]) (*connect.Response[v1.GetTenantResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.TenantService.Get is not implemented"))
+}
+
+func (UnimplementedTenantServiceHandler) List(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.TenantService.List is not implemented"))
 }

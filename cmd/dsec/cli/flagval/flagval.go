@@ -99,3 +99,22 @@ func CheckEnv(flag string, kvs []string) error {
 	}
 	return nil
 }
+
+// FormatCPU writes milliCPU as ParseCPU reads it ("1", "0.5").
+func FormatCPU(milli int64) string {
+	return strconv.FormatFloat(float64(milli)/1000, 'f', -1, 64)
+}
+
+// FormatSize writes bytes as ParseSize reads them, in the largest binary
+// unit that divides them ("1GiB", "512MiB", "1000").
+func FormatSize(b int64) string {
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}} {
+		if b != 0 && b%u.mult == 0 {
+			return strconv.FormatInt(b/u.mult, 10) + u.suffix
+		}
+	}
+	return strconv.FormatInt(b, 10)
+}

@@ -73,3 +73,21 @@ func TestParseSize(t *testing.T) {
 		}
 	}
 }
+
+// TestFormatRoundTrips: what FormatCPU and FormatSize write, ParseCPU and
+// ParseSize read back (the daemons' help states defaults this way).
+func TestFormatRoundTrips(t *testing.T) {
+	for _, m := range []int64{1, 250, 1000, 1500, 64000} {
+		if got, err := ParseCPU("x", FormatCPU(m)); err != nil || got != m {
+			t.Errorf("ParseCPU(FormatCPU(%d) = %q) = %d, %v", m, FormatCPU(m), got, err)
+		}
+	}
+	for b, want := range map[int64]string{1 << 30: "1GiB", 10 << 30: "10GiB", 512 << 20: "512MiB", 1536: "1536", 3 << 10: "3KiB", 2 << 40: "2TiB"} {
+		if s := FormatSize(b); s != want {
+			t.Errorf("FormatSize(%d) = %q, want %q", b, s, want)
+		}
+		if got, err := ParseSize("x", FormatSize(b)); err != nil || got != b {
+			t.Errorf("ParseSize(%q) = %d, %v, want %d", FormatSize(b), got, err, b)
+		}
+	}
+}
