@@ -3,6 +3,8 @@
 package testutil
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -60,11 +62,13 @@ func buildLocked(t testing.TB, pkg string) string {
 	if p, ok := buildCache[pkg]; ok {
 		return p
 	}
-	// One shared directory, reused by every run, so test binaries do not
-	// pile up in /tmp; each build lands under a temporary name and is
-	// renamed into place, so packages testing in parallel never see a
-	// half-written binary.
-	dir := filepath.Join(os.TempDir(), "dsec-testbin")
+	// One directory per checkout, reused by every run, so test binaries do
+	// not pile up in /tmp, and two checkouts (worktrees) testing at once
+	// never run each other's binaries; each build lands under a temporary
+	// name and is renamed into place, so packages testing in parallel
+	// never see a half-written binary.
+	sum := sha256.Sum256([]byte(RepoRoot(t)))
+	dir := filepath.Join(os.TempDir(), "dsec-testbin", hex.EncodeToString(sum[:6]))
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
