@@ -20,13 +20,13 @@ import (
 	"sync/atomic"
 	"time"
 
-	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 )
 
@@ -171,25 +171,28 @@ func New(cfg Config) (*Server, error) {
 	return s, nil
 }
 
-// Mount registers the public services (bearer-token auth) and NodeService
-// (cluster-token auth) on mux.
+// Mount registers the public services (bearer-token auth), /run_code and
+// NodeService (cluster-token auth) on mux. Every caller is authenticated
+// before its body is read, every body is bounded (limits.MaxRequestBytes,
+// on the wire and inflated), and nothing is answered unauthenticated but
+// /run_code from the networks Config.RunCodeOpen lists.
 func (s *Server) Mount(mux *http.ServeMux) {
-	pub := connect.WithHandlerOptions(connect.WithInterceptors(&bearerAuth{iam: s.iam}), smallUncompressed)
-	mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewImageServiceHandler(&imageService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewPoolServiceHandler(&poolService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewFnServiceHandler(&fnService{s: s}, pub))
+	opts := limits.HandlerOptions(limits.MaxRequestBytes)
+	public := func(path string, h http.Handler) {
+		mux.Handle(path, s.authenticated(limits.Body(h, limits.MaxRequestBytes)))
+	}
+	public(dsecv1connect.NewSandboxServiceHandler(&sandboxService{s: s}, opts))
+	public(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, opts))
+	public(dsecv1connect.NewPoolServiceHandler(&poolService{s: s}, opts))
+	public(dsecv1connect.NewFnServiceHandler(&fnService{s: s}, opts))
+	// Import is a client stream of chunks: each message is bounded (opts),
+	// the upload as a whole goes to disk, not memory.
+	path, h := dsecv1connect.NewImageServiceHandler(&imageService{s: s}, opts)
+	mux.Handle(path, s.authenticated(h))
 	mux.HandleFunc("/run_code", s.serveRunCode)
-	mux.Handle(dsecv1connect.NewNodeServiceHandler(&nodeService{s: s},
-		connect.WithInterceptors(&clusterAuth{token: s.cfg.ClusterToken}), smallUncompressed))
+	path, h = dsecv1connect.NewNodeServiceHandler(&nodeService{s: s}, opts)
+	mux.Handle(path, requireClusterToken(s.cfg.ClusterToken, limits.Body(h, limits.MaxRequestBytes)))
 }
-
-// smallUncompressed leaves responses under 4 KiB uncompressed even when the
-// client accepts gzip: most of DSec's answers (a create, a short exec's
-// output) are a few hundred bytes, and gzipping them cost ~1.5 % of the
-// service's CPU in the SDK benchmark for nothing on a local network.
-var smallUncompressed = connect.WithCompressMinBytes(4096)
 
 // Run expires nodes that stopped heartbeating and forgets what is past
 // retention, until ctx ends.

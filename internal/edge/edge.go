@@ -32,8 +32,6 @@ import (
 	"syscall"
 	"time"
 
-	"connectrpc.com/connect"
-
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
@@ -41,6 +39,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
@@ -57,6 +56,10 @@ const (
 	// their sandboxes run.
 	DefaultShipInterval = 30 * time.Second
 )
+
+// maxEdgeRequest bounds one EdgeService request: a caller's request
+// (limits.MaxRequestBytes) and what the server adds to it.
+const maxEdgeRequest = limits.MaxRequestBytes + 1<<20
 
 // Config configures an Edge. Zero values get defaults where one makes sense.
 type Config struct {
@@ -330,11 +333,11 @@ func (e *Edge) NodeID() string { return e.cfg.NodeID }
 
 // Mount registers EdgeService on mux, behind the cluster token check.
 func (e *Edge) Mount(mux *http.ServeMux) {
-	// Answers under 4 KiB go uncompressed even to clients that accept
-	// gzip: gzipping the few hundred bytes of a typical answer costs CPU
-	// and saves nothing on a cluster network.
-	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, connect.WithCompressMinBytes(4096))
-	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, h))
+	// The token is checked before anything reads the body; bodies and
+	// their inflation are bounded like the server's, with room for what
+	// a server adds to a caller's request (caller, spec).
+	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, limits.HandlerOptions(maxEdgeRequest))
+	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, limits.Body(h, maxEdgeRequest)))
 }
 
 // Run heartbeats to every server and enforces lifecycles until ctx is done
