@@ -10,6 +10,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/limits"
 )
 
 // The batch API (issue 6): Acquire, BatchExec, BatchRollback, Release.
@@ -104,7 +105,7 @@ func (ss *sandboxService) BatchExec(ctx context.Context, req *connect.Request[ds
 		}
 		// As in Exec: a numbered request goes to its node even when
 		// invalid, so the node records the refusal under its number.
-		if err := validateExec(r); err != nil && r.GetSeq() == 0 {
+		if err := limits.Exec(fmt.Sprintf("requests[%d].", i), r); err != nil && r.GetSeq() == 0 {
 			return route{}, err
 		}
 		rt, err := s.locate(p, fmt.Sprintf("requests[%d].sandbox_id", i), r.GetSandboxId())
@@ -115,7 +116,7 @@ func (ss *sandboxService) BatchExec(ctx context.Context, req *connect.Request[ds
 			out[i].Result = infraResult(rt.lostReason)
 			return route{}, nil
 		}
-		if d := r.GetTimeout().AsDuration(); d > longest {
+		if d := min(r.GetTimeout().AsDuration(), limits.MaxExecTimeout); d > longest {
 			longest = d
 		}
 		return rt, nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -220,5 +221,78 @@ func TestRequestBounds(t *testing.T) {
 		SandboxId: sb.Msg.GetSandbox().GetId(), Path: "/tmp/f", Data: data,
 	})); err != nil {
 		t.Fatalf("gzipped 16 MiB WriteFile: %v", err)
+	}
+}
+
+// What a service buffers for one answer is bounded: an exec's result
+// carries at most limits.MaxOutputBytes of each stream, flagged truncated,
+// whatever max_output_bytes asked for (one exec of 100 MB output took
+// dsecd from 54 to 632 MB), while ExecStream delivers everything; a
+// ReadFile returns at most limits.MaxReadBytes, and a larger file is the
+// caller's InvalidArgument.
+func TestOutputCeilings(t *testing.T) {
+	c := newCluster(t)
+	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
+	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	sb, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := sb.GetId()
+	defer c.destroy(c.admin, id)
+	const more = limits.MaxOutputBytes + 1<<20
+	cmd := fmt.Sprintf("head -c %d /dev/zero; head -c %d /dev/zero >&2", more, more)
+
+	resp, err := c.clients.sb.Exec(ctx, req(c.admin, &dsecv1.ExecRequest{SandboxId: id, Shell: cmd, MaxOutputBytes: 1 << 30}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := resp.Msg.GetResult()
+	if res.GetOutcome() != "ok" || len(res.GetStdout()) != limits.MaxOutputBytes || len(res.GetStderr()) != limits.MaxOutputBytes ||
+		!res.GetStdoutTruncated() || !res.GetStderrTruncated() {
+		t.Errorf("exec asking for 1 GiB of %d bytes each: outcome %q, stdout %d (truncated %v), stderr %d (truncated %v); want both %d and truncated",
+			more, res.GetOutcome(), len(res.GetStdout()), res.GetStdoutTruncated(), len(res.GetStderr()), res.GetStderrTruncated(), limits.MaxOutputBytes)
+	}
+
+	// The same through BatchExec and Run: each item's result is bounded.
+	bresp, err := c.clients.sb.BatchExec(ctx, req(c.admin, &dsecv1.BatchExecRequest{Requests: []*dsecv1.ExecRequest{
+		{SandboxId: id, Shell: cmd, MaxOutputBytes: 1 << 30}}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := bresp.Msg.GetResults()[0].GetResult(); len(r.GetStdout()) != limits.MaxOutputBytes || !r.GetStdoutTruncated() {
+		t.Errorf("batch exec: stdout %d (truncated %v), want %d truncated", len(r.GetStdout()), r.GetStdoutTruncated(), limits.MaxOutputBytes)
+	}
+
+	// ExecStream is the way to more: all of it arrives.
+	st, err := c.clients.sb.ExecStream(ctx, req(c.admin, &dsecv1.ExecRequest{SandboxId: id, Shell: cmd, MaxOutputBytes: 1 << 30}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var nout, nerr int
+	for st.Receive() {
+		nout += len(st.Msg().GetStdout())
+		nerr += len(st.Msg().GetStderr())
+	}
+	st.Close()
+	if st.Err() != nil || nout != more || nerr != more {
+		t.Errorf("exec stream: %d and %d bytes, %v; want %d each", nout, nerr, st.Err(), more)
+	}
+
+	// ReadFile: a file of the ceiling reads (max_bytes 0 or above the
+	// ceiling); one byte more is InvalidArgument naming the bound.
+	if r, err := c.exec(c.admin, id, "sh", "-c", fmt.Sprintf("head -c %d /dev/zero > /tmp/at; head -c %d /dev/zero > /tmp/over", limits.MaxReadBytes, limits.MaxReadBytes+1)); err != nil || r.GetOutcome() != "ok" {
+		t.Fatalf("make files: %v %v", r, err)
+	}
+	for _, max := range []int64{0, 1 << 30} {
+		got, err := c.clients.sb.ReadFile(ctx, req(c.admin, &dsecv1.ReadFileRequest{SandboxId: id, Path: "/tmp/at", MaxBytes: max}))
+		if err != nil || len(got.Msg.GetData()) != limits.MaxReadBytes {
+			t.Errorf("read a file of the ceiling, max_bytes %d: %v", max, err)
+		}
+		_, err = c.clients.sb.ReadFile(ctx, req(c.admin, &dsecv1.ReadFileRequest{SandboxId: id, Path: "/tmp/over", MaxBytes: max}))
+		wantCode(t, err, connect.CodeInvalidArgument, "max_bytes")
 	}
 }

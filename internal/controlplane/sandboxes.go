@@ -15,6 +15,7 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
@@ -497,23 +498,17 @@ func infraResult(reason string) *dsecv1.ExecResult {
 	return &dsecv1.ExecResult{Outcome: "infra_error", InfraError: reason}
 }
 
-func validateExec(r *dsecv1.ExecRequest) error {
-	if len(r.GetArgv()) == 0 && r.GetShell() == "" {
-		return errf(connect.CodeInvalidArgument, "argv: empty and shell not set; give a command")
-	}
-	if err := validDuration("timeout", r.GetTimeout()); err != nil {
-		return err
-	}
-	if r.GetMaxOutputBytes() < 0 {
-		return errf(connect.CodeInvalidArgument, "max_output_bytes: %d is negative", r.GetMaxOutputBytes())
-	}
-	return nil
-}
+// validateExec checks an exec request as its edge will (limits.Exec), so
+// that bad input is InvalidArgument naming the field before any node is
+// involved.
+func validateExec(r *dsecv1.ExecRequest) error { return limits.Exec("", r) }
 
 // execContext bounds an exec by its own timeout plus slack for the round
-// trip; without a timeout only the caller's context bounds it.
+// trip; without a timeout only the caller's context bounds it. The
+// timeout was checked (limits.MaxExecTimeout), so the sum cannot
+// overflow into a deadline in the past.
 func execContext(ctx context.Context, r *dsecv1.ExecRequest) (context.Context, context.CancelFunc) {
-	if d := r.GetTimeout().AsDuration(); r.GetTimeout() != nil && d > 0 {
+	if d := r.GetTimeout().AsDuration(); r.GetTimeout() != nil && d > 0 && d <= limits.MaxExecTimeout {
 		return context.WithTimeout(ctx, d+execSlack)
 	}
 	return context.WithCancel(ctx)
@@ -650,8 +645,9 @@ func (ss *sandboxService) WriteFile(ctx context.Context, req *connect.Request[ds
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetPath() == "" && req.Msg.GetSeq() == 0 {
-		return nil, errf(connect.CodeInvalidArgument, "path: required")
+	// As for Exec, a numbered request goes to its node even when invalid.
+	if err := limits.WriteFile("", req.Msg); err != nil && req.Msg.GetSeq() == 0 {
+		return nil, err
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {
@@ -672,13 +668,8 @@ func (ss *sandboxService) ReadFile(ctx context.Context, req *connect.Request[dse
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetSeq() == 0 {
-		if req.Msg.GetPath() == "" {
-			return nil, errf(connect.CodeInvalidArgument, "path: required")
-		}
-		if req.Msg.GetMaxBytes() < 0 {
-			return nil, errf(connect.CodeInvalidArgument, "max_bytes: %d is negative", req.Msg.GetMaxBytes())
-		}
+	if err := limits.ReadFile("", req.Msg); err != nil && req.Msg.GetSeq() == 0 {
+		return nil, err
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {
