@@ -47,8 +47,10 @@ func toConnect(err error) error {
 	return connect.NewError(connect.CodeInternal, err)
 }
 
-func itemError(err error) *dsecv1.ItemError {
-	err = toConnect(err)
+// itemError is err as one batch item's result, host paths redacted (the
+// interceptor that redacts a call's error does not see its items).
+func (s *Server) itemError(err error) *dsecv1.ItemError {
+	err = s.redact.Error(toConnect(err))
 	var ce *connect.Error
 	errors.As(err, &ce)
 	return &dsecv1.ItemError{Code: ce.Code().String(), Message: ce.Message()}

@@ -337,7 +337,7 @@ func (s *Server) serveRunCode(w http.ResponseWriter, r *http.Request) {
 		}
 		// SandboxFusion's shape, so clients that parse only it still get
 		// a status and a reason.
-		reply(httpStatus(connect.CodeOf(err)), &fusionResponse{Status: fncall.StatusSandboxError, Message: err.Error(), Files: map[string]string{}})
+		reply(httpStatus(connect.CodeOf(err)), &fusionResponse{Status: fncall.StatusSandboxError, Message: s.redact.Error(err).Error(), Files: map[string]string{}})
 	}
 	if r.Method != http.MethodPost {
 		w.Header().Set("Allow", http.MethodPost)

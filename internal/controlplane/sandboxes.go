@@ -347,14 +347,14 @@ func (s *Server) batchCreate(ctx context.Context, p iam.Principal, spec *dsecv1.
 				var err error
 				if res, err = s.placeOrWait(ctx, p, quota, prep, res.err); err != nil {
 					s.metrics.fail("create", err)
-					results[i] = &dsecv1.BatchCreateResult{Error: itemError(err)}
+					results[i] = &dsecv1.BatchCreateResult{Error: s.itemError(err)}
 					return
 				}
 			}
 			sb, err := s.create(ctx, p, quota, prep, res)
 			if err != nil {
 				s.metrics.fail("create", err)
-				results[i] = &dsecv1.BatchCreateResult{Error: itemError(err)}
+				results[i] = &dsecv1.BatchCreateResult{Error: s.itemError(err)}
 				return
 			}
 			results[i] = &dsecv1.BatchCreateResult{Sandbox: sb}

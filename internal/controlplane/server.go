@@ -20,6 +20,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
@@ -28,6 +29,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/redact"
 )
 
 // Defaults for Config fields left zero.
@@ -99,6 +101,9 @@ type Server struct {
 	reg     *registry
 	edges   *edgeClients
 	metrics *metrics
+	// redact keeps host paths (data dir, blob store) out of what callers
+	// are told.
+	redact *redact.Redactor
 	// queued counts creates waiting in the admission queue.
 	queued atomic.Int64
 	// started is when New ran: the registry knows every live edge's held
@@ -163,6 +168,13 @@ func New(cfg Config) (*Server, error) {
 		reg:     newRegistry(cfg.NodeTimeout, cfg.LostRetention),
 		edges:   edges,
 	}
+	roots := []string{cfg.DataDir}
+	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
+		// The store's own temp dir (spooled uploads, extracted trees) and
+		// the store around it.
+		roots = append(roots, ing.TempDir(), filepath.Dir(ing.TempDir()))
+	}
+	s.redact = redact.New(s.log, roots...)
 	m, err := newMetrics(cfg.Registry, s.reg)
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: metrics: %w", err)
@@ -177,7 +189,7 @@ func New(cfg Config) (*Server, error) {
 // on the wire and inflated), and nothing is answered unauthenticated but
 // /run_code from the networks Config.RunCodeOpen lists.
 func (s *Server) Mount(mux *http.ServeMux) {
-	opts := limits.HandlerOptions(limits.MaxRequestBytes)
+	opts := connect.WithHandlerOptions(limits.HandlerOptions(limits.MaxRequestBytes), connect.WithInterceptors(s.redact.Interceptor()))
 	public := func(path string, h http.Handler) {
 		mux.Handle(path, s.authenticated(limits.Body(h, limits.MaxRequestBytes)))
 	}

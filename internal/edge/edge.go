@@ -32,6 +32,7 @@ import (
 	"syscall"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
@@ -41,6 +42,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/redact"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
@@ -132,6 +134,9 @@ type Edge struct {
 	local   blobstore.Local
 	bootID  string
 	metrics *metrics
+	// redact keeps host paths (the data dir, the blob store) out of the
+	// errors the node answers, which servers pass on to callers.
+	redact *redact.Redactor
 	// traj is the node's trajectory log; nil when Config.NoTrajectory.
 	traj *trajectory.Log
 	// ship takes sandboxes whose trajectory ended, to ship at once.
@@ -289,7 +294,12 @@ func New(cfg Config) (*Edge, error) {
 	}
 	ckStore.Scratch()
 	stopCtx, stop := context.WithCancel(context.Background())
+	roots := []string{cfg.DataDir}
+	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
+		roots = append(roots, ing.TempDir(), filepath.Dir(ing.TempDir()))
+	}
 	e := &Edge{
+		redact:      redact.New(cfg.Logger, roots...),
 		cfg:         cfg,
 		log:         cfg.Logger.With("node", cfg.NodeID),
 		images:      image.NewStore(cfg.Store, cfg.Store.Refs()),
@@ -336,7 +346,8 @@ func (e *Edge) Mount(mux *http.ServeMux) {
 	// The token is checked before anything reads the body; bodies and
 	// their inflation are bounded like the server's, with room for what
 	// a server adds to a caller's request (caller, spec).
-	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, limits.HandlerOptions(maxEdgeRequest))
+	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, limits.HandlerOptions(maxEdgeRequest),
+		connect.WithInterceptors(e.redact.Interceptor()))
 	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, limits.Body(h, maxEdgeRequest)))
 }
 
