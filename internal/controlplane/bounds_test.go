@@ -19,6 +19,7 @@ import (
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime/fncall"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
 )
 
@@ -280,6 +281,25 @@ func TestOutputCeilings(t *testing.T) {
 	st.Close()
 	if st.Err() != nil || nout != more || nerr != more {
 		t.Errorf("exec stream: %d and %d bytes, %v; want %d each", nout, nerr, st.Err(), more)
+	}
+
+	// fncall: output and fetched files are bounded likewise.
+	if _, err := c.importPath(c.admin, fncall.DefaultImage, testsuite.BusyboxRootfs(t)); err != nil {
+		t.Fatal(err)
+	}
+	fn := dsecv1connect.NewFnServiceClient(http.DefaultClient, c.url)
+	fr, err := fn.RunCode(ctx, req(c.admin, &dsecv1.RunCodeRequest{Language: "sh", MaxOutputBytes: 1 << 30,
+		Code:       fmt.Sprintf("head -c %d /dev/zero; head -c %d /dev/zero > a.bin; head -c %d /dev/zero > b.bin", more, 10<<20, 10<<20),
+		FetchFiles: []string{"a.bin", "b.bin"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rr := fr.Msg.GetRunResult(); len(rr.GetStdout()) != limits.MaxOutputBytes || !rr.GetStdoutTruncated() {
+		t.Errorf("run_code asking for 1 GiB of %d bytes: stdout %d (truncated %v), want %d truncated", more, len(rr.GetStdout()), rr.GetStdoutTruncated(), limits.MaxOutputBytes)
+	}
+	if files := fr.Msg.GetFiles(); len(files["a.bin"]) != 10<<20 || files["b.bin"] != nil || !strings.Contains(fr.Msg.GetMessage(), "b.bin") {
+		t.Errorf("run_code fetching 2 x 10 MiB: got %d and %d bytes, message %q; want the first, and the second named as over the bound",
+			len(files["a.bin"]), len(files["b.bin"]), fr.Msg.GetMessage())
 	}
 
 	// ReadFile: a file of the ceiling reads (max_bytes 0 or above the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -40,6 +41,9 @@ func answerOf(res *dsecv1.ExecResult, err error) answer {
 
 // httpCode is the Connect code /run_code's HTTP status stands for.
 func httpCode(status int) connect.Code {
+	if status == http.StatusOK {
+		return codeOK
+	}
 	for _, c := range []connect.Code{connect.CodeInvalidArgument, connect.CodeUnauthenticated, connect.CodeNotFound,
 		connect.CodeResourceExhausted, connect.CodeUnavailable, connect.CodeInternal} {
 		if httpStatus(c) == status {
@@ -143,7 +147,11 @@ func TestUserErrors(t *testing.T) {
 	}
 	runCode := func(body map[string]any) answer {
 		status, _, out := c.postRunCode(t, c.admin, body)
-		return answer{code: httpCode(status), text: fmt.Sprint(out["message"])}
+		a := answer{code: httpCode(status), text: fmt.Sprint(out["message"])}
+		if status == http.StatusOK {
+			a.outcome = fmt.Sprint(out["status"])
+		}
+		return a
 	}
 	args := func(n, size int) []string {
 		a := []string{"true"}
@@ -224,6 +232,9 @@ func TestUserErrors(t *testing.T) {
 			return answerOf(nil, err)
 		}, connect.CodeResourceExhausted, "", "ever"},
 		{"run_code: unknown field", func() answer { return runCode(map[string]any{"code": "print(1)", "language": "python", "imag": "x:1"}) }, invalid, "", `"imag"`},
+		{"run_code: image runs the call", func() answer {
+			return runCode(map[string]any{"code": "echo hi", "language": "sh", "image": "busybox:1"})
+		}, codeOK, "Success", ""},
 		{"run_code: image is honoured", func() answer {
 			return runCode(map[string]any{"code": "print(1)", "language": "python", "image": "nope:1"})
 		}, connect.CodeNotFound, "", "nope:1"},
