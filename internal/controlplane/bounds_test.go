@@ -315,4 +315,30 @@ func TestOutputCeilings(t *testing.T) {
 		_, err = c.clients.sb.ReadFile(ctx, req(c.admin, &dsecv1.ReadFileRequest{SandboxId: id, Path: "/tmp/over", MaxBytes: max}))
 		wantCode(t, err, connect.CodeInvalidArgument, "max_bytes")
 	}
+
+	// The trajectory now holds records of tens of MiB each (outputs and
+	// files inlined): a page stops at limits.MaxPageBytes (before its last
+	// record) instead of holding page_size of them.
+	token, pages, records := "", 0, 0
+	for {
+		tr, err := c.clients.sb.GetTrajectory(ctx, req(c.admin, &dsecv1.GetTrajectoryRequest{SandboxId: id, IncludeData: true, PageToken: token}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		size, last := 0, 0
+		for _, r := range tr.Msg.GetRecords() {
+			size, last = size+len(r), len(r)
+		}
+		if len(tr.Msg.GetRecords()) == 0 || size-last >= limits.MaxPageBytes {
+			t.Errorf("trajectory page %d: %d records, %d bytes, %d before its last; want at least one and under %d before the last",
+				pages, len(tr.Msg.GetRecords()), size, size-last, limits.MaxPageBytes)
+		}
+		pages, records = pages+1, records+len(tr.Msg.GetRecords())
+		if token = tr.Msg.GetNextPageToken(); token == "" {
+			break
+		}
+	}
+	if pages < 3 || records < 8 {
+		t.Errorf("trajectory: %d records in %d pages; want the big records spread over pages", records, pages)
+	}
 }

@@ -36,6 +36,11 @@ const (
 	// or 0, is taken as it): larger files are read with ExecStream.
 	MaxReadBytes = 16 << 20
 
+	// MaxPageBytes ends a GetTrajectory page early: its records inline
+	// outputs and files, so page_size records could be gigabytes. A page
+	// holds at least one record.
+	MaxPageBytes = 32 << 20
+
 	// MaxExecTimeout bounds ExecRequest.timeout. A longer one is surely a
 	// mistake (or an attack: 9.3e9 s overflows Go's durations, and the
 	// deadline computed from it was in the past).
