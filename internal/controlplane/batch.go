@@ -143,7 +143,7 @@ func (ss *sandboxService) BatchExec(ctx context.Context, req *connect.Request[ds
 		for j, i := range g.index {
 			switch {
 			case err != nil && unreachable(err) && ctx.Err() == nil:
-				out[i].Result = infraResult(fmt.Sprintf("node %s is not responding: %v", g.rt.node, err))
+				out[i].Result = infraResult(edgeFault(g.rt.node, err))
 			case err != nil:
 				out[i].Error = s.itemError(err)
 			case j >= len(resp.Msg.GetResults()):

@@ -76,3 +76,14 @@ func unreachable(err error) bool {
 	}
 	return false
 }
+
+// edgeFault says how an edge call failed, for an infra_error result or an
+// Unavailable error: the node did not answer, or it answered that the
+// operation failed in a way it could not classify (which is no less a
+// platform fault, but is no silence either).
+func edgeFault(node string, err error) string {
+	if connect.IsWireError(err) {
+		return fmt.Sprintf("node %s failed the operation: %v", node, err)
+	}
+	return fmt.Sprintf("node %s is not responding: %v", node, err)
+}

@@ -104,7 +104,7 @@ func (s *Server) runCode(ctx context.Context, p iam.Principal, r *dsecv1.RunCode
 		if unreachable(err) && connect.CodeOf(err) != connect.CodeUnavailable && ctx.Err() == nil {
 			// The node failed under the call: an infrastructure fault,
 			// reported in the body as SandboxFusion does.
-			return &dsecv1.RunCodeResponse{Status: fncall.StatusSandboxError, Message: fmt.Sprintf("node %s is not responding: %v", node, err)}, nil
+			return &dsecv1.RunCodeResponse{Status: fncall.StatusSandboxError, Message: edgeFault(node, err)}, nil
 		}
 		return nil, err
 	}

@@ -408,7 +408,7 @@ func summaryToSandbox(node string, sum *dsecv1.SandboxSummary, state, reason str
 // naming the node; answers from the edge pass through.
 func edgeFailure(node string, err error) error {
 	if unreachable(err) {
-		return errf(connect.CodeUnavailable, "node %s is not responding: %w", node, err)
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s", edgeFault(node, err)))
 	}
 	return err
 }
@@ -548,7 +548,7 @@ func (s *Server) exec(ctx context.Context, r *dsecv1.ExecRequest) (*dsecv1.ExecR
 	resp, err := s.edges.get(rt.url).ExecOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeExecRequest{Caller: callerOf(p), Request: r}))
 	if err != nil {
 		if unreachable(err) && ctx.Err() == nil {
-			return infraResult(fmt.Sprintf("node %s is not responding: %v", rt.node, err)), nil
+			return infraResult(edgeFault(rt.node, err)), nil
 		}
 		return nil, err
 	}
@@ -594,7 +594,7 @@ func (s *Server) execStream(ctx context.Context, r *dsecv1.ExecRequest, out *con
 	stream, err := s.edges.get(rt.url).ExecStreamOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeExecRequest{Caller: callerOf(p), Request: r}))
 	if err != nil {
 		if unreachable(err) && ctx.Err() == nil {
-			return sendInfra(fmt.Sprintf("node %s is not responding: %v", rt.node, err))
+			return sendInfra(edgeFault(rt.node, err))
 		}
 		return "", err
 	}

@@ -247,7 +247,7 @@ func TestUserErrors(t *testing.T) {
 			if tc.mention != "" && !strings.Contains(got.text, tc.mention) {
 				t.Fatalf("%v does not name %q", got, tc.mention)
 			}
-			if strings.Contains(got.text, "not responding") || got.outcome == "infra_error" {
+			if strings.Contains(got.text, "not responding") || strings.Contains(got.text, "failed the operation") || got.outcome == "infra_error" {
 				t.Fatalf("a caller's input came back as an infrastructure failure: %v", got)
 			}
 		})
