@@ -67,7 +67,21 @@ func TestNoHostPathsInErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	hex := strings.TrimPrefix(img.GetLayers()[0], "sha256:")
-	if err := os.Remove(filepath.Join(c.store.Root(), "blobs", "sha256", hex)); err != nil {
+	blob := filepath.Join(c.store.Root(), "blobs", "sha256", hex)
+	// A layer file that is no EROFS image: the node fails to mount it
+	// under its data dir, and says so without the path.
+	os.Chmod(blob, 0o644)
+	if err := os.WriteFile(blob, []byte("not an erofs image"), 0o444); err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1"})
+	host(t, "create over a broken layer", err, "")
+	for _, sb := range c.list(c.admin, nil) {
+		if strings.Contains(sb.GetReason(), c.root) {
+			t.Errorf("sandbox %s's reason %q names a host path", sb.GetId(), sb.GetReason())
+		}
+	}
+	if err := os.Remove(blob); err != nil {
 		t.Fatal(err)
 	}
 	_, err = c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1"})

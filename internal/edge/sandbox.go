@@ -476,7 +476,8 @@ func (e *Edge) setState(sb *sandbox, state, reason string) {
 	}
 	sb.state = state
 	if reason != "" {
-		sb.reason = reason
+		// Reasons reach callers (Get, infra_error results): no host paths.
+		sb.reason = e.redact.String(reason)
 	}
 	if !(old == StateCreating || old == StateRunning || old == "") {
 		return // already ended: its tombstone is queued
