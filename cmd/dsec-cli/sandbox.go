@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -261,6 +262,11 @@ func checkSeq(ctx context.Context, c *dsec.Client, id string, seq uint64) error 
 // maxCopyBytes bounds a file read from a sandbox by `cp`.
 const maxCopyBytes = 1 << 30
 
+// copyChunk is the most `cp` sends or asks for in one call: one ReadFile
+// returns at most the server's ceiling (16 MiB) and one request carries at
+// most 64 MiB, so larger files go through exec's output stream and stdin.
+const copyChunk = 16 << 20
+
 func newSandboxCpCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "cp SRC DST",
@@ -285,15 +291,70 @@ func newSandboxCpCmd(g *globals) *cobra.Command {
 				if strings.HasSuffix(dst, "/") && from.Path != "-" {
 					dst = path.Join(dst, filepath.Base(from.Path))
 				}
-				return c.Sandbox(to.Sandbox, dsec.Unnumbered()).WriteFile(ctx, dst, data, mode)
+				return copyIn(ctx, c.Sandbox(to.Sandbox, dsec.Unnumbered()), dst, data, mode)
 			}
-			data, err := c.Sandbox(from.Sandbox, dsec.Unnumbered()).ReadFile(ctx, from.Path, maxCopyBytes)
+			data, err := copyOut(ctx, c.Sandbox(from.Sandbox, dsec.Unnumbered()), from.Path)
 			if err != nil {
 				return err
 			}
 			return writeLocal(cmd.OutOrStdout(), to.Path, path.Base(from.Path), data)
 		},
 	}
+}
+
+// copyIn writes data to dst in the sandbox: one WriteFile, or for a file
+// over copyChunk the first chunk by WriteFile and the rest appended by
+// `cat`, copyChunk of stdin at a time.
+func copyIn(ctx context.Context, sb *dsec.Sandbox, dst string, data []byte, mode uint32) error {
+	first := data[:min(len(data), copyChunk)]
+	if err := sb.WriteFile(ctx, dst, first, mode); err != nil {
+		return err
+	}
+	for rest := data[len(first):]; len(rest) > 0; {
+		n := min(len(rest), copyChunk)
+		res, err := sb.ExecWith(ctx, dsec.ExecOptions{Argv: []string{"sh", "-c", `cat >> "$1"`, "sh", dst}, Stdin: rest[:n]})
+		if err != nil {
+			return err
+		}
+		if res.ExitCode != 0 || res.Outcome != "ok" {
+			return fmt.Errorf("append to %s in the sandbox: %s (exit %d) %s", dst, res.Outcome, res.ExitCode, strings.TrimSpace(string(res.Stderr)))
+		}
+		rest = rest[n:]
+	}
+	return nil
+}
+
+// copyOut reads p from the sandbox: one ReadFile, or for a file over the
+// server's ReadFile bound its bytes as `cat` prints them, streamed.
+func copyOut(ctx context.Context, sb *dsec.Sandbox, p string) ([]byte, error) {
+	data, err := sb.ReadFile(ctx, p, 0)
+	if err == nil || !dsec.IsInvalidArgument(err) || !strings.Contains(err.Error(), "larger than") {
+		return data, err
+	}
+	var out, errOut bytes.Buffer
+	res, err := sb.ExecStream(ctx, dsec.ExecOptions{Argv: []string{"cat", "--", p}},
+		&capped{w: &out, left: maxCopyBytes}, &capped{w: &errOut, left: 64 << 10})
+	if err != nil {
+		return nil, err
+	}
+	if res.ExitCode != 0 || res.Outcome != "ok" {
+		return nil, fmt.Errorf("read %s in the sandbox: %s (exit %d) %s", p, res.Outcome, res.ExitCode, strings.TrimSpace(errOut.String()))
+	}
+	return out.Bytes(), nil
+}
+
+// capped fails once more than left bytes were written to it.
+type capped struct {
+	w    io.Writer
+	left int64
+}
+
+func (c *capped) Write(p []byte) (int, error) {
+	if int64(len(p)) > c.left {
+		return 0, fmt.Errorf("more than %d bytes", maxCopyBytes)
+	}
+	c.left -= int64(len(p))
+	return c.w.Write(p)
 }
 
 func readLocal(stdin io.Reader, p string) ([]byte, uint32, error) {

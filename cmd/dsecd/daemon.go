@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/cobra"
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/blobstore"
@@ -117,16 +120,20 @@ func newRegistry() *prometheus.Registry {
 	return r
 }
 
-// newMux returns the process's one mux with /metrics on it.
-func newMux(reg *prometheus.Registry) *http.ServeMux {
-	return newMuxHealth(reg, nil)
+// newMux returns the process's one mux with /healthz on it, and metrics
+// (nil: served elsewhere, see metricsFlags) at /metrics.
+func newMux(metrics http.Handler) *http.ServeMux {
+	return newMuxHealth(metrics, nil)
 }
 
 // newMuxHealth is newMux whose /healthz answers 503 with the reason while
-// ready returns an error.
-func newMuxHealth(reg *prometheus.Registry, ready func() error) *http.ServeMux {
+// ready returns an error. /healthz is the one path served to anyone: it
+// says "ok" or why not, nothing else.
+func newMuxHealth(metrics http.Handler, ready func() error) *http.ServeMux {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	if metrics != nil {
+		mux.Handle("/metrics", metrics)
+	}
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		if ready != nil {
 			if err := ready(); err != nil {
@@ -137,6 +144,81 @@ func newMuxHealth(reg *prometheus.Registry, ready func() error) *http.ServeMux {
 		fmt.Fprintln(w, "ok")
 	})
 	return mux
+}
+
+// metricsFile is the default file of the token /metrics asks for.
+const metricsFile = "metrics.token"
+
+// metricsFlags say where /metrics is served: on the daemon's port behind
+// a token of its own (the default; a Prometheus scrape config names the
+// token file as its authorization credentials), or with --metrics-addr on
+// a listener of its own without a token (bind it to an address only the
+// monitoring network reaches).
+type metricsFlags struct {
+	addr      string
+	tokenFile string
+}
+
+func (f *metricsFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	fl.StringVar(&f.addr, "metrics-addr", "", "serve /metrics on this address of its own, without a token, and not on the main port (default: on the main port, behind the metrics token)")
+	fl.StringVar(&f.tokenFile, "metrics-token-file", "", "bearer token /metrics on the main port asks for (default DATA-DIR/metrics.token, created if missing): give it to Prometheus as authorization.credentials_file")
+}
+
+// open returns the handler for /metrics on the main port (nil when it has
+// its own listener) and that listener (nil when it has none).
+func (f *metricsFlags) open(dataDir string, reg *prometheus.Registry) (http.Handler, net.Listener, error) {
+	h := promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})
+	if f.addr != "" {
+		ln, err := net.Listen("tcp", f.addr)
+		if err != nil {
+			return nil, nil, cli.Usagef("--metrics-addr %s: %v", f.addr, err)
+		}
+		return nil, ln, nil
+	}
+	path := f.tokenFile
+	if path == "" {
+		path = filepath.Join(dataDir, metricsFile)
+	}
+	tok, err := iam.EnsureTokenFile(path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("metrics token: %w", err)
+	}
+	return requireToken(tok, h), nil, nil
+}
+
+// serve serves /metrics on ln (when open made one) until ctx ends.
+func (f *metricsFlags) serve(ctx context.Context, ln net.Listener, reg *prometheus.Registry, log *slog.Logger) error {
+	if ln == nil {
+		return nil
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	return serveUntil(ctx, newHTTPServer(mux, log), ln)
+}
+
+// serveMetrics runs mf.serve for a daemon: a metrics listener that fails
+// stops the daemon (cancel), as its main listener would.
+func serveMetrics(ctx context.Context, cancel context.CancelFunc, mf *metricsFlags, ln net.Listener, reg *prometheus.Registry, log *slog.Logger) {
+	if err := mf.serve(ctx, ln, reg, log); err != nil {
+		log.Error("metrics listener failed", "err", err)
+		cancel()
+	}
+}
+
+// requireToken serves h only to requests bearing token.
+func requireToken(token string, h http.Handler) http.Handler {
+	want := sha256.Sum256([]byte(token))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tok, ok := iam.BearerToken(r.Header.Get("Authorization"))
+		got := sha256.Sum256([]byte(tok))
+		if !ok || subtle.ConstantTimeCompare(want[:], got[:]) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="dsec metrics"`)
+			http.Error(w, "/metrics needs Authorization: Bearer <the metrics token> (DATA-DIR/metrics.token or --metrics-token-file), or run with --metrics-addr", http.StatusUnauthorized)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // newHTTPServer serves HTTP/1.1 and cleartext HTTP/2 (h2c) on one port, so

@@ -207,6 +207,7 @@ func newEdgeCmd() *cobra.Command {
 	var (
 		f         daemonFlags
 		ef        edgeFlags
+		mf        metricsFlags
 		servers   []string
 		advertise string
 	)
@@ -243,13 +244,22 @@ func newEdgeCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			mux := newMux(reg)
+			metrics, metricsLn, err := mf.open(f.dataDir, reg)
+			if err != nil {
+				ef.close(cmd.Context(), e, log)
+				return err
+			}
+			if metricsLn != nil {
+				defer metricsLn.Close()
+			}
+			mux := newMux(metrics)
 			e.Mount(mux)
 			log.Info("dsec edge listening", "node", ef.nodeID, "advertise", advertise, "servers", servers)
 			ctx, cancel := context.WithCancel(cmd.Context())
 			defer cancel()
 			var wg sync.WaitGroup
 			wg.Go(func() { e.Run(ctx) })
+			wg.Go(func() { serveMetrics(ctx, cancel, &mf, metricsLn, reg, log) })
 			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
 			cancel()
 			wg.Wait()
@@ -266,5 +276,6 @@ func newEdgeCmd() *cobra.Command {
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "the servers' shared secret (default DATA-DIR/cluster.token)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	ef.register(cmd)
+	mf.register(cmd)
 	return cmd
 }

@@ -8,14 +8,12 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
-
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // /healthz answers 503 with the reason until the daemon is usable, then 200.
 func TestHealthzWaitsForReady(t *testing.T) {
 	var ready atomic.Bool
-	srv := httptest.NewServer(newMuxHealth(prometheus.NewRegistry(), func() error {
+	srv := httptest.NewServer(newMuxHealth(nil, func() error {
 		if !ready.Load() {
 			return errors.New("the local edge has not registered yet")
 		}

@@ -20,6 +20,7 @@ func newServerCmd() *cobra.Command {
 	var (
 		f           daemonFlags
 		sf          serveFlags
+		mf          metricsFlags
 		nodeTimeout time.Duration
 		oc          placement.Overcommit
 	)
@@ -48,7 +49,14 @@ func newServerCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			mux := newMux(reg)
+			metrics, metricsLn, err := mf.open(f.dataDir, reg)
+			if err != nil {
+				return err
+			}
+			if metricsLn != nil {
+				defer metricsLn.Close()
+			}
+			mux := newMux(metrics)
 			srv.Mount(mux)
 			ln, err := net.Listen("tcp", f.listen)
 			if err != nil {
@@ -59,6 +67,7 @@ func newServerCmd() *cobra.Command {
 			defer cancel()
 			var wg sync.WaitGroup
 			wg.Go(func() { srv.Run(ctx) })
+			wg.Go(func() { serveMetrics(ctx, cancel, &mf, metricsLn, reg, log) })
 			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
 			cancel()
 			wg.Wait()
@@ -75,6 +84,7 @@ func newServerCmd() *cobra.Command {
 	fl.Float64Var(&oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the edges')")
 	fl.Float64Var(&oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the edges')")
 	sf.register(cmd)
+	mf.register(cmd)
 	return cmd
 }
 

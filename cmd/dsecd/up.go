@@ -29,6 +29,7 @@ func newUpCmd() *cobra.Command {
 		f       daemonFlags
 		sf      serveFlags
 		ef      edgeFlags
+		mf      metricsFlags
 		imports []string
 	)
 	cmd := &cobra.Command{
@@ -87,10 +88,18 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 				return err
 			}
 			e.Mount(edgeMux)
+			metrics, metricsLn, err := mf.open(f.dataDir, reg)
+			if err != nil {
+				ef.close(cmd.Context(), e, log)
+				return err
+			}
+			if metricsLn != nil {
+				defer metricsLn.Close()
+			}
 			// Healthy means usable: until the edge in this process has
 			// registered (its first heartbeat, over this very listener), a
 			// create would find no node.
-			mux := newMuxHealth(reg, func() error {
+			mux := newMuxHealth(metrics, func() error {
 				if srv.LiveNodes() == 0 {
 					return errors.New("the local edge has not registered yet")
 				}
@@ -105,6 +114,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 			var wg sync.WaitGroup
 			wg.Go(func() { srv.Run(ctx) })
 			wg.Go(func() { e.Run(ctx) })
+			wg.Go(func() { serveMetrics(ctx, cancel, &mf, metricsLn, reg, log) })
 			tokenPath := filepath.Join(f.dataDir, iam.AdminTokenFile)
 			fmt.Fprintf(cmd.OutOrStdout(), "dsec up: serving on %s (node %s)\nadmin token: %s\n", self, ef.nodeID, tokenPath)
 			if f.dataDir != defaultDataDir || self != "http://"+defaultListen {
@@ -127,6 +137,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 	fl.StringArrayVar(&imports, "import", nil, "NAME:TAG=PATH: import PATH as a public image before serving, unless NAME:TAG exists (repeatable)")
 	ef.register(cmd)
 	sf.register(cmd)
+	mf.register(cmd)
 	return cmd
 }
 

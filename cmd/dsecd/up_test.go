@@ -112,7 +112,20 @@ func TestUpCallsEdgeInProcess(t *testing.T) {
 
 	// Create, exec, stream, write, destroy and run: at least six calls,
 	// every one in process.
-	calls := scrape(t, base, "dsec_up_edge_requests_total")
+	// /metrics answers the metrics token only.
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("/metrics without a token: %s, want 401", resp.Status)
+	}
+	mt, err := os.ReadFile(filepath.Join(data, "metrics.token"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := scrape(t, base, strings.TrimSpace(string(mt)), "dsec_up_edge_requests_total")
 	if calls["inproc"] < 6 || calls["network"] != 0 {
 		t.Errorf("edge requests by way %v: want >= 6 inproc and no network", calls)
 	}
@@ -177,12 +190,21 @@ func poll(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// scrape reads the counter name from base's /metrics, by its "via" label.
-func scrape(t *testing.T, base, name string) map[string]float64 {
+// scrape reads the counter name from base's /metrics (with the metrics
+// token), by its "via" label.
+func scrape(t *testing.T, base, token, name string) map[string]float64 {
 	t.Helper()
-	resp, err := http.Get(base + "/metrics")
+	r, err := http.NewRequest(http.MethodGet, base+"/metrics", nil)
 	if err != nil {
 		t.Fatal(err)
+	}
+	r.Header.Set("Authorization", "Bearer "+token)
+	resp, err := http.DefaultClient.Do(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/metrics with the metrics token: %s", resp.Status)
 	}
 	defer resp.Body.Close()
 	out := map[string]float64{}

@@ -31,6 +31,8 @@ func (e *Error) Is(target error) bool {
 		return target == fs.ErrExist
 	case CodeInvalidArgument:
 		return target == fs.ErrInvalid
+	case CodeTooLarge:
+		return target == runtime.ErrTooLarge
 	}
 	return false
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -48,15 +49,9 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 	if !queueable(first) {
 		return reservation{}, toConnect(first)
 	}
-	// A create no live node could hold even empty would only wait out
-	// its deadline in the queue, holding a slot: refuse it at once.
-	if cpu, mem, ok := s.reg.largest(prep.req.Kind, s.cfg.Overcommit); ok {
-		switch {
-		case prep.req.MilliCPU > cpu:
-			return reservation{}, errf(connect.CodeResourceExhausted, "spec.resources.milli_cpu: %d is more than any node offers (the largest: %d)", prep.req.MilliCPU, cpu)
-		case prep.req.MemoryBytes > mem:
-			return reservation{}, errf(connect.CodeResourceExhausted, "spec.resources.memory_bytes: %d is more than any node offers (the largest: %d)", prep.req.MemoryBytes, mem)
-		}
+	if err := s.reg.everFits(prep.req, s.cfg.Overcommit); err != nil {
+		// Waiting would hold a queue slot until the deadline for nothing.
+		return reservation{}, err
 	}
 	if s.queued.Add(1) > int64(s.cfg.QueueSize) {
 		s.queued.Add(-1)
@@ -94,4 +89,57 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 			return reservation{}, connect.NewError(code, fmt.Errorf("waited %s in the admission queue for room: %w", time.Since(start).Round(time.Millisecond), last))
 		}
 	}
+}
+
+// everFits refuses at once a request that no live node could hold even
+// empty: more CPU or memory than any node offers for the backend (say
+// memory_bytes 2^63-1). It names the resource field and the most a node
+// offers.
+func (r *registry) everFits(req placement.Request, oc placement.Overcommit) error {
+	ratio := func(v, def float64) float64 {
+		if v == 0 {
+			return def
+		}
+		return v
+	}
+	cpuRatio, memRatio := ratio(oc.CPU, placement.DefaultOvercommit.CPU), ratio(oc.Memory, placement.DefaultOvercommit.Memory)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	var maxCPU, maxMem int64
+	offered := false
+	for _, n := range r.nodes {
+		c, ok := n.capacity[req.Kind]
+		if !r.alive(n, now) || !ok || c.Sandboxes < 1 {
+			continue
+		}
+		offered = true
+		cpu, mem := scaled(c.MilliCPU, cpuRatio), scaled(c.MemoryBytes, memRatio)
+		if req.MilliCPU <= cpu && req.MemoryBytes <= mem {
+			return nil
+		}
+		maxCPU, maxMem = max(maxCPU, cpu), max(maxMem, mem)
+	}
+	if !offered {
+		return nil // placement said there are eligible nodes; let it decide
+	}
+	var field string
+	switch {
+	case req.MemoryBytes > maxMem:
+		field = fmt.Sprintf("spec.resources.memory_bytes %d: the most any node offers the %s backend is %d", req.MemoryBytes, req.Kind, maxMem)
+	case req.MilliCPU > maxCPU:
+		field = fmt.Sprintf("spec.resources.milli_cpu %d: the most any node offers the %s backend is %d", req.MilliCPU, req.Kind, maxCPU)
+	default:
+		field = fmt.Sprintf("spec.resources milli_cpu %d with memory_bytes %d: no node offers both at once for the %s backend", req.MilliCPU, req.MemoryBytes, req.Kind)
+	}
+	return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("no node can ever hold this sandbox, even empty: %s", field))
+}
+
+// scaled is placement's effective capacity: v × ratio, saturating.
+func scaled(v int64, ratio float64) int64 {
+	f := float64(v) * ratio
+	if f >= math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(f)
 }

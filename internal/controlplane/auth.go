@@ -34,15 +34,29 @@ func callerOf(p iam.Principal) *dsecv1.Caller {
 	return &dsecv1.Caller{Tenant: p.Tenant, Admin: p.Admin}
 }
 
-// bearerAuth authenticates public calls with iam.
-type bearerAuth struct{ iam *iam.IAM }
+// authenticated serves next only to callers with a valid bearer token,
+// whose principal it puts in the request's context. It runs before
+// anything reads the body: Connect reads and inflates a request before its
+// interceptors run, so an interceptor checking the token let anyone make
+// the server read (and gunzip) a body first.
+func (s *Server) authenticated(next http.Handler) http.Handler {
+	ew := connect.NewErrorWriter()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, err := s.authenticate(r.Context(), r.Header)
+		if err != nil {
+			ew.Write(w, r, err)
+			return
+		}
+		next.ServeHTTP(w, r.WithContext(ctx))
+	})
+}
 
-func (a *bearerAuth) authenticate(ctx context.Context, h http.Header) (context.Context, error) {
+func (s *Server) authenticate(ctx context.Context, h http.Header) (context.Context, error) {
 	tok, ok := iam.BearerToken(h.Get("Authorization"))
 	if !ok {
 		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("missing Authorization: Bearer <token> header"))
 	}
-	p, err := a.iam.Authenticate(ctx, tok)
+	p, err := s.iam.Authenticate(ctx, tok)
 	if errors.Is(err, iam.ErrUnauthenticated) {
 		return nil, connect.NewError(connect.CodeUnauthenticated, err)
 	}
@@ -52,61 +66,18 @@ func (a *bearerAuth) authenticate(ctx context.Context, h http.Header) (context.C
 	return withPrincipal(ctx, p), nil
 }
 
-func (a *bearerAuth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		ctx, err := a.authenticate(ctx, req.Header())
-		if err != nil {
-			return nil, err
+// requireClusterToken serves next only to holders of the cluster token
+// (edges), checked before the body is read, as authenticated does.
+func requireClusterToken(token string, next http.Handler) http.Handler {
+	want := sha256.Sum256([]byte(token))
+	ew := connect.NewErrorWriter()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tok, ok := iam.BearerToken(r.Header.Get("Authorization"))
+		got := sha256.Sum256([]byte(tok))
+		if !ok || subtle.ConstantTimeCompare(want[:], got[:]) != 1 {
+			ew.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errors.New("missing or wrong cluster token")))
+			return
 		}
-		return next(ctx, req)
-	}
-}
-
-func (a *bearerAuth) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return next
-}
-
-func (a *bearerAuth) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		ctx, err := a.authenticate(ctx, conn.RequestHeader())
-		if err != nil {
-			return err
-		}
-		return next(ctx, conn)
-	}
-}
-
-// clusterAuth admits only holders of the cluster token (edges).
-type clusterAuth struct{ token string }
-
-func (a *clusterAuth) check(h http.Header) error {
-	tok, ok := iam.BearerToken(h.Get("Authorization"))
-	want := sha256.Sum256([]byte(a.token))
-	got := sha256.Sum256([]byte(tok))
-	if !ok || subtle.ConstantTimeCompare(want[:], got[:]) != 1 {
-		return connect.NewError(connect.CodeUnauthenticated, errors.New("missing or wrong cluster token"))
-	}
-	return nil
-}
-
-func (a *clusterAuth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		if err := a.check(req.Header()); err != nil {
-			return nil, err
-		}
-		return next(ctx, req)
-	}
-}
-
-func (a *clusterAuth) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return next
-}
-
-func (a *clusterAuth) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		if err := a.check(conn.RequestHeader()); err != nil {
-			return err
-		}
-		return next(ctx, conn)
-	}
+		next.ServeHTTP(w, r)
+	})
 }

@@ -10,6 +10,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/limits"
 )
 
 // The batch API (issue 6): Acquire, BatchExec, BatchRollback, Release.
@@ -104,7 +105,7 @@ func (ss *sandboxService) BatchExec(ctx context.Context, req *connect.Request[ds
 		}
 		// As in Exec: a numbered request goes to its node even when
 		// invalid, so the node records the refusal under its number.
-		if err := validateExec(r); err != nil && r.GetSeq() == 0 {
+		if err := limits.Exec(fmt.Sprintf("requests[%d].", i), r); err != nil && r.GetSeq() == 0 {
 			return route{}, err
 		}
 		rt, err := s.locate(p, fmt.Sprintf("requests[%d].sandbox_id", i), r.GetSandboxId())
@@ -115,14 +116,14 @@ func (ss *sandboxService) BatchExec(ctx context.Context, req *connect.Request[ds
 			out[i].Result = infraResult(rt.lostReason)
 			return route{}, nil
 		}
-		if d := r.GetTimeout().AsDuration(); d > longest {
+		if d := min(r.GetTimeout().AsDuration(), limits.MaxExecTimeout); d > longest {
 			longest = d
 		}
 		return rt, nil
 	}, func(i int, err error) {
 		if err != nil {
 			s.metrics.fail("exec", err)
-			out[i].Error = itemError(err)
+			out[i].Error = s.itemError(err)
 		}
 	})
 	delete(groups, "") // items answered without a node (lost sandboxes)
@@ -142,9 +143,9 @@ func (ss *sandboxService) BatchExec(ctx context.Context, req *connect.Request[ds
 		for j, i := range g.index {
 			switch {
 			case err != nil && unreachable(err) && ctx.Err() == nil:
-				out[i].Result = infraResult(fmt.Sprintf("node %s is not responding: %v", g.rt.node, err))
+				out[i].Result = infraResult(edgeFault(g.rt.node, err))
 			case err != nil:
-				out[i].Error = itemError(err)
+				out[i].Error = s.itemError(err)
 			case j >= len(resp.Msg.GetResults()):
 				out[i].Result = infraResult(fmt.Sprintf("node %s returned %d results for %d requests", g.rt.node, len(resp.Msg.GetResults()), len(items)))
 			default:
@@ -181,7 +182,7 @@ func (ss *sandboxService) BatchRollback(ctx context.Context, req *connect.Reques
 		return s.live(p, r.GetSandboxId(), r.GetSeq())
 	}, func(i int, err error) {
 		s.metrics.fail("rollback", err)
-		out[i].Error = itemError(err)
+		out[i].Error = s.itemError(err)
 	})
 	eachGroup(groups, func(g *nodeGroup) {
 		items := make([]*dsecv1.RollbackRequest, len(g.index))
@@ -196,9 +197,9 @@ func (ss *sandboxService) BatchRollback(ctx context.Context, req *connect.Reques
 		for j, i := range g.index {
 			switch {
 			case err != nil:
-				out[i].Error = itemError(edgeFailure(g.rt.node, err))
+				out[i].Error = s.itemError(edgeFailure(g.rt.node, err))
 			case j >= len(resp.Msg.GetResults()):
-				out[i].Error = itemError(errf(connect.CodeInternal, "node %s returned %d results for %d requests", g.rt.node, len(resp.Msg.GetResults()), len(items)))
+				out[i].Error = s.itemError(errf(connect.CodeInternal, "node %s returned %d results for %d requests", g.rt.node, len(resp.Msg.GetResults()), len(items)))
 			default:
 				r := resp.Msg.GetResults()[j]
 				out[i].Result, out[i].Error = r.GetResult(), r.GetError()
@@ -225,7 +226,7 @@ func (s *Server) batchDestroy(ctx context.Context, p iam.Principal, ids []string
 			results[i] = &dsecv1.BatchDestroyResult{Id: id}
 			if err := s.destroy(ctx, p, id); err != nil {
 				s.metrics.fail("destroy", err)
-				results[i].Error = itemError(err)
+				results[i].Error = s.itemError(err)
 			}
 		}()
 	}

@@ -47,8 +47,10 @@ func toConnect(err error) error {
 	return connect.NewError(connect.CodeInternal, err)
 }
 
-func itemError(err error) *dsecv1.ItemError {
-	err = toConnect(err)
+// itemError is err as one batch item's result, host paths redacted (the
+// interceptor that redacts a call's error does not see its items).
+func (s *Server) itemError(err error) *dsecv1.ItemError {
+	err = s.redact.Error(toConnect(err))
 	var ce *connect.Error
 	errors.As(err, &ce)
 	return &dsecv1.ItemError{Code: ce.Code().String(), Message: ce.Message()}
@@ -73,4 +75,15 @@ func unreachable(err error) bool {
 		return true
 	}
 	return false
+}
+
+// edgeFault says how an edge call failed, for an infra_error result or an
+// Unavailable error: the node did not answer, or it answered that the
+// operation failed in a way it could not classify (which is no less a
+// platform fault, but is no silence either).
+func edgeFault(node string, err error) string {
+	if connect.IsWireError(err) {
+		return fmt.Sprintf("node %s failed the operation: %v", node, err)
+	}
+	return fmt.Sprintf("node %s is not responding: %v", node, err)
 }

@@ -175,7 +175,15 @@ func (is *imageService) Import(ctx context.Context, stream *connect.ClientStream
 		if errors.Is(err, image.ErrInvalidRef) {
 			return nil, errf(connect.CodeInvalidArgument, "header.ref: %w", err)
 		}
-		return nil, errf(connect.CodeInvalidArgument, "import %q: %w", r.String(), err)
+		// The caller hears what was wrong with its upload, not where the
+		// server spooled it (the interceptor redacts any other host path).
+		s.log.Info("image import refused", "ref", internal, "tenant", p.Tenant, "err", err)
+		msg := err.Error()
+		if hdr.GetServerPath() == "" {
+			msg = strings.ReplaceAll(msg, "import "+path+": ", "")
+			msg = strings.ReplaceAll(msg, path, "the upload")
+		}
+		return nil, errf(connect.CodeInvalidArgument, "import %q: %s", r.String(), msg)
 	}
 	_, digest, err := s.images.Get(ctx, internal)
 	if err != nil {

@@ -94,7 +94,7 @@ func TestToConnect(t *testing.T) {
 			t.Errorf("toConnect(%v) code %v, want %v", tc.err, got, tc.code)
 		}
 	}
-	ie := itemError(&iam.QuotaError{Tenant: "a", Quota: "max_sandboxes", Limit: 1})
+	ie := (&Server{}).itemError(&iam.QuotaError{Tenant: "a", Quota: "max_sandboxes", Limit: 1})
 	if ie.GetCode() != "resource_exhausted" || ie.GetMessage() == "" {
 		t.Errorf("itemError = %v", ie)
 	}

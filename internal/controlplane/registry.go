@@ -257,31 +257,6 @@ func (r *registry) defaults(fallback spec.Resources) spec.Resources {
 	return d.Or(fallback)
 }
 
-// largest returns what the biggest live node offers for kind (capacity
-// times overcommit, CPU and memory apart), and whether any live node
-// offers kind at all.
-func (r *registry) largest(kind runtime.Kind, oc placement.Overcommit) (cpu, mem int64, ok bool) {
-	if oc.CPU == 0 {
-		oc.CPU = placement.DefaultOvercommit.CPU
-	}
-	if oc.Memory == 0 {
-		oc.Memory = placement.DefaultOvercommit.Memory
-	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	now := r.now()
-	for _, n := range r.nodes {
-		c, has := n.capacity[kind]
-		if !has || !r.alive(n, now) {
-			continue
-		}
-		ok = true
-		cpu = max(cpu, int64(float64(c.MilliCPU)*oc.CPU))
-		mem = max(mem, int64(float64(c.MemoryBytes)*oc.Memory))
-	}
-	return cpu, mem, ok
-}
-
 // tenantUse is what tenant holds as this replica sees it (live sandboxes
 // and pools on live nodes, plus its creates in flight).
 func (r *registry) tenantUse(tenant string) iam.Usage {

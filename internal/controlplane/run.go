@@ -18,6 +18,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/limits"
 )
 
 func (ss *sandboxService) Run(ctx context.Context, req *connect.Request[dsecv1.RunRequest], out *connect.ServerStream[dsecv1.RunResponse]) error {
@@ -51,11 +52,7 @@ func (s *Server) run(ctx context.Context, r *dsecv1.RunRequest, out *connect.Ser
 	case ex.GetSeq() != 0:
 		return "", errf(connect.CodeInvalidArgument, "exec.seq: must be 0 (a Run's sandbox is new)")
 	}
-	if err := validateExec(ex); err != nil {
-		var ce *connect.Error
-		if asConnect(err, &ce) {
-			return "", errf(ce.Code(), "exec.%s", ce.Message())
-		}
+	if err := limits.Exec("exec.", ex); err != nil {
 		return "", err
 	}
 	prep, quota, res, err := s.admit(ctx, p, r.GetSpec())
@@ -75,7 +72,7 @@ func (s *Server) run(ctx context.Context, r *dsecv1.RunRequest, out *connect.Ser
 // with slack for the round trips; without a timeout only the caller's
 // context bounds it, as for an exec.
 func runContext(ctx context.Context, ex *dsecv1.ExecRequest) (context.Context, context.CancelFunc) {
-	if d := ex.GetTimeout().AsDuration(); ex.GetTimeout() != nil && d > 0 {
+	if d := ex.GetTimeout().AsDuration(); ex.GetTimeout() != nil && d > 0 && d <= limits.MaxExecTimeout {
 		return context.WithTimeout(ctx, createTimeout+d+execSlack)
 	}
 	return context.WithCancel(ctx)

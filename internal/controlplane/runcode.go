@@ -1,6 +1,7 @@
 package controlplane
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -12,6 +13,7 @@ import (
 	"net/http"
 	"net/netip"
 	"sort"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -102,7 +104,7 @@ func (s *Server) runCode(ctx context.Context, p iam.Principal, r *dsecv1.RunCode
 		if unreachable(err) && connect.CodeOf(err) != connect.CodeUnavailable && ctx.Err() == nil {
 			// The node failed under the call: an infrastructure fault,
 			// reported in the body as SandboxFusion does.
-			return &dsecv1.RunCodeResponse{Status: fncall.StatusSandboxError, Message: fmt.Sprintf("node %s is not responding: %v", node, err)}, nil
+			return &dsecv1.RunCodeResponse{Status: fncall.StatusSandboxError, Message: edgeFault(node, err)}, nil
 		}
 		return nil, err
 	}
@@ -160,7 +162,15 @@ type fusionRequest struct {
 	Files          map[string]*string `json:"files"`
 	FetchFiles     []string           `json:"fetch_files"`
 	Args           []string           `json:"args"`
+	// Image is DSec's addition: run in this image instead of the
+	// language's (as RunCodeRequest.image).
+	Image string `json:"image"`
 }
+
+// fusionFields are the fields a /run_code body may have; any other is
+// refused rather than silently ignored (an ignored "image" ran the call in
+// the default image).
+const fusionFields = "code, language, compile_timeout, run_timeout, memory_limit_MB, stdin, files, fetch_files, args, image"
 
 // fusionCommand is SandboxFusion's CommandRunResult.
 type fusionCommand struct {
@@ -196,7 +206,7 @@ func seconds(field string, v *float64) (*durationpb.Duration, error) {
 
 // toProto turns a /run_code body into the API's request.
 func (f *fusionRequest) toProto() (*dsecv1.RunCodeRequest, error) {
-	r := &dsecv1.RunCodeRequest{Code: f.Code, Language: f.Language, FetchFiles: f.FetchFiles, Args: f.Args}
+	r := &dsecv1.RunCodeRequest{Code: f.Code, Language: f.Language, FetchFiles: f.FetchFiles, Args: f.Args, Image: f.Image}
 	var err error
 	if r.CompileTimeout, err = seconds("compile_timeout", f.CompileTimeout); err != nil {
 		return nil, err
@@ -327,7 +337,7 @@ func (s *Server) serveRunCode(w http.ResponseWriter, r *http.Request) {
 		}
 		// SandboxFusion's shape, so clients that parse only it still get
 		// a status and a reason.
-		reply(httpStatus(connect.CodeOf(err)), &fusionResponse{Status: fncall.StatusSandboxError, Message: err.Error(), Files: map[string]string{}})
+		reply(httpStatus(connect.CodeOf(err)), &fusionResponse{Status: fncall.StatusSandboxError, Message: s.redact.Error(err).Error(), Files: map[string]string{}})
 	}
 	if r.Method != http.MethodPost {
 		w.Header().Set("Allow", http.MethodPost)
@@ -345,8 +355,18 @@ func (s *Server) serveRunCode(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var fr fusionRequest
-	if err := json.Unmarshal(body, &fr); err != nil {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&fr); err != nil {
+		if field, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+			fail(errf(connect.CodeInvalidArgument, "body: unknown field %s (a run_code body has %s)", field, fusionFields))
+			return
+		}
 		fail(errf(connect.CodeInvalidArgument, "body is not a run_code JSON object: %w", err))
+		return
+	}
+	if dec.More() {
+		fail(errf(connect.CodeInvalidArgument, "body: more than one JSON value"))
 		return
 	}
 	req, err := fr.toProto()

@@ -14,6 +14,7 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/spec"
@@ -329,14 +330,14 @@ func (s *Server) batchCreate(ctx context.Context, p iam.Principal, spec *dsecv1.
 				var err error
 				if res, err = s.placeOrWait(ctx, p, quota, prep, res.err); err != nil {
 					s.metrics.fail("create", err)
-					results[i] = &dsecv1.BatchCreateResult{Error: itemError(err)}
+					results[i] = &dsecv1.BatchCreateResult{Error: s.itemError(err)}
 					return
 				}
 			}
 			sb, err := s.create(ctx, p, quota, prep, res)
 			if err != nil {
 				s.metrics.fail("create", err)
-				results[i] = &dsecv1.BatchCreateResult{Error: itemError(err)}
+				results[i] = &dsecv1.BatchCreateResult{Error: s.itemError(err)}
 				return
 			}
 			results[i] = &dsecv1.BatchCreateResult{Sandbox: sb}
@@ -390,7 +391,7 @@ func summaryToSandbox(node string, sum *dsecv1.SandboxSummary, state, reason str
 // naming the node; answers from the edge pass through.
 func edgeFailure(node string, err error) error {
 	if unreachable(err) {
-		return errf(connect.CodeUnavailable, "node %s is not responding: %w", node, err)
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s", edgeFault(node, err)))
 	}
 	return err
 }
@@ -480,23 +481,17 @@ func infraResult(reason string) *dsecv1.ExecResult {
 	return &dsecv1.ExecResult{Outcome: "infra_error", InfraError: reason}
 }
 
-func validateExec(r *dsecv1.ExecRequest) error {
-	if len(r.GetArgv()) == 0 && r.GetShell() == "" {
-		return errf(connect.CodeInvalidArgument, "argv: empty and shell not set; give a command")
-	}
-	if err := validDuration("timeout", r.GetTimeout()); err != nil {
-		return err
-	}
-	if r.GetMaxOutputBytes() < 0 {
-		return errf(connect.CodeInvalidArgument, "max_output_bytes: %d is negative", r.GetMaxOutputBytes())
-	}
-	return nil
-}
+// validateExec checks an exec request as its edge will (limits.Exec), so
+// that bad input is InvalidArgument naming the field before any node is
+// involved.
+func validateExec(r *dsecv1.ExecRequest) error { return limits.Exec("", r) }
 
 // execContext bounds an exec by its own timeout plus slack for the round
-// trip; without a timeout only the caller's context bounds it.
+// trip; without a timeout only the caller's context bounds it. The
+// timeout was checked (limits.MaxExecTimeout), so the sum cannot
+// overflow into a deadline in the past.
 func execContext(ctx context.Context, r *dsecv1.ExecRequest) (context.Context, context.CancelFunc) {
-	if d := r.GetTimeout().AsDuration(); r.GetTimeout() != nil && d > 0 {
+	if d := r.GetTimeout().AsDuration(); r.GetTimeout() != nil && d > 0 && d <= limits.MaxExecTimeout {
 		return context.WithTimeout(ctx, d+execSlack)
 	}
 	return context.WithCancel(ctx)
@@ -536,7 +531,7 @@ func (s *Server) exec(ctx context.Context, r *dsecv1.ExecRequest) (*dsecv1.ExecR
 	resp, err := s.edges.get(rt.url).ExecOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeExecRequest{Caller: callerOf(p), Request: r}))
 	if err != nil {
 		if unreachable(err) && ctx.Err() == nil {
-			return infraResult(fmt.Sprintf("node %s is not responding: %v", rt.node, err)), nil
+			return infraResult(edgeFault(rt.node, err)), nil
 		}
 		return nil, err
 	}
@@ -582,7 +577,7 @@ func (s *Server) execStream(ctx context.Context, r *dsecv1.ExecRequest, out *con
 	stream, err := s.edges.get(rt.url).ExecStreamOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeExecRequest{Caller: callerOf(p), Request: r}))
 	if err != nil {
 		if unreachable(err) && ctx.Err() == nil {
-			return sendInfra(fmt.Sprintf("node %s is not responding: %v", rt.node, err))
+			return sendInfra(edgeFault(rt.node, err))
 		}
 		return "", err
 	}
@@ -633,8 +628,9 @@ func (ss *sandboxService) WriteFile(ctx context.Context, req *connect.Request[ds
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetPath() == "" && req.Msg.GetSeq() == 0 {
-		return nil, errf(connect.CodeInvalidArgument, "path: required")
+	// As for Exec, a numbered request goes to its node even when invalid.
+	if err := limits.WriteFile("", req.Msg); err != nil && req.Msg.GetSeq() == 0 {
+		return nil, err
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {
@@ -655,13 +651,8 @@ func (ss *sandboxService) ReadFile(ctx context.Context, req *connect.Request[dse
 	if err != nil {
 		return nil, err
 	}
-	if req.Msg.GetSeq() == 0 {
-		if req.Msg.GetPath() == "" {
-			return nil, errf(connect.CodeInvalidArgument, "path: required")
-		}
-		if req.Msg.GetMaxBytes() < 0 {
-			return nil, errf(connect.CodeInvalidArgument, "max_bytes: %d is negative", req.Msg.GetMaxBytes())
-		}
+	if err := limits.ReadFile("", req.Msg); err != nil && req.Msg.GetSeq() == 0 {
+		return nil, err
 	}
 	rt, err := s.live(p, req.Msg.GetSandboxId(), req.Msg.GetSeq())
 	if err != nil {

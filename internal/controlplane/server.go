@@ -27,8 +27,10 @@ import (
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/spec"
+	"github.com/dsec-dev/dsec/internal/redact"
 )
 
 // Defaults for Config fields left zero.
@@ -112,6 +114,9 @@ type Server struct {
 	reg     *registry
 	edges   *edgeClients
 	metrics *metrics
+	// redact keeps host paths (data dir, blob store) out of what callers
+	// are told.
+	redact *redact.Redactor
 	// queued counts creates waiting in the admission queue.
 	queued atomic.Int64
 	// started is when New ran: the registry knows every live edge's held
@@ -187,6 +192,13 @@ func New(cfg Config) (*Server, error) {
 		reg:     newRegistry(cfg.NodeTimeout, cfg.LostRetention),
 		edges:   edges,
 	}
+	roots := []string{cfg.DataDir}
+	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
+		// The store's own temp dir (spooled uploads, extracted trees) and
+		// the store around it.
+		roots = append(roots, ing.TempDir(), filepath.Dir(ing.TempDir()))
+	}
+	s.redact = redact.New(s.log, roots...)
 	m, err := newMetrics(cfg.Registry, s.reg)
 	if err != nil {
 		return nil, fmt.Errorf("controlplane: metrics: %w", err)
@@ -195,25 +207,28 @@ func New(cfg Config) (*Server, error) {
 	return s, nil
 }
 
-// Mount registers the public services (bearer-token auth) and NodeService
-// (cluster-token auth) on mux.
+// Mount registers the public services (bearer-token auth), /run_code and
+// NodeService (cluster-token auth) on mux. Every caller is authenticated
+// before its body is read, every body is bounded (limits.MaxRequestBytes,
+// on the wire and inflated), and nothing is answered unauthenticated but
+// /run_code from the networks Config.RunCodeOpen lists.
 func (s *Server) Mount(mux *http.ServeMux) {
-	pub := connect.WithHandlerOptions(connect.WithInterceptors(&bearerAuth{iam: s.iam}), smallUncompressed)
-	mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewImageServiceHandler(&imageService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewPoolServiceHandler(&poolService{s: s}, pub))
-	mux.Handle(dsecv1connect.NewFnServiceHandler(&fnService{s: s}, pub))
+	opts := connect.WithHandlerOptions(limits.HandlerOptions(limits.MaxRequestBytes), connect.WithInterceptors(s.redact.Interceptor()))
+	public := func(path string, h http.Handler) {
+		mux.Handle(path, s.authenticated(limits.Body(h, limits.MaxRequestBytes)))
+	}
+	public(dsecv1connect.NewSandboxServiceHandler(&sandboxService{s: s}, opts))
+	public(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, opts))
+	public(dsecv1connect.NewPoolServiceHandler(&poolService{s: s}, opts))
+	public(dsecv1connect.NewFnServiceHandler(&fnService{s: s}, opts))
+	// Import is a client stream of chunks: each message is bounded (opts),
+	// the upload as a whole goes to disk, not memory.
+	path, h := dsecv1connect.NewImageServiceHandler(&imageService{s: s}, opts)
+	mux.Handle(path, s.authenticated(h))
 	mux.HandleFunc("/run_code", s.serveRunCode)
-	mux.Handle(dsecv1connect.NewNodeServiceHandler(&nodeService{s: s},
-		connect.WithInterceptors(&clusterAuth{token: s.cfg.ClusterToken}), smallUncompressed))
+	path, h = dsecv1connect.NewNodeServiceHandler(&nodeService{s: s}, opts)
+	mux.Handle(path, requireClusterToken(s.cfg.ClusterToken, limits.Body(h, limits.MaxRequestBytes)))
 }
-
-// smallUncompressed leaves responses under 4 KiB uncompressed even when the
-// client accepts gzip: most of DSec's answers (a create, a short exec's
-// output) are a few hundred bytes, and gzipping them cost ~1.5 % of the
-// service's CPU in the SDK benchmark for nothing on a local network.
-var smallUncompressed = connect.WithCompressMinBytes(4096)
 
 // Run expires nodes that stopped heartbeating and forgets what is past
 // retention, until ctx ends.

@@ -204,7 +204,7 @@ func (s *Server) job(ctx context.Context, r *dsecv1.JobRequest, freeze bool) (*c
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
-				out = append(out, &dsecv1.JobResult{Id: "node/" + e.id, Error: itemError(edgeFailure(e.id, err))})
+				out = append(out, &dsecv1.JobResult{Id: "node/" + e.id, Error: s.itemError(edgeFailure(e.id, err))})
 				return
 			}
 			out = append(out, resp.Msg.GetResults()...)

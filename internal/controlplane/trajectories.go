@@ -11,6 +11,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
@@ -114,7 +115,13 @@ func (s *Server) shippedTrajectory(ctx context.Context, p iam.Principal, id stri
 		}
 		out.NextSeq = max(out.NextSeq, rec.Seq+1)
 	}
-	for _, line := range lines[from:end] {
+	held := 0
+	for i, line := range lines[from:end] {
+		if held >= limits.MaxPageBytes {
+			// A page ends at its byte bound too (see trajectory.PageBytes).
+			end = from + i
+			break
+		}
 		if withData {
 			rec, _ := trajectory.Parse(line)
 			if err := trajectory.LoadData(ctx, s.cfg.Store, rec); err != nil {
@@ -125,6 +132,7 @@ func (s *Server) shippedTrajectory(ctx context.Context, p iam.Principal, id stri
 			}
 		}
 		out.Records = append(out.Records, string(line))
+		held += len(line)
 	}
 	if end < len(lines) {
 		out.NextPageToken = strconv.Itoa(end)

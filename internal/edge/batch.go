@@ -14,9 +14,11 @@ import (
 // batch crowding out every other caller.
 const batchFanout = 32
 
-// itemError turns an error of one batch item into its wire form.
-func itemError(err error) *dsecv1.ItemError {
-	return &dsecv1.ItemError{Code: connect.CodeOf(err).String(), Message: err.Error()}
+// itemError turns an error of one batch item into its wire form, host
+// paths redacted (the interceptor that redacts a call's error does not see
+// its items).
+func (e *Edge) itemError(err error) *dsecv1.ItemError {
+	return &dsecv1.ItemError{Code: connect.CodeOf(err).String(), Message: e.redact.String(err.Error())}
 }
 
 // each runs f for every index in [0, n), batchFanout at a time, and waits.
@@ -41,9 +43,9 @@ func (e *Edge) batchExec(ctx context.Context, caller *dsecv1.Caller, reqs []*dse
 	each(len(reqs), func(i int) {
 		item := &dsecv1.BatchExecItem{SandboxId: reqs[i].GetSandboxId()}
 		if reqs[i] == nil {
-			item.Error = itemError(invalid("requests[%d] is empty", i))
+			item.Error = e.itemError(invalid("requests[%d] is empty", i))
 		} else if res, err := e.exec(ctx, caller, reqs[i], nil); err != nil {
-			item.Error = itemError(err)
+			item.Error = e.itemError(err)
 		} else {
 			item.Result = res
 		}
@@ -58,9 +60,9 @@ func (e *Edge) batchRollback(ctx context.Context, caller *dsecv1.Caller, reqs []
 	each(len(reqs), func(i int) {
 		item := &dsecv1.BatchRollbackItem{SandboxId: reqs[i].GetSandboxId()}
 		if reqs[i] == nil {
-			item.Error = itemError(invalid("requests[%d] is empty", i))
+			item.Error = e.itemError(invalid("requests[%d] is empty", i))
 		} else if res, err := e.rollback(ctx, caller, reqs[i]); err != nil {
-			item.Error = itemError(err)
+			item.Error = e.itemError(err)
 		} else {
 			item.Result = res
 		}

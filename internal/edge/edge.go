@@ -33,7 +33,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
@@ -41,7 +40,9 @@ import (
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/redact"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/trajectory"
@@ -58,6 +59,10 @@ const (
 	// their sandboxes run.
 	DefaultShipInterval = 30 * time.Second
 )
+
+// maxEdgeRequest bounds one EdgeService request: a caller's request
+// (limits.MaxRequestBytes) and what the server adds to it.
+const maxEdgeRequest = limits.MaxRequestBytes + 1<<20
 
 // Config configures an Edge. Zero values get defaults where one makes sense.
 type Config struct {
@@ -138,6 +143,9 @@ type Edge struct {
 	local   blobstore.Local
 	bootID  string
 	metrics *metrics
+	// redact keeps host paths (the data dir, the blob store) out of the
+	// errors the node answers, which servers pass on to callers.
+	redact *redact.Redactor
 	// traj is the node's trajectory log; nil when Config.NoTrajectory.
 	traj *trajectory.Log
 	// ship takes sandboxes whose trajectory ended, to ship at once.
@@ -303,7 +311,12 @@ func New(cfg Config) (*Edge, error) {
 	}
 	ckStore.Scratch()
 	stopCtx, stop := context.WithCancel(context.Background())
+	roots := []string{cfg.DataDir}
+	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
+		roots = append(roots, ing.TempDir(), filepath.Dir(ing.TempDir()))
+	}
 	e := &Edge{
+		redact:      redact.New(cfg.Logger, roots...),
 		cfg:         cfg,
 		log:         cfg.Logger.With("node", cfg.NodeID),
 		images:      image.NewStore(cfg.Store, cfg.Store.Refs()),
@@ -347,11 +360,12 @@ func (e *Edge) NodeID() string { return e.cfg.NodeID }
 
 // Mount registers EdgeService on mux, behind the cluster token check.
 func (e *Edge) Mount(mux *http.ServeMux) {
-	// Answers under 4 KiB go uncompressed even to clients that accept
-	// gzip: gzipping the few hundred bytes of a typical answer costs CPU
-	// and saves nothing on a cluster network.
-	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, connect.WithCompressMinBytes(4096))
-	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, h))
+	// The token is checked before anything reads the body; bodies and
+	// their inflation are bounded like the server's, with room for what
+	// a server adds to a caller's request (caller, spec).
+	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, limits.HandlerOptions(maxEdgeRequest),
+		connect.WithInterceptors(e.redact.Interceptor()))
+	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, limits.Body(h, maxEdgeRequest)))
 }
 
 // Run heartbeats to every server and enforces lifecycles until ctx is done

@@ -671,6 +671,10 @@ func TestHeartbeats(t *testing.T) {
 	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", edge.StateRunning); v != 1 {
 		t.Errorf("sandboxes{state=running} = %v, want 1", v)
 	}
+	// A create leaves creating where it was (it once went -1 per create).
+	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", edge.StateCreating); v != 0 {
+		t.Errorf("sandboxes{state=creating} after a create = %v, want 0", v)
+	}
 	if err := n.destroy(t, tenant("a"), sb.Id); err != nil {
 		t.Fatal(err)
 	}

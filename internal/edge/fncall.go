@@ -11,6 +11,7 @@ import (
 	"connectrpc.com/connect"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/fncall"
@@ -143,7 +144,7 @@ func fnRequest(r *dsecv1.RunCodeRequest) fncall.Request {
 		Code: r.Code, Language: r.Language,
 		CompileTimeout: r.CompileTimeout.AsDuration(), RunTimeout: r.RunTimeout.AsDuration(),
 		MemoryLimitMB: r.MemoryLimitMb, Stdin: r.Stdin, Files: r.Files, FetchFiles: r.FetchFiles,
-		Args: r.Args, MaxOutputBytes: r.MaxOutputBytes, Image: r.Image,
+		Args: r.Args, MaxOutputBytes: limits.Output(r.MaxOutputBytes), Image: r.Image,
 	}
 }
 

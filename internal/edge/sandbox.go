@@ -241,8 +241,11 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		createdAt:  now,
 		ttl:        spec.GetTtl().AsDuration(),
 		idle:       spec.GetIdleTimeout().AsDuration(),
-		state:      StateCreating,
 		lastActive: now,
+		// No state yet: admit moves it to creating, and only a move
+		// counts it in the live gauge (a record born "creating" was
+		// never counted there but was taken off it when it ran, and
+		// dsec_edge_sandboxes{state="creating"} went negative).
 	}
 	// A ready sandbox of a matching warm pool is taken before admission:
 	// the pool's charge for it turns into the sandbox's own.
@@ -426,7 +429,8 @@ func (e *Edge) setState(sb *sandbox, state, reason string) {
 	}
 	sb.state = state
 	if reason != "" {
-		sb.reason = reason
+		// Reasons reach callers (Get, infra_error results): no host paths.
+		sb.reason = e.redact.String(reason)
 	}
 	if !(old == StateCreating || old == StateRunning || old == "") {
 		return // already ended: its tombstone is queued

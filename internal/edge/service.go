@@ -16,6 +16,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
@@ -121,11 +122,8 @@ func (s *service) WriteFileOnEdge(ctx context.Context, req *connect.Request[dsec
 	}
 	rec := &trajectory.Record{Kind: trajectory.KindWriteFile, RequestID: r.RequestId,
 		File: &trajectory.File{Path: r.Path, Mode: mode, Data: trajectory.NewData(r.Data)}}
-	switch {
-	case r.Path == "":
-		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.path is required"))
-	case r.Mode > 0o7777:
-		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.mode %#o has bits beyond 07777", r.Mode))
+	if err := limits.WriteFile("request.", r); err != nil {
+		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, err)
 	}
 	seq, replay, err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, r.Seq, "write "+r.Path, rec, func(ctx context.Context, rs runtime.Sandbox) error {
 		return rs.WriteFile(ctx, r.Path, r.Data, mode)
@@ -144,15 +142,20 @@ func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv
 	var data []byte
 	rec := &trajectory.Record{Kind: trajectory.KindReadFile, RequestID: r.RequestId,
 		File: &trajectory.File{Path: r.Path, MaxBytes: r.MaxBytes}}
-	switch {
-	case r.Path == "":
-		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.path is required"))
-	case r.MaxBytes < 0:
-		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, invalid("request.max_bytes %d must not be negative", r.MaxBytes))
+	if err := limits.ReadFile("request.", r); err != nil {
+		return nil, s.e.refuse(ctx, req.Msg.Caller, r.SandboxId, r.Seq, rec, err)
 	}
+	// The file is buffered whole (here, in its record, in each hop's
+	// message): at most limits.MaxReadBytes of it.
+	bound := limits.Read(r.MaxBytes)
 	seq, replay, err := s.e.fileOp(ctx, req.Msg.Caller, r.SandboxId, r.Seq, "read "+r.Path, rec, func(ctx context.Context, rs runtime.Sandbox) error {
 		var err error
-		data, err = rs.ReadFile(ctx, r.Path, r.MaxBytes)
+		data, err = rs.ReadFile(ctx, r.Path, bound)
+		if errors.Is(err, runtime.ErrTooLarge) {
+			// The caller's to fix (a larger bound, or another way to
+			// read), not the platform's fault.
+			return limits.TooLarge("request.", r.Path, bound)
+		}
 		if err == nil {
 			rec.File.Data = trajectory.NewData(data)
 		}
@@ -384,20 +387,12 @@ func infraResult(err error) *dsecv1.ExecResult {
 	return &dsecv1.ExecResult{Outcome: OutcomeInfraError, InfraError: err.Error(), ExitCode: -1}
 }
 
+// toRuntimeExec checks an exec request as the server does (limits.Exec)
+// and turns it into the runtime's, with the output bound held to the
+// ceiling: what a result carries is buffered whole here and on the way.
 func toRuntimeExec(r *dsecv1.ExecRequest) (runtime.ExecRequest, error) {
-	if len(r.Argv) == 0 && r.Shell == "" {
-		return runtime.ExecRequest{}, invalid("request.argv or request.shell is required")
-	}
-	if err := checkDuration("request.timeout", r.Timeout); err != nil {
+	if err := limits.Exec("request.", r); err != nil {
 		return runtime.ExecRequest{}, err
-	}
-	if r.MaxOutputBytes < 0 {
-		return runtime.ExecRequest{}, invalid("request.max_output_bytes %d must not be negative", r.MaxOutputBytes)
-	}
-	for i, kv := range r.Env {
-		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
-			return runtime.ExecRequest{}, invalid("request.env[%d] %q must be K=V", i, kv)
-		}
 	}
 	return runtime.ExecRequest{
 		Argv:           r.Argv,
@@ -407,7 +402,7 @@ func toRuntimeExec(r *dsecv1.ExecRequest) (runtime.ExecRequest, error) {
 		User:           r.User,
 		Stdin:          r.Stdin,
 		Timeout:        r.GetTimeout().AsDuration(),
-		MaxOutputBytes: r.MaxOutputBytes,
+		MaxOutputBytes: limits.Output(r.MaxOutputBytes),
 	}, nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
@@ -452,7 +453,7 @@ func (e *Edge) trajectoryPage(ctx context.Context, caller *dsecv1.Caller, r *dse
 		return nil, connect.NewError(connect.CodeFailedPrecondition,
 			fmt.Errorf("node %q keeps no trajectory (started with trajectory logging off)", e.cfg.NodeID))
 	}
-	lines, next, nextSeq, err := e.traj.Page(ctx, sb.id, from, size, r.IncludeData)
+	lines, next, nextSeq, err := e.traj.PageBytes(ctx, sb.id, from, size, limits.MaxPageBytes, r.IncludeData)
 	switch {
 	case errors.Is(err, trajectory.ErrUnknown):
 		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("sandbox %q has no trajectory on node %q", sb.id, e.cfg.NodeID))

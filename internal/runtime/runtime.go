@@ -36,6 +36,9 @@ var (
 	// ErrForkServer: the sandbox could not start or reach its fork server
 	// (ForkExec); the caller may run the exec the ordinary way.
 	ErrForkServer = errors.New("fork server unavailable")
+	// ErrTooLarge: ReadFile found the file larger than its bound (the
+	// caller's to fix, not a failure of the sandbox).
+	ErrTooLarge = errors.New("file is larger than the bound")
 )
 
 // Layer is one read-only layer of a sandbox's root filesystem: an EROFS

@@ -871,6 +871,14 @@ func (l *Log) Sandboxes() []Info {
 // (-1 when there are no more). With withData, data kept in the blob store
 // is inlined.
 func (l *Log) Page(ctx context.Context, id string, from, n int, withData bool) (lines [][]byte, next int, nextSeq uint64, err error) {
+	return l.PageBytes(ctx, id, from, n, 0, withData)
+}
+
+// PageBytes is Page whose page also ends once its lines hold maxBytes
+// (0: no bound); it always holds at least one record when one is left. A
+// record inlines its outputs and files, so a page of a thousand could be
+// gigabytes, all held at once by whoever serves it.
+func (l *Log) PageBytes(ctx context.Context, id string, from, n, maxBytes int, withData bool) (lines [][]byte, next int, nextSeq uint64, err error) {
 	sb, err := l.sandbox(id)
 	if err != nil {
 		return nil, 0, 0, err
@@ -885,7 +893,12 @@ func (l *Log) Page(ctx context.Context, id string, from, n int, withData bool) (
 	locs := slices.Clone(sb.recs[from:end])
 	nextSeq = sb.next
 	sb.mu.Unlock()
-	for _, at := range locs {
+	held := 0
+	for i, at := range locs {
+		if maxBytes > 0 && held >= maxBytes {
+			end = from + i
+			break
+		}
 		line, err := l.readLine(at)
 		if err != nil {
 			return nil, 0, 0, err
@@ -905,6 +918,7 @@ func (l *Log) Page(ctx context.Context, id string, from, n int, withData bool) (
 			}
 		}
 		lines = append(lines, line)
+		held += len(line)
 	}
 	next = end
 	if end == total {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -15,9 +16,19 @@ import (
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
-// scrape returns the value of the metric line starting with prefix.
-func scrape(base, prefix string) (string, bool) {
-	resp, err := http.Get(base + "/metrics")
+// scrape returns the value of the metric line starting with prefix, read
+// with the metrics token of the daemon whose data dir is dataDir.
+func scrape(base, dataDir, prefix string) (string, bool) {
+	tok, err := os.ReadFile(filepath.Join(dataDir, "metrics.token"))
+	if err != nil {
+		return "", false
+	}
+	r, err := http.NewRequest(http.MethodGet, base+"/metrics", nil)
+	if err != nil {
+		return "", false
+	}
+	r.Header.Set("Authorization", "Bearer "+strings.TrimSpace(string(tok)))
+	resp, err := http.DefaultClient.Do(r)
 	if err != nil {
 		return "", false
 	}
@@ -66,7 +77,7 @@ func TestThreeEdges(t *testing.T) {
 		e.d.waitHealthy(t, e.url)
 	}
 	poll(t, 30*time.Second, "three live nodes", func() (bool, error) {
-		v, _ := scrape(endpoint, `dsec_server_nodes{alive="true"}`)
+		v, _ := scrape(endpoint, serverData, `dsec_server_nodes{alive="true"}`)
 		return v == "3", nil
 	})
 

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"os"
@@ -88,6 +89,21 @@ func TestUp(t *testing.T) {
 		c.ok(t, "sandbox", "cp", id+":/etc/passwd", outDir)
 		if b, err := os.ReadFile(filepath.Join(outDir, "passwd")); err != nil || !strings.HasPrefix(string(b), "root:") {
 			t.Fatalf("cp out of the sandbox: %q, %v", b, err)
+		}
+		// A file over one ReadFile's bound and one request's chunk goes
+		// through exec's stdin and output stream, both ways.
+		big := make([]byte, 40<<20+12345)
+		for i := range big {
+			big[i] = byte(i * 7 / 5)
+		}
+		bigPath := filepath.Join(t.TempDir(), "big.bin")
+		if err := os.WriteFile(bigPath, big, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		c.ok(t, "sandbox", "cp", bigPath, id+":/tmp/big.bin")
+		c.ok(t, "sandbox", "cp", id+":/tmp/big.bin", outDir)
+		if b, err := os.ReadFile(filepath.Join(outDir, "big.bin")); err != nil || !bytes.Equal(b, big) {
+			t.Fatalf("40 MiB cp round trip: %d bytes back of %d, %v", len(b), len(big), err)
 		}
 
 		// ls and get with labels, state and resources.

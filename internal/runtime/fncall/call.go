@@ -42,6 +42,10 @@ const (
 	// MinMemoryLimitMB is the smallest memory limit a request may set: the
 	// sandbox's agent and the call's tmpfs files count against it too.
 	MinMemoryLimitMB = 16
+	// MaxFetchBytes bounds a call's FetchFiles together (the API's
+	// ReadFile ceiling, limits.MaxReadBytes): a file past it is named in
+	// the message and left out.
+	MaxFetchBytes = 16 << 20
 )
 
 // Response statuses (SandboxFusion's).
@@ -375,18 +379,28 @@ func failure(c *CommandResult, timeout time.Duration, limitMB int64) string {
 // message; only a sandbox fault turns the response into a SandboxError.
 func fetch(ctx context.Context, sb rt.Sandbox, req Request, resp Response) Response {
 	var problems []string
+	// The files are buffered whole, here and in every hop's message: they
+	// share one bound, whatever their number.
+	left := int64(MaxFetchBytes)
 	for _, name := range req.FetchFiles {
 		if _, done := resp.Files[name]; done {
 			continue
 		}
 		p, _ := filePath(name) // validated
-		data, err := sb.ReadFile(ctx, p, 0)
+		if left <= 0 {
+			problems = append(problems, fmt.Sprintf("fetch %s: the call's fetched files already take the %d bytes they may", name, MaxFetchBytes))
+			continue
+		}
+		data, err := sb.ReadFile(ctx, p, left)
 		switch {
 		case err == nil:
 			if resp.Files == nil {
 				resp.Files = map[string][]byte{}
 			}
 			resp.Files[name] = data
+			left -= int64(len(data))
+		case errors.Is(err, rt.ErrTooLarge):
+			problems = append(problems, fmt.Sprintf("fetch %s: larger than the %d bytes left of the %d the call's fetched files may take", name, left, MaxFetchBytes))
 		case errors.Is(err, fs.ErrNotExist):
 		case errors.Is(err, rt.ErrSandboxGone) || ctx.Err() != nil:
 			resp.Status = StatusSandboxError

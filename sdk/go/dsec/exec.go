@@ -35,7 +35,9 @@ type ExecOptions struct {
 	// Timeout kills the command's whole process tree; zero means none.
 	Timeout time.Duration
 	// MaxOutputBytes bounds the captured stdout and stderr each; zero means
-	// the server's default. ExecStream writers still get everything.
+	// the server's default (1 MiB), and the server holds any bound to its
+	// ceiling of 16 MiB (the result says truncated). ExecStream writers
+	// still get everything.
 	MaxOutputBytes int64
 	// Seq is the operation's step in the sandbox's trajectory. Zero lets a
 	// numbered handle take its next number (or, on an Unnumbered handle,

@@ -312,8 +312,9 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 	return nil
 }
 
-// ReadFile reads path inside the sandbox. maxBytes bounds the size (0 means
-// the server's default bound).
+// ReadFile reads path inside the sandbox. maxBytes bounds the size (0, or
+// more than the server's ceiling of 16 MiB, means that ceiling); a larger
+// file is InvalidArgument (read it through ExecStream instead).
 func (s *Sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
 	req := &dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path, MaxBytes: maxBytes, Seq: s.take(0)}
 	var resp *connect.Response[dsecv1.ReadFileResponse]
