@@ -223,12 +223,20 @@ func TestUserErrors(t *testing.T) {
 		{"numbered: read path with NUL", func() answer {
 			return readFile(&dsecv1.ReadFileRequest{SandboxId: nb.GetId(), Seq: 4, Path: "/a\x00"})
 		}, invalid, "", "path"},
-		{"create: memory no node can ever hold", func() answer {
+		{"create: memory beyond any machine", func() answer {
 			_, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MemoryBytes: math.MaxInt64}})
+			return answerOf(nil, err)
+		}, invalid, "", "memory_bytes"},
+		{"create: CPU beyond any machine", func() answer {
+			_, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: math.MaxInt64 / 2}})
+			return answerOf(nil, err)
+		}, invalid, "", "milli_cpu"},
+		{"create: memory no node can ever hold", func() answer {
+			_, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MemoryBytes: 1 << 43}})
 			return answerOf(nil, err)
 		}, connect.CodeResourceExhausted, "", "memory_bytes"},
 		{"create: CPU no node can ever hold", func() answer {
-			_, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: math.MaxInt64 / 2}})
+			_, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 1 << 29}})
 			return answerOf(nil, err)
 		}, connect.CodeResourceExhausted, "", "ever"},
 		{"run_code: unknown field", func() answer { return runCode(map[string]any{"code": "print(1)", "language": "python", "imag": "x:1"}) }, invalid, "", `"imag"`},
