@@ -21,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 )
 
 // edgeFlags are the node's own settings, shared by edge and up.
@@ -36,10 +37,14 @@ type edgeFlags struct {
 	fnMax        int
 	fnQueue      int
 	autoPool     int
+	// scratchSize and scratchFile: the sandboxes' writable-layer file
+	// system (scratch.go).
+	scratchSize, scratchFile string
 
 	capacity placement.Capacity // set by validate
 	mounts   *layer.Mounts      // set by build
 	backend  *container.Backend // set by build
+	scratch  *scratchfs.FS      // set by build, nil with --scratch-size off
 }
 
 // warmAgents is how many sandbox agents an edge keeps started ahead of
@@ -64,6 +69,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.fnMax, "fn-max", edge.DefaultFnMax, "most sandboxes of one fncall pool; calls beyond wait")
 	fl.IntVar(&f.fnQueue, "fn-queue", edge.DefaultFnQueue, "most fncall calls waiting for a sandbox; beyond, Unavailable with a retry-after hint")
 	fl.IntVar(&f.autoPool, "auto-pool", edge.DefaultAutoPool, "destroyed sandboxes a node may always keep, reset, per hot spec for its next creates (more when the spec had more alive at once lately, within capacity), and per tenant to rebase onto creates of other specs; 0 disables recycling")
+	f.registerScratch(cmd)
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -78,6 +84,9 @@ func (f *edgeFlags) validate() error {
 	}
 	if f.autoPool < 0 {
 		return cli.Usagef("--auto-pool %d: must not be negative (0 disables recycling)", f.autoPool)
+	}
+	if _, err := f.scratchBytes(); err != nil {
+		return err
 	}
 	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -107,18 +116,23 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		return nil, fmt.Errorf("layer mounts: %w", err)
 	}
 	f.mounts = mounts
+	if f.scratch, err = f.openScratch(dataDir, log); err != nil {
+		return nil, err
+	}
 	backend, err := container.New(container.Options{
 		StateDir:  filepath.Join(dataDir, "sandboxes"),
+		Scratch:   f.scratch,
 		AgentPath: f.agentPath,
 		Layers:    mounts,
 		Logger:    log,
 		Warm:      warmAgents,
 	})
 	if err != nil {
+		f.closeScratch(log)
 		return nil, err
 	}
 	f.backend = backend
-	return edge.New(edge.Config{
+	e, err := edge.New(edge.Config{
 		NodeID:            f.nodeID,
 		DataDir:           dataDir,
 		Store:             store,
@@ -137,6 +151,11 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		FnQueue:           f.fnQueue,
 		AutoPool:          f.autoPool,
 	})
+	if err != nil {
+		backend.Close()
+		f.closeScratch(log)
+	}
+	return e, err
 }
 
 func validNodeFlag(id string) error {
@@ -167,6 +186,7 @@ func (f *edgeFlags) close(ctx context.Context, e *edge.Edge, log *slog.Logger) {
 			log.Warn("unmount layers", "err", err)
 		}
 	}
+	f.closeScratch(log)
 }
 
 func newEdgeCmd() *cobra.Command {

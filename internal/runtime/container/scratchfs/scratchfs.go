@@ -222,8 +222,8 @@ func (f *FS) Close() error {
 	return f.closeErr
 }
 
-// Volume is one sandbox's part of the file system: a subvolume directly
-// under Dir, with its own usage and limit.
+// Volume is one sandbox's part of the file system (or one generation of
+// its writable layer): a subvolume, with its own usage and limit.
 type Volume struct {
 	// ID is the subvolume's ID, also its qgroup's (0/ID).
 	ID uint64
@@ -231,20 +231,50 @@ type Volume struct {
 	Path string
 }
 
-// NewVolume makes the subvolume Dir/name (mode 0700) and sets its limit
-// (bytes; 0: none).
-func (f *FS) NewVolume(name string, limit int64) (Volume, error) {
+// parent opens the directory that holds path, which must be on the file
+// system, and returns it with path's last element; closeParent closes it.
+func (f *FS) parent(path string) (fd int, name string, err error) {
+	dir, name := filepath.Split(filepath.Clean(path))
+	dir = filepath.Clean(dir)
 	var a volArgs
-	if len(name) == 0 || len(name) >= len(a.name) || strings.ContainsRune(name, '/') || name == "." || name == ".." {
-		return Volume{}, fmt.Errorf("scratchfs: bad volume name %q", name)
+	if len(name) == 0 || len(name) >= len(a.name) || name == "." || name == ".." {
+		return -1, "", fmt.Errorf("scratchfs: bad volume path %q", path)
 	}
+	if dir == f.dir {
+		return f.rootFD, name, nil
+	}
+	if rel, err := filepath.Rel(f.dir, dir); err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		return -1, "", fmt.Errorf("scratchfs: volume path %q is not under %s", path, f.dir)
+	}
+	fd, err = unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, "", fmt.Errorf("scratchfs: %w", err)
+	}
+	return fd, name, nil
+}
+
+func (f *FS) closeParent(fd int) {
+	if fd != f.rootFD {
+		unix.Close(fd)
+	}
+}
+
+// NewVolume makes the subvolume at path (mode 0700; its parent must be a
+// directory of the file system) and sets its limit (bytes; 0: none).
+func (f *FS) NewVolume(path string, limit int64) (Volume, error) {
+	pfd, name, err := f.parent(path)
+	if err != nil {
+		return Volume{}, err
+	}
+	defer f.closeParent(pfd)
+	var a volArgs
 	copy(a.name[:], name)
-	if err := ioctl(f.rootFD, iocSubvolCreate, unsafe.Pointer(&a)); err != nil {
-		return Volume{}, fmt.Errorf("scratchfs: create volume %s: %w", name, err)
+	if err := ioctl(pfd, iocSubvolCreate, unsafe.Pointer(&a)); err != nil {
+		return Volume{}, fmt.Errorf("scratchfs: create volume %s: %w", path, err)
 	}
-	v := Volume{Path: filepath.Join(f.dir, name)}
-	err := func() error {
-		fd, err := unix.Openat(f.rootFD, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	v := Volume{Path: filepath.Clean(path)}
+	err = func() error {
+		fd, err := unix.Openat(pfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
 		if err != nil {
 			return err
 		}
@@ -263,8 +293,8 @@ func (f *FS) NewVolume(name string, limit int64) (Volume, error) {
 		err = f.SetLimit(v.ID, limit)
 	}
 	if err != nil {
-		f.DeleteVolume(name)
-		return Volume{}, fmt.Errorf("scratchfs: volume %s: %w", name, err)
+		f.DeleteVolume(path)
+		return Volume{}, fmt.Errorf("scratchfs: volume %s: %w", path, err)
 	}
 	return v, nil
 }
@@ -331,24 +361,50 @@ func (f *FS) Full(id uint64) bool {
 	return err == nil && avail < FullSlack
 }
 
-// DeleteVolume deletes subvolume Dir/name with everything in it (one
-// ioctl; btrfs frees its extents in the background, and its usage with
-// them). A name that is not a subvolume is removed as a directory tree.
-func (f *FS) DeleteVolume(name string) error {
-	var a volArgs
-	if len(name) == 0 || len(name) >= len(a.name) || strings.ContainsRune(name, '/') || name == "." || name == ".." {
-		return fmt.Errorf("scratchfs: bad volume name %q", name)
+// DeleteVolume deletes the subvolume at path with everything in it,
+// volumes nested in it included (one ioctl each; btrfs frees their extents
+// in the background, and their usage with them). A path that is not a
+// subvolume is removed as a directory tree; one that does not exist is
+// not an error.
+func (f *FS) DeleteVolume(path string) error {
+	pfd, name, err := f.parent(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
 	}
+	if err != nil {
+		return err
+	}
+	defer f.closeParent(pfd)
+	var a volArgs
 	copy(a.name[:], name)
-	err := ioctl(f.rootFD, iocSnapDestroy, unsafe.Pointer(&a))
+	err = ioctl(pfd, iocSnapDestroy, unsafe.Pointer(&a))
+	if errors.Is(err, unix.ENOTEMPTY) {
+		// Volumes inside: they go first.
+		entries, _ := os.ReadDir(path)
+		for _, e := range entries {
+			if e.IsDir() && isVolume(filepath.Join(path, e.Name())) {
+				if err := f.DeleteVolume(filepath.Join(path, e.Name())); err != nil {
+					return err
+				}
+			}
+		}
+		err = ioctl(pfd, iocSnapDestroy, unsafe.Pointer(&a))
+	}
 	switch {
 	case err == nil, errors.Is(err, unix.ENOENT):
 		return nil
 	case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOTDIR):
 		// Not a subvolume (a plain directory or file).
-		return os.RemoveAll(filepath.Join(f.dir, name))
+		return os.RemoveAll(path)
 	}
-	return fmt.Errorf("scratchfs: delete volume %s: %w", name, err)
+	return fmt.Errorf("scratchfs: delete volume %s: %w", path, err)
+}
+
+// isVolume reports whether dir is a subvolume's root (its inode number is
+// always BTRFS_FIRST_FREE_OBJECTID).
+func isVolume(dir string) bool {
+	var st unix.Stat_t
+	return unix.Lstat(dir, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR && st.Ino == firstFreeObjectID
 }
 
 // readInt reads a sysfs file holding one decimal number.

@@ -55,7 +55,7 @@ func fill(path string, n int64) (int64, error) {
 
 func TestLimitHolds(t *testing.T) {
 	fs, _ := open(t, 1<<30)
-	v, err := fs.NewVolume("a", 32<<20)
+	v, err := fs.NewVolume(filepath.Join(fs.Dir(), "a"), 32<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,7 +74,7 @@ func TestLimitHolds(t *testing.T) {
 		t.Fatalf("volume not reported full: used %d limit %d err %v", used, limit, err)
 	}
 	// Another volume is not affected by the first being full.
-	w, err := fs.NewVolume("b", 32<<20)
+	w, err := fs.NewVolume(filepath.Join(fs.Dir(), "b"), 32<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +96,7 @@ func TestLimitHolds(t *testing.T) {
 
 func TestSetAndClearLimit(t *testing.T) {
 	fs, _ := open(t, 1<<30)
-	v, err := fs.NewVolume("a", 8<<20)
+	v, err := fs.NewVolume(filepath.Join(fs.Dir(), "a"), 8<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +134,7 @@ func TestNoReuse(t *testing.T) {
 	fs, _ := open(t, 1<<30)
 	seen := map[uint64]bool{}
 	for i := range 3 {
-		v, err := fs.NewVolume("s", 16<<20)
+		v, err := fs.NewVolume(filepath.Join(fs.Dir(), "s"), 16<<20)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -151,27 +151,62 @@ func TestNoReuse(t *testing.T) {
 		if _, err := fill(filepath.Join(v.Path, "upper", "d", "f"), 32<<20); err == nil {
 			t.Fatalf("round %d: 32 MiB fit in 16", i)
 		}
-		if err := fs.DeleteVolume("s"); err != nil {
+		if err := fs.DeleteVolume(filepath.Join(fs.Dir(), "s")); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := os.Stat(v.Path); !errors.Is(err, os.ErrNotExist) {
 			t.Fatalf("round %d: volume still there after delete: %v", i, err)
 		}
 	}
-	if err := fs.DeleteVolume("s"); err != nil {
+	if err := fs.DeleteVolume(filepath.Join(fs.Dir(), "s")); err != nil {
 		t.Fatalf("deleting a volume twice: %v", err)
 	}
 	// A plain directory goes too (stale state of an older layout).
 	if err := os.MkdirAll(filepath.Join(fs.Dir(), "plain", "x"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := fs.DeleteVolume("plain"); err != nil {
+	if err := fs.DeleteVolume(filepath.Join(fs.Dir(), "plain")); err != nil {
 		t.Fatal(err)
 	}
-	for _, bad := range []string{"", ".", "..", "a/b"} {
+	for _, bad := range []string{fs.Dir(), "/tmp/elsewhere", filepath.Join(fs.Dir(), "..", "x")} {
 		if _, err := fs.NewVolume(bad, 0); err == nil {
 			t.Errorf("volume name %q accepted", bad)
 		}
+	}
+}
+
+// TestNested: volumes inside an unlimited volume (the container backend's
+// layout: one per generation of a sandbox's root) each have their own
+// usage and limit, one full does not stop the next from being made or
+// written, and deleting the outer volume deletes them all.
+func TestNested(t *testing.T) {
+	fs, _ := open(t, 1<<30)
+	outer, err := fs.NewVolume(filepath.Join(fs.Dir(), "o"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g0, err := fs.NewVolume(filepath.Join(outer.Path, "g.0"), 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fill(filepath.Join(g0.Path, "f"), 16<<20); err == nil {
+		t.Fatal("16 MiB fit in 8")
+	}
+	g1, err := fs.NewVolume(filepath.Join(outer.Path, "g.1"), 16<<20)
+	if err != nil {
+		t.Fatalf("a volume beside a full one: %v", err)
+	}
+	if g1.ID == g0.ID || g1.ID == outer.ID {
+		t.Fatal("nested volumes share an ID")
+	}
+	if n, err := fill(filepath.Join(g1.Path, "f"), 12<<20); err != nil {
+		t.Fatalf("second volume: %d bytes, %v", n, err)
+	}
+	if err := fs.DeleteVolume(outer.Path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(outer.Path); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("outer volume left: %v", err)
 	}
 }
 
@@ -179,7 +214,7 @@ func TestNoReuse(t *testing.T) {
 func TestCloseLeavesNothing(t *testing.T) {
 	fs, root := open(t, 512<<20)
 	img := filepath.Join(root, "scratch.img")
-	if _, err := fs.NewVolume("a", 0); err != nil {
+	if _, err := fs.NewVolume(filepath.Join(fs.Dir(), "a"), 0); err != nil {
 		t.Fatal(err)
 	}
 	if !strings.Contains(loops(t), img) {
@@ -204,7 +239,7 @@ func TestCloseLeavesNothing(t *testing.T) {
 // reused as it is (its stale entries are the backend's to remove).
 func TestReuseMounted(t *testing.T) {
 	fs, root := open(t, 512<<20)
-	if _, err := fs.NewVolume("stale", 0); err != nil {
+	if _, err := fs.NewVolume(filepath.Join(fs.Dir(), "stale"), 0); err != nil {
 		t.Fatal(err)
 	}
 	again, err := scratchfs.Open(scratchfs.Options{Image: filepath.Join(root, "scratch.img"), Dir: fs.Dir(), Size: 512 << 20})
@@ -215,7 +250,7 @@ func TestReuseMounted(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(again.Dir(), "stale")); err != nil {
 		t.Fatalf("the reused file system lost its entries: %v", err)
 	}
-	if err := again.DeleteVolume("stale"); err != nil {
+	if err := again.DeleteVolume(filepath.Join(again.Dir(), "stale")); err != nil {
 		t.Fatal(err)
 	}
 }
