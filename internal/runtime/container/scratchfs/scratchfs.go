@@ -188,8 +188,11 @@ func (f *FS) make(size int64) error {
 	}
 	defer unix.Close(loop.fd)
 	// discard=async hands freed space back to the host (holes in the file)
-	// off the deleting process's path.
-	if err := unix.Mount(loop.path, f.dir, "btrfs", unix.MS_NOATIME|unix.MS_NODEV|unix.MS_NOSUID, "discard=async"); err != nil {
+	// off the deleting process's path. nodev as the sandboxes' overlays
+	// are; not nosuid, which would be a change from the host's file system
+	// the upper directories lived on before (the state directory is the
+	// edge's alone, mode 0700).
+	if err := unix.Mount(loop.path, f.dir, "btrfs", unix.MS_NOATIME|unix.MS_NODEV, "discard=async"); err != nil {
 		os.Remove(f.image)
 		// The loop device clears itself when loop.fd is closed.
 		return fmt.Errorf("scratchfs: mount %s (%s) on %s: %w", f.image, loop.path, f.dir, err)
