@@ -274,3 +274,25 @@ func loops(t *testing.T) string {
 	}
 	return b.String()
 }
+
+// TestFullFileSystem: a volume without a limit that fills the whole file
+// system gets ENOSPC, and Full says so (the node's file system is full:
+// every sandbox's next write fails).
+func TestFullFileSystem(t *testing.T) {
+	fs, _ := open(t, scratchfs.MinSize)
+	v, err := fs.NewVolume(filepath.Join(fs.Dir(), "a"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fs.Full(v.ID) {
+		t.Fatal("an empty file system is reported full")
+	}
+	n, err := fill(filepath.Join(v.Path, "f"), 2*scratchfs.MinSize)
+	if !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("filling a %d MiB file system: %d bytes, %v; want ENOSPC", scratchfs.MinSize>>20, n, err)
+	}
+	if !fs.Full(v.ID) {
+		avail, err := fs.Available()
+		t.Fatalf("a full file system is not reported full (available %d, %v)", avail, err)
+	}
+}
