@@ -10,6 +10,7 @@ import (
 	"time"
 
 	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/container"
 )
 
 // writes reports whether the sandbox can write a file of mib MiB over its
@@ -39,7 +40,7 @@ func TestDiskLimitRebaseAndWarm(t *testing.T) {
 	ctx := context.Background()
 	// Wait for the warm agent, so that the create takes it.
 	deadline := time.Now().Add(time.Minute)
-	for entries, _ := os.ReadDir(e.backend.StateDir()); len(entries) == 0; entries, _ = os.ReadDir(e.backend.StateDir()) {
+	for container.WarmReady(e.backend) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("no warm agent started")
 		}
