@@ -84,6 +84,8 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		{[]string{"up", "--fn-warm", "5", "--fn-max", "2"}, "want 0 <= fn-warm <= fn-max"},
 		{[]string{"edge", "--server", "http://127.0.0.1:1", "--memory", "lots"}, "--memory \"lots\""},
 		{[]string{"up", "--node-id", "Bad_ID"}, "--node-id"},
+		{[]string{"up", "--scratch-size", "10m"}, "--scratch-size 10m: at least 256 MiB, or off"},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--scratch-size", "big"}, "scratch-size"},
 	} {
 		data := filepath.Join(t.TempDir(), "data")
 		args := append(tc.args, "--data-dir", data, "--listen", "127.0.0.1:0")
