@@ -5,6 +5,8 @@ set -euo pipefail
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
 have mkfs.erofs || need+=(erofs-utils)
+# The sandboxes' writable layers live on btrfs with quotas (internal/runtime/container/scratchfs).
+have mkfs.btrfs || need+=(btrfs-progs)
 [ -x /bin/busybox ] || need+=(busybox-static)
 [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import httpx' 2>/dev/null || need+=(python3-httpx)
 /usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)

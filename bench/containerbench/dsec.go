@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -20,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/layer"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 )
 
 // edgeWarm matches the edge's warm pool (cmd/dsec: warmAgents).
@@ -30,6 +32,7 @@ type dsecSystem struct {
 	warm    int
 	backend *container.Backend
 	mounts  *layer.Mounts
+	scratch *scratchfs.FS
 	layer   rt.Layer
 	parent  string
 	n       atomic.Int64
@@ -64,14 +67,27 @@ func (d *dsecSystem) Setup(ctx context.Context, env Env) error {
 		return err
 	}
 	d.parent = "dsec-bench-" + strconv.Itoa(os.Getpid())
+	// The edge's writable-layer file system (DSEC_BENCH_SCRATCH=off: plain
+	// directories on the work directory's file system, no disk limits).
+	if os.Getenv("DSEC_BENCH_SCRATCH") != "off" {
+		if d.scratch, err = scratchfs.Open(scratchfs.Options{Image: filepath.Join(env.WorkDir, "scratch.img"),
+			Dir: filepath.Join(env.WorkDir, "sandboxes"), Size: 8 << 30}); err != nil {
+			mounts.Close()
+			return err
+		}
+	}
 	d.backend, err = container.New(container.Options{
 		StateDir:     filepath.Join(env.WorkDir, "sandboxes"),
+		Scratch:      d.scratch,
 		AgentPath:    agent,
 		Layers:       mounts,
 		CgroupParent: d.parent,
 		Warm:         d.warm,
 	})
 	if err != nil {
+		if d.scratch != nil {
+			d.scratch.Close()
+		}
 		return err
 	}
 	d.layer = rt.Layer{Digest: desc.Digest, Path: path}
@@ -134,5 +150,9 @@ func (d *dsecSystem) Teardown(context.Context) error {
 	for _, dir := range d.backend.CgroupDirs() {
 		os.Remove(dir)
 	}
-	return d.mounts.Close()
+	err := d.mounts.Close()
+	if d.scratch != nil {
+		err = errors.Join(err, d.scratch.Close())
+	}
+	return err
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 	"github.com/dsec-dev/dsec/internal/spec"
 )
 
@@ -41,11 +42,15 @@ type edgeFlags struct {
 	// what a sandbox gets for what its spec and tenant leave 0.
 	defCPU, defMemory, defDisk string
 	defPids                    int64
+	// scratchSize and scratchFile: the sandboxes' writable-layer file
+	// system (scratch.go).
+	scratchSize, scratchFile string
 
 	capacity placement.Capacity // set by validate
 	defaults spec.Resources     // set by validate: every field set
 	mounts   *layer.Mounts      // set by build
 	backend  *container.Backend // set by build
+	scratch  *scratchfs.FS      // set by build, nil with --scratch-size off
 }
 
 // warmAgents is how many sandbox agents an edge keeps started ahead of
@@ -74,6 +79,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.defMemory, "default-memory", "", fmt.Sprintf("memory limit a sandbox gets when neither its spec nor its tenant say, e.g. 512m (default %s)", cli.FormatSize(spec.Builtin.MemoryBytes)))
 	fl.Int64Var(&f.defPids, "default-pids", 0, fmt.Sprintf("process limit a sandbox gets when neither its spec nor its tenant say (default %d)", spec.Builtin.Pids))
 	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
+	f.registerScratch(cmd)
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -88,6 +94,9 @@ func (f *edgeFlags) validate() error {
 	}
 	if f.autoPool < 0 {
 		return cli.Usagef("--auto-pool %d: must not be negative (0 disables recycling)", f.autoPool)
+	}
+	if _, err := f.scratchBytes(); err != nil {
+		return err
 	}
 	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -140,18 +149,26 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		return nil, fmt.Errorf("layer mounts: %w", err)
 	}
 	f.mounts = mounts
+	if f.scratch, err = f.openScratch(dataDir, log); err != nil {
+		return nil, err
+	}
 	backend, err := container.New(container.Options{
-		StateDir:  filepath.Join(dataDir, "sandboxes"),
-		AgentPath: f.agentPath,
-		Layers:    mounts,
-		Logger:    log,
-		Warm:      warmAgents,
+		StateDir: filepath.Join(dataDir, "sandboxes"),
+		Scratch:  f.scratch,
+		// What a sandbox whose resources reach the backend without a
+		// disk size gets (edge creates always carry one: the defaults).
+		DefaultDiskBytes: f.defaults.DiskBytes,
+		AgentPath:        f.agentPath,
+		Layers:           mounts,
+		Logger:           log,
+		Warm:             warmAgents,
 	})
 	if err != nil {
+		f.closeScratch(log)
 		return nil, err
 	}
 	f.backend = backend
-	return edge.New(edge.Config{
+	e, err := edge.New(edge.Config{
 		NodeID:            f.nodeID,
 		DataDir:           dataDir,
 		Store:             store,
@@ -171,6 +188,11 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		AutoPool:          f.autoPool,
 		Defaults:          f.defaults,
 	})
+	if err != nil {
+		backend.Close()
+		f.closeScratch(log)
+	}
+	return e, err
 }
 
 func validNodeFlag(id string) error {
@@ -201,6 +223,7 @@ func (f *edgeFlags) close(ctx context.Context, e *edge.Edge, log *slog.Logger) {
 			log.Warn("unmount layers", "err", err)
 		}
 	}
+	f.closeScratch(log)
 }
 
 func newEdgeCmd() *cobra.Command {

@@ -93,6 +93,8 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		{[]string{"up", "--default-disk", "2048t"}, "defaults.disk_bytes"},
 		{[]string{"up", "--max-import-size", "0"}, "--max-import-size 0: must be positive"},
 		{[]string{"server", "--max-import-size", "big"}, "--max-import-size \"big\""},
+		{[]string{"up", "--scratch-size", "10m"}, "--scratch-size 10m: at least 256 MiB, or off"},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--scratch-size", "big"}, "scratch-size"},
 	} {
 		data := filepath.Join(t.TempDir(), "data")
 		args := append(tc.args, "--data-dir", data, "--listen", "127.0.0.1:0")

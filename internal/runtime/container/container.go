@@ -53,6 +53,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/audit/seccomp"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
+	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 )
 
 // LayerMounts is the node's shared cache of read-only layer mounts
@@ -79,6 +80,14 @@ type Options struct {
 	CgroupParent string
 	// DefaultPids bounds tasks per sandbox when the spec sets none.
 	DefaultPids int64
+	// Scratch is the file system sandboxes' writable layers live on, each
+	// in a volume with its own limit (Resources.DiskBytes, see disk.go);
+	// StateDir is its Dir. Nil: writable layers are plain directories in
+	// StateDir and DiskBytes is not enforced.
+	Scratch *scratchfs.FS
+	// DefaultDiskBytes is the writable-layer limit when the spec sets
+	// none. Default DefaultDiskBytes.
+	DefaultDiskBytes int64
 	// Seccomp is the compiled filter every sandbox installs. Default:
 	// Docker's default profile plus DSec's denials (package seccomp).
 	Seccomp []byte
@@ -145,8 +154,21 @@ func New(opts Options) (*Backend, error) {
 	if opts.Layers == nil {
 		return nil, errors.New("container backend: Options.Layers is required")
 	}
+	if opts.StateDir == "" && opts.Scratch != nil {
+		opts.StateDir = opts.Scratch.Dir()
+	}
 	if opts.StateDir == "" {
 		opts.StateDir = "/var/lib/dsec/sandboxes"
+	}
+	if opts.Scratch != nil && filepath.Clean(opts.StateDir) != filepath.Clean(opts.Scratch.Dir()) {
+		return nil, fmt.Errorf("container backend: StateDir %s is not the scratch file system's %s", opts.StateDir, opts.Scratch.Dir())
+	}
+	opts.StateDir = filepath.Clean(opts.StateDir)
+	if opts.DefaultDiskBytes == 0 {
+		opts.DefaultDiskBytes = DefaultDiskBytes
+	}
+	if err := validDisk(opts.DefaultDiskBytes); err != nil {
+		return nil, fmt.Errorf("container backend: DefaultDiskBytes: %w", err)
 	}
 	if opts.CgroupParent == "" {
 		opts.CgroupParent = "dsec"
@@ -252,6 +274,9 @@ func (b *Backend) validate(spec *rt.Spec) error {
 	if r.MemoryBytes != 0 && r.MemoryBytes < minMemory {
 		return fmt.Errorf("%w: resources.memory %d bytes is below the %d MiB minimum", rt.ErrInvalidSpec, r.MemoryBytes, minMemory>>20)
 	}
+	if err := validDisk(r.DiskBytes); err != nil {
+		return err
+	}
 	if spec.UserNamespace {
 		return fmt.Errorf("%w: user_namespace is not supported by the container backend yet", rt.ErrInvalidSpec)
 	}
@@ -265,6 +290,9 @@ func (b *Backend) defaults(spec *rt.Spec) {
 	}
 	if spec.Resources.Pids == 0 {
 		spec.Resources.Pids = b.opts.DefaultPids
+	}
+	if spec.Resources.DiskBytes == 0 {
+		spec.Resources.DiskBytes = b.opts.DefaultDiskBytes
 	}
 }
 
@@ -299,6 +327,9 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		if err := p.cg.update(spec.Resources); err != nil {
 			return nil, fmt.Errorf("set resources: %w", err)
 		}
+		if err := b.setDisk(p, spec.Resources.DiskBytes); err != nil {
+			return nil, err
+		}
 	} else {
 		if p, err = b.spawn(spec.Resources); err != nil {
 			return nil, err
@@ -320,8 +351,8 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 
 	cfg := sandboxinit.Config{
 		Lower:      lower,
-		Upper:      filepath.Join(p.dir, "upper"),
-		Work:       filepath.Join(p.dir, "work"),
+		Upper:      p.upper,
+		Work:       p.work,
 		Rootfs:     filepath.Join(p.dir, "rootfs"),
 		Hostname:   spec.Hostname,
 		Seccomp:    b.opts.Seccomp,
@@ -353,9 +384,17 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 // slot name of the backend's own, not by the sandbox ID, so that agents can
 // be started before anyone asks for a sandbox.
 type agentProc struct {
+	b    *Backend
 	slot string
 	dir  string
 	cg   cgroup
+	// upper and work are the first overlay's directories (makeSlotDir).
+	upper, work string
+	// vol is the ID of the volume on the scratch file system the current
+	// overlay's directories are in (0: none), and disk its limit (under
+	// the sandbox's updateMu once it has one).
+	vol  uint64
+	disk int64
 	cmd  *exec.Cmd
 	// pidfd names the agent process (-1 if the kernel has no pidfds):
 	// Reset joins its namespaces through it, immune to PID reuse.
@@ -373,7 +412,7 @@ func (p *agentProc) kill() {
 	p.conn.Close()
 	p.closePidfd()
 	p.cg.delete()
-	os.RemoveAll(p.dir)
+	p.b.removeSlotDir(p.dir)
 }
 
 func (p *agentProc) closePidfd() {
@@ -396,12 +435,13 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	}()
 	slot := fmt.Sprintf("s%d-%d", os.Getpid(), b.slots.Add(1))
 	dir := filepath.Join(b.opts.StateDir, slot)
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("sandbox dir: %w", err)
+	p := &agentProc{b: b, slot: slot, dir: dir, pidfd: -1}
+	if err := b.makeSlotDir(p, r.DiskBytes); err != nil {
+		return nil, err
 	}
-	undo = append(undo, func() { os.RemoveAll(dir) })
-	for _, d := range []string{"upper", "work", "rootfs"} {
-		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+	undo = append(undo, func() { b.removeSlotDir(dir) })
+	for _, d := range []string{p.upper, p.work, filepath.Join(dir, "rootfs")} {
+		if err := os.Mkdir(d, 0o755); err != nil {
 			return nil, fmt.Errorf("sandbox dir: %w", err)
 		}
 	}
@@ -443,7 +483,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("start dsec-agent: %w", err)
 	}
-	p := &agentProc{slot: slot, dir: dir, cg: cg, cmd: cmd, pidfd: pidfd, conn: conn, done: make(chan struct{})}
+	p.cg, p.cmd, p.pidfd, p.conn, p.done = cg, cmd, pidfd, conn, make(chan struct{})
 	go func() {
 		p.waitErr = cmd.Wait()
 		close(p.done)
@@ -490,7 +530,7 @@ func (b *Backend) fillWarm() {
 				return
 			default:
 			}
-			p, err := b.spawn(rt.Resources{Pids: b.opts.DefaultPids})
+			p, err := b.spawn(rt.Resources{Pids: b.opts.DefaultPids, DiskBytes: b.opts.DefaultDiskBytes})
 			if err != nil {
 				b.log.Warn("start warm agent", "err", err)
 				break
@@ -582,7 +622,7 @@ func (b *Backend) cleanStale() {
 		// died with its processes; detach in case an older layout mounted it
 		// on the host.
 		unix.Unmount(filepath.Join(dir, "rootfs"), unix.MNT_DETACH)
-		if err := os.RemoveAll(dir); err != nil {
+		if err := b.removeSlotDir(dir); err != nil {
 			b.log.Warn("stale sandbox dir", "id", id, "err", err)
 		}
 		b.log.Info("removed stale sandbox", "id", id)
@@ -682,6 +722,7 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 		return res, s.gone(err)
 	}
 	s.noteOOM(&res)
+	s.noteDiskFull(&res)
 	return res, nil
 }
 
@@ -791,7 +832,7 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 				errs = append(errs, fmt.Errorf("release layer %s: %w", l.Digest, err))
 			}
 		}
-		if err := os.RemoveAll(s.dir); err != nil {
+		if err := s.b.removeSlotDir(s.dir); err != nil {
 			errs = append(errs, fmt.Errorf("remove sandbox dir: %w", err))
 		}
 		s.b.mu.Lock()

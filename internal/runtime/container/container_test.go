@@ -15,6 +15,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/layer"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
+	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
@@ -23,6 +24,9 @@ import (
 // layer, the shared layer mount cache, and the container backend.
 type env struct {
 	backend *container.Backend
+	// scratch is the writable layers' file system (nil with
+	// DSEC_TEST_SCRATCH=off: plain directories, no disk limits).
+	scratch *scratchfs.FS
 	layer   rt.Layer
 	root    string
 	store   *blobstore.Dir
@@ -68,8 +72,20 @@ func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { mounts.Close() })
+	// The writable layers' file system, as the edge makes it (closed after
+	// the backend and every sandbox: cleanups run last first).
+	// DSEC_TEST_SCRATCH=off runs without (benchmarks compare the two).
+	var scratch *scratchfs.FS
+	if os.Getenv("DSEC_TEST_SCRATCH") != "off" {
+		if scratch, err = scratchfs.Open(scratchfs.Options{Image: filepath.Join(root, "scratch.img"),
+			Dir: filepath.Join(root, "sandboxes"), Size: 2 << 30}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { scratch.Close() })
+	}
 	b, err := container.New(container.Options{
 		StateDir:     filepath.Join(root, "sandboxes"),
+		Scratch:      scratch,
 		AgentPath:    agentBin,
 		Layers:       mounts,
 		CgroupParent: "dsec-test-" + filepath.Base(root),
@@ -84,10 +100,21 @@ func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
 			os.Remove(d)
 		}
 	})
-	return &env{backend: b, layer: rt.Layer{Digest: desc.Digest, Path: path}, root: root, store: store, mounts: mounts}
+	return &env{backend: b, scratch: scratch, layer: rt.Layer{Digest: desc.Digest, Path: path}, root: root, store: store, mounts: mounts}
 }
 
 func (e *env) spec(t *testing.T) rt.Spec { return e.newSpec() }
+
+// lacks is what the suite must skip for this env.
+func (e *env) lacks() map[testsuite.Capability]string {
+	m := map[testsuite.Capability]string{
+		testsuite.DiskStatfs: "btrfs (scratchfs) reports the whole scratch file system to statfs, not a subvolume's qgroup limit",
+	}
+	if e.scratch == nil {
+		m[testsuite.DiskLimit] = "DSEC_TEST_SCRATCH=off: no scratch file system"
+	}
+	return m
+}
 
 // create creates a sandbox of a new spec, destroyed when the test or
 // benchmark ends.
@@ -119,6 +146,7 @@ func TestConformance(t *testing.T) {
 		Leaks: testsuite.HostLeaks(e.backend.CgroupDirs(),
 			[]string{e.backend.StateDir(), filepath.Join(e.root, "layers")}),
 		AgentName: "dsec-agent",
+		Lacks:     e.lacks(),
 	})
 }
 
@@ -132,6 +160,7 @@ func TestConformanceWarm(t *testing.T) {
 		NewSpec:    e.spec,
 		AgentName:  "dsec-agent",
 		LeakCycles: 10,
+		Lacks:      e.lacks(),
 	})
 }
 

@@ -208,6 +208,13 @@ func (s *sandbox) takePristine(upper, work string) (_ *pristine, err error) {
 	if filepath.Dir(work) != sdir {
 		return nil, fmt.Errorf("upper %s and work %s are not in one directory", upper, work)
 	}
+	upperName, workName := filepath.Base(upper), filepath.Base(work)
+	if filepath.Dir(sdir) == s.dir {
+		// A root's own volume (disk.go): named from the sandbox's
+		// directory, so the descriptor kept is the same for every root.
+		sdir = s.dir
+		upperName, workName = filepath.Join(filepath.Base(filepath.Dir(upper)), upperName), filepath.Join(filepath.Base(filepath.Dir(work)), workName)
+	}
 	pid := strconv.Itoa(s.cmd.Process.Pid)
 	p := &pristine{sdir: -1, dev: -1, shm: -1, mountsFD: -1, sdirPath: sdir, devPath: "/proc/" + pid + "/root/dev", w: newFSWalker()}
 	defer func() {
@@ -255,7 +262,7 @@ func (s *sandbox) takePristine(upper, work string) (_ *pristine, err error) {
 	for _, root := range []struct {
 		tree int
 		rel  string
-	}{{treeSandboxDir, filepath.Base(upper)}, {treeSandboxDir, filepath.Base(work)}, {treeDev, "."}} {
+	}{{treeSandboxDir, upperName}, {treeSandboxDir, workName}, {treeDev, "."}} {
 		if err := p.add(root.tree, root.rel, magic); err != nil {
 			return nil, err
 		}

@@ -3,7 +3,6 @@ package container
 import (
 	"context"
 	"fmt"
-	"os"
 	"slices"
 
 	"golang.org/x/sys/unix"
@@ -141,8 +140,7 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 		// The sandbox may be half swapped: unusable. Destroy releases the
 		// layers in s.spec, so the new ones go now.
 		release()
-		os.RemoveAll(root.upper)
-		os.RemoveAll(root.work)
+		s.removeRootDirs(root.upper, root.work)
 		return s.gone(fmt.Errorf("rebase: %w", err))
 	}
 	oldLayers := s.spec.Layers
@@ -150,6 +148,9 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	oldUpper, oldWork := s.upper, s.work
 	s.upper, s.work = root.upper, root.work
 	s.fsMu.Unlock()
+	if err := s.adoptRoot(root); err != nil {
+		return s.gone(fmt.Errorf("rebase: %w", err))
+	}
 	spec.ID = s.id
 	s.spec = spec
 	// The old layers go once the old overlay over them is unmounted (a
@@ -184,10 +185,8 @@ func (s *sandbox) releaseRoot(fd int, upper, work string, then func()) {
 	go func() {
 		defer s.bg.Done()
 		unix.Close(fd)
-		for _, d := range []string{upper, work} {
-			if err := os.RemoveAll(d); err != nil {
-				s.b.log.Warn("remove old overlay directory", "sandbox", s.id, "dir", d, "err", err)
-			}
+		if err := s.removeRootDirs(upper, work); err != nil {
+			s.b.log.Warn("remove old overlay directories", "sandbox", s.id, "upper", upper, "err", err)
 		}
 		if then != nil {
 			then()

@@ -171,6 +171,9 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	oldUpper, oldWork := s.upper, s.work
 	s.upper, s.work = root.upper, root.work
 	s.fsMu.Unlock()
+	if err := s.adoptRoot(root); err != nil {
+		return s.gone(fmt.Errorf("reset: %w", err))
+	}
 	s.resetsRebuilt.Add(1)
 	s.pristine = s.pristineOrNil(root.upper, root.work)
 
@@ -210,6 +213,10 @@ func (s *sandbox) clearIPCNamespace() error {
 type overlayRoot struct {
 	fd          int
 	upper, work string
+	// vol is the volume upper and work are in and disk its limit, when
+	// they have one of their own (makeRootDirs).
+	vol  uint64
+	disk int64
 	// lowerGen is the sandbox's lowerGen when the root was built over
 	// its layers.
 	lowerGen int
@@ -227,20 +234,13 @@ func (s *sandbox) newRoot() (*overlayRoot, error) {
 	gen := strconv.Itoa(s.gen)
 	lower, lowerGen := s.lower, s.lowerGen
 	s.fsMu.Unlock()
-	r := &overlayRoot{upper: filepath.Join(s.dir, "upper."+gen), work: filepath.Join(s.dir, "work."+gen), lowerGen: lowerGen}
-	// Mkdir, not MkdirAll: after Destroy removed the sandbox directory,
-	// nothing may be created under it again.
-	if err := os.Mkdir(r.upper, 0o755); err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(r.work, 0o755); err != nil {
-		os.Remove(r.upper)
+	r := &overlayRoot{lowerGen: lowerGen}
+	if err := s.makeRootDirs(r, gen); err != nil {
 		return nil, err
 	}
 	fd, err := newOverlay(lower, r.upper, r.work)
 	if err != nil {
-		os.Remove(r.upper)
-		os.RemoveAll(r.work)
+		s.removeRootDirs(r.upper, r.work)
 		return nil, err
 	}
 	r.fd = fd
@@ -270,8 +270,7 @@ func (s *sandbox) prepareNext() {
 	s.fsMu.Unlock()
 	if r != nil { // raced with another preparation, a Rebase or Destroy
 		unix.Close(r.fd)
-		os.RemoveAll(r.upper)
-		os.RemoveAll(r.work)
+		s.removeRootDirs(r.upper, r.work)
 	}
 }
 
@@ -806,6 +805,12 @@ func (s *sandbox) Update(ctx context.Context, r rt.Resources) error {
 	if r.Pids == 0 {
 		r.Pids = s.b.opts.DefaultPids
 	}
+	if err := validDisk(r.DiskBytes); err != nil {
+		return err
+	}
+	if r.DiskBytes == 0 {
+		r.DiskBytes = s.b.opts.DefaultDiskBytes
+	}
 	select {
 	case <-s.done:
 		return fmt.Errorf("%w: update: init has exited", rt.ErrSandboxGone)
@@ -822,6 +827,10 @@ func (s *sandbox) Update(ctx context.Context, r rt.Resources) error {
 	}
 	if err := s.cg.set(from, r); err != nil {
 		// Some limits may have been written: the next Update writes all.
+		s.resKnown = false
+		return s.gone(fmt.Errorf("update resources: %w", err))
+	}
+	if err := s.b.setDisk(s.agentProc, r.DiskBytes); err != nil {
 		s.resKnown = false
 		return s.gone(fmt.Errorf("update resources: %w", err))
 	}
