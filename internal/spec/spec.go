@@ -247,14 +247,6 @@ func Resolve(s *dsecv1.SandboxSpec, defaults ...Resources) (requests, limits Res
 	return requests, limits
 }
 
-// WithDefaults sets s's resources to its limits (Resolve). It is kept
-// until the server and the edge use Resolve.
-func WithDefaults(s *dsecv1.SandboxSpec, defaults ...Resources) Resources {
-	_, lim := Resolve(s, defaults...)
-	s.Resources = lim.Proto()
-	return lim
-}
-
 func duration(field string, d *durationpb.Duration) error {
 	if d == nil {
 		return nil
