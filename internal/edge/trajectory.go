@@ -88,16 +88,12 @@ func recoveredSandbox(in trajectory.Info) *sandbox {
 	if d, err := time.ParseDuration(env.IdleTimeout); err == nil {
 		spec.IdleTimeout = durationpb.New(d)
 	}
-	req := placement.Capacity{MilliCPU: env.MilliCPU, MemoryBytes: env.MemoryBytes, Sandboxes: 1}
-	if r := env.Requests; r != nil {
-		req.MilliCPU, req.MemoryBytes = r.MilliCPU, r.MemoryBytes
-	}
 	return &sandbox{
 		id:         in.Sandbox,
 		tenant:     env.Tenant,
 		kind:       runtime.Kind(env.Backend),
 		spec:       spec,
-		req:        req,
+		req:        placement.Capacity{MilliCPU: env.MilliCPU, MemoryBytes: env.MemoryBytes, Sandboxes: 1},
 		layers:     env.Layers,
 		createdAt:  in.Created,
 		lastActive: in.Created,
@@ -115,7 +111,6 @@ func environment(sb *sandbox) *trajectory.Environment {
 		Layers:      sb.layers,
 		MilliCPU:    sb.spec.GetResources().GetMilliCpu(),
 		MemoryBytes: sb.spec.GetResources().GetMemoryBytes(),
-		Requests:    &trajectory.Requests{MilliCPU: sb.req.MilliCPU, MemoryBytes: sb.req.MemoryBytes},
 		Pids:        sb.spec.GetResources().GetPids(),
 		DiskBytes:   sb.spec.GetResources().GetDiskBytes(),
 		Env:         sb.spec.Env,

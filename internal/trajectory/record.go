@@ -94,28 +94,16 @@ type Environment struct {
 	Workspace string   `json:"workspace,omitempty"`
 	Toolkits  []string `json:"toolkits,omitempty"`
 	// Layers are the ordered layer digests, bottom first.
-	Layers []string `json:"layers"`
-	// MilliCPU, MemoryBytes, Pids and DiskBytes are the sandbox's limits
-	// (defaults included).
-	MilliCPU    int64 `json:"milli_cpu,omitempty"`
-	MemoryBytes int64 `json:"memory_bytes,omitempty"`
-	Pids        int64 `json:"pids,omitempty"`
-	DiskBytes   int64 `json:"disk_bytes,omitempty"`
-	// Requests is what the sandbox charged its node (the resources its
-	// creator stated, see package spec); nil in records older than it,
-	// whose sandboxes were charged their limits.
-	Requests    *Requests         `json:"requests,omitempty"`
+	Layers      []string          `json:"layers"`
+	MilliCPU    int64             `json:"milli_cpu,omitempty"`
+	MemoryBytes int64             `json:"memory_bytes,omitempty"`
+	Pids        int64             `json:"pids,omitempty"`
+	DiskBytes   int64             `json:"disk_bytes,omitempty"`
 	Env         []string          `json:"env,omitempty"`
 	Labels      map[string]string `json:"labels,omitempty"`
 	TTL         string            `json:"ttl,omitempty"`
 	IdleTimeout string            `json:"idle_timeout,omitempty"`
 	IdleAction  string            `json:"idle_action,omitempty"`
-}
-
-// Requests is the share of a node's capacity a sandbox reserved.
-type Requests struct {
-	MilliCPU    int64 `json:"milli_cpu,omitempty"`
-	MemoryBytes int64 `json:"memory_bytes,omitempty"`
 }
 
 // Exec is an exec's request and result.
