@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"errors"
 	"io/fs"
 	"net/http"
 	"os"
@@ -17,7 +18,10 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/controlplane/iam"
+	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
 	"github.com/dsec-dev/dsec/internal/spec"
 )
@@ -395,4 +399,98 @@ func TestImportSizeLimit(t *testing.T) {
 	_, err = c.upload(bob, "big:1", false, bytes.Repeat([]byte{1}, 8<<20))
 	wantCode(t, err, connect.CodeResourceExhausted, "uploaded")
 	leftovers()
+}
+
+// TestDefaultsReserveNoCapacity: defaults are limits, not requests. A
+// sandbox created without resources gets the defaults as its kernel limits
+// and is charged them to its tenant's quota, but reserves none of its
+// node's CPU or memory, in placement and at the edge's admission alike:
+// with defaults charged as requests, a node of 2 cores at 4x overcommit
+// held 8 such sandboxes (issue 13's density regression; before defaults
+// it held as many as its sandbox slots). Explicit values are requests:
+// cpu=1 sandboxes still stop at 8 there.
+func TestDefaultsReserveNoCapacity(t *testing.T) {
+	c := newCluster(t)
+	c.defaults = spec.Resources{Pids: 77}
+	oc := placement.Overcommit{CPU: 4, Memory: 1}
+	c.addEdge("n1", placement.Capacity{MilliCPU: 2000, MemoryBytes: 24 << 30, Sandboxes: 64}, oc)
+	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
+		t.Fatal(err)
+	}
+	tok := c.createTenant("many", &dsecv1.Quota{MaxMilliCpu: 100_000})
+	limits := spec.Resources{MilliCPU: spec.Builtin.MilliCPU, MemoryBytes: spec.Builtin.MemoryBytes, Pids: 77, DiskBytes: spec.Builtin.DiskBytes}
+
+	const defaulted = 20
+	resp, err := c.clients.sb.BatchCreate(context.Background(), req(tok, &dsecv1.BatchCreateSandboxesRequest{
+		Spec: &dsecv1.SandboxSpec{Image: "busybox:1"}, Count: defaulted,
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range resp.Msg.GetResults() {
+		if r.GetError() != nil {
+			t.Fatalf("sandbox %d of %d created without resources: %v", i+1, defaulted, r.GetError())
+		}
+		wantResources(t, "a sandbox created without resources", r.GetSandbox().GetSpec().GetResources(), limits)
+	}
+	got, err := c.clients.sb.Get(context.Background(), req(tok, &dsecv1.GetSandboxRequest{Id: resp.Msg.GetResults()[0].GetSandbox().GetId()}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantResources(t, "Get of a sandbox created without resources", got.Msg.GetSandbox().GetSpec().GetResources(), limits)
+	n := 0
+	for _, l := range cgroupLimits(t, c, "n1", "pids", "pids.max") {
+		if l == "77" {
+			n++
+		}
+	}
+	if n < defaulted {
+		t.Errorf("%d sandbox cgroups have the default pids limit, want %d", n, defaulted)
+	}
+	// The quota counts the limits.
+	wantUsage(t, c.getTenant(tok, ""), defaulted, defaulted*spec.Builtin.MilliCPU, defaulted*spec.Builtin.MemoryBytes)
+
+	// Explicit CPU is a request: 8 cores' worth fit (2 x 4), the 9th not.
+	explicit := &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 1000}}
+	resp, err = c.clients.sb.BatchCreate(context.Background(), req(tok, &dsecv1.BatchCreateSandboxesRequest{Spec: explicit, Count: 8}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range resp.Msg.GetResults() {
+		if r.GetError() != nil {
+			t.Fatalf("explicit cpu=1 sandbox %d of 8: %v", i+1, r.GetError())
+		}
+	}
+	// The node reports only the explicit requests as used.
+	c.waitFor("a heartbeat with all 28 sandboxes", func() bool { return len(c.srv.reg.liveSummaries("n1")) == defaulted+8 })
+	c.srv.reg.mu.Lock()
+	used := c.srv.reg.nodes["n1"].usage[runtime.KindContainer]
+	c.srv.reg.mu.Unlock()
+	if used.MilliCPU != 8000 || used.MemoryBytes != 0 || used.Sandboxes != defaulted+8 {
+		t.Errorf("n1 reports %+v used, want 8000 milli-CPU, no memory, %d sandboxes", used, defaulted+8)
+	}
+	p := iam.Principal{Tenant: "many"}
+	prep, err := c.srv.prepare(context.Background(), p, explicit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.srv.place(p, nil, prep, nil); !errors.Is(err, placement.ErrNoCapacity) {
+		t.Fatalf("placing a 9th cpu=1 sandbox: %v, want no capacity", err)
+	}
+	// The edge refuses it too, on its own books.
+	id := ids.NewSandbox("n1")
+	_, err = c.srv.edges.get(c.edges["n1"].hs.URL).CreateOnEdge(context.Background(), connect.NewRequest(&dsecv1.EdgeCreateRequest{
+		Caller: &dsecv1.Caller{Tenant: "many"}, SandboxId: id, Spec: explicit,
+	}))
+	wantCode(t, err, connect.CodeResourceExhausted, "milli_cpu")
+	// A defaulted one still fits.
+	prep, err = c.srv.prepare(context.Background(), p, &dsecv1.SandboxSpec{Image: "busybox:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := c.srv.place(p, nil, prep, nil)
+	if err != nil {
+		t.Fatalf("placing one more sandbox without resources: %v", err)
+	}
+	c.srv.reg.release(res.id)
 }

@@ -65,7 +65,7 @@ func (ps *poolService) Create(ctx context.Context, req *connect.Request[dsecv1.C
 	// against its quota for as long as the pool lives (heartbeats carry
 	// the charge; this reservation covers the time until the first).
 	// The edge charges the pool's sandboxes to its capacity itself.
-	res, err := s.reserve(placeReq{tenant: p.Tenant, quota: quota, req: prep.req, labels: prep.user.Labels, pool: int64(req.Msg.GetSize())})
+	res, err := s.reserve(prep.placeReq(p, quota, int64(req.Msg.GetSize())))
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -75,7 +75,7 @@ func (ps *poolService) Create(ctx context.Context, req *connect.Request[dsecv1.C
 	cctx, cancel := callContext(ctx, edgeCallTimeout)
 	defer cancel()
 	resp, err := s.edges.get(res.url).CreatePoolOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeCreatePoolRequest{
-		Caller: callerOf(p), PoolId: res.id, Request: edgeReq,
+		Caller: callerOf(p), PoolId: res.id, Request: edgeReq, Limits: prep.limits.Proto(),
 	}))
 	if err != nil {
 		s.reg.release(res.id)

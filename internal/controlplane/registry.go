@@ -85,9 +85,12 @@ type lostSandbox struct {
 type pendingCreate struct {
 	id, node, tenant string
 	kind             runtime.Kind
-	use              iam.Usage
-	labels           map[string]string
-	doneAt           time.Time // zero while the edge call is in flight
+	// use is what it charges its tenant (limits), nodeUse what it
+	// charges its node (requests).
+	use     iam.Usage
+	nodeUse placement.Capacity
+	labels  map[string]string
+	doneAt  time.Time // zero while the edge call is in flight
 	// pool is set for a pool being created (id is the pool's): use is
 	// its whole size, and a heartbeat listing the pool ends it.
 	pool bool
@@ -289,9 +292,9 @@ func (r *registry) dropPendingLocked(p *pendingCreate) {
 	}
 	if n := r.nodes[p.node]; n != nil {
 		c := n.pendingUse[p.kind]
-		c.MilliCPU -= p.use.MilliCPU
-		c.MemoryBytes -= p.use.MemoryBytes
-		c.Sandboxes -= p.use.Sandboxes
+		c.MilliCPU -= p.nodeUse.MilliCPU
+		c.MemoryBytes -= p.nodeUse.MemoryBytes
+		c.Sandboxes -= p.nodeUse.Sandboxes
 		n.pendingUse[p.kind] = c
 	}
 }
@@ -300,7 +303,12 @@ func (r *registry) dropPendingLocked(p *pendingCreate) {
 type placeReq struct {
 	tenant string
 	quota  *iam.Quota // nil: not limited (admin)
-	req    placement.Request
+	// req is what the sandbox asks of a node: its requests (the resources
+	// its spec states).
+	req placement.Request
+	// charge is what one sandbox charges its tenant's quota: its limits
+	// (defaults included; prepared.charge).
+	charge iam.Usage
 	labels map[string]string
 	// pool, when above 0, places a pool of that many sandboxes of req: its
 	// tenant's quota and the node are charged for all of them (the node
@@ -310,11 +318,17 @@ type placeReq struct {
 
 // need is what pr charges its tenant's quota.
 func (pr placeReq) need() iam.Usage {
-	one := iam.Usage{Sandboxes: 1, MilliCPU: pr.req.MilliCPU, MemoryBytes: pr.req.MemoryBytes}
 	if pr.pool > 0 {
-		return one.Scale(pr.pool)
+		return pr.charge.Scale(pr.pool)
 	}
-	return one
+	return pr.charge
+}
+
+// nodeNeed is what pr charges the node it is placed on until a heartbeat
+// counts it: its requests.
+func (pr placeReq) nodeNeed() placement.Capacity {
+	n := max(pr.pool, 1)
+	return placement.Capacity{MilliCPU: n * pr.req.MilliCPU, MemoryBytes: n * pr.req.MemoryBytes, Sandboxes: n}
 }
 
 // reservation is where one placeReq goes, or why it cannot.
@@ -377,14 +391,14 @@ func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservat
 		pr := reqs[i]
 		p := &pendingCreate{
 			id: ids.NewSandbox(n.id), node: n.id, tenant: pr.tenant, kind: pr.req.Kind, labels: pr.labels,
-			use: pr.need(), pool: pr.pool > 0,
+			use: pr.need(), nodeUse: pr.nodeNeed(), pool: pr.pool > 0,
 		}
 		r.pending[p.id] = p
 		r.pendingUse[p.tenant] = r.pendingUse[p.tenant].Add(p.use)
 		c := n.pendingUse[p.kind]
-		c.MilliCPU += p.use.MilliCPU
-		c.MemoryBytes += p.use.MemoryBytes
-		c.Sandboxes += p.use.Sandboxes
+		c.MilliCPU += p.nodeUse.MilliCPU
+		c.MemoryBytes += p.nodeUse.MemoryBytes
+		c.Sandboxes += p.nodeUse.Sandboxes
 		n.pendingUse[p.kind] = c
 		out[i] = reservation{id: p.id, node: n.id, url: n.url}
 	}

@@ -17,7 +17,7 @@ func BenchmarkReserveBurst(b *testing.B) {
 	q := &iam.Quota{MaxSandboxes: 1 << 20}
 	reqs := make([]placeReq, burst)
 	for i := range reqs {
-		reqs[i] = placeReq{tenant: "trainer", quota: q, req: containerReq(250)}
+		reqs[i] = explicitPR("trainer", q, 250)
 		reqs[i].req.Layers = []placement.LayerRef{{Digest: "sha256:base", Bytes: 1 << 30}}
 	}
 	for b.Loop() {

@@ -39,6 +39,12 @@ func containerReq(cpu int64) placement.Request {
 	return placement.Request{Kind: runtime.KindContainer, MilliCPU: cpu}
 }
 
+// explicitPR places a container sandbox that states cpu (its request and
+// its limit) for tenant.
+func explicitPR(tenant string, q *iam.Quota, cpu int64) placeReq {
+	return placeReq{tenant: tenant, quota: q, req: containerReq(cpu), charge: iam.Usage{Sandboxes: 1, MilliCPU: cpu}}
+}
+
 func TestHeartbeatValidation(t *testing.T) {
 	r, _ := testRegistry()
 	for _, tc := range []struct {
@@ -63,7 +69,7 @@ func TestReserveChargesPendingUntilHeartbeat(t *testing.T) {
 		t.Fatal(err)
 	}
 	q := &iam.Quota{MaxSandboxes: 10}
-	one := []placeReq{{tenant: "alice", quota: q, req: containerReq(100)}}
+	one := []placeReq{explicitPR("alice", q, 100)}
 
 	res1, err := r.reserve(one, placement.Overcommit{})
 	if err != nil || res1[0].err != nil {
@@ -140,7 +146,7 @@ func TestReserveQuota(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			reqs := make([]placeReq, tc.n)
 			for i := range reqs {
-				reqs[i] = placeReq{tenant: "alice", quota: tc.q, req: containerReq(tc.cpu)}
+				reqs[i] = explicitPR("alice", tc.q, tc.cpu)
 			}
 			out, err := r.reserve(reqs, placement.Overcommit{})
 			if err != nil {
@@ -203,7 +209,7 @@ func TestNodeDeathAndRestart(t *testing.T) {
 	}
 	// New creates avoid the dead node.
 	for range 10 {
-		out, _ := r.reserve([]placeReq{{tenant: "x", req: containerReq(1)}}, placement.Overcommit{})
+		out, _ := r.reserve([]placeReq{explicitPR("x", nil, 1)}, placement.Overcommit{})
 		if out[0].err != nil || out[0].node != "n2" {
 			t.Fatalf("reserve with n1 dead = %+v", out[0])
 		}
@@ -244,7 +250,7 @@ func TestNodeDeathAndRestart(t *testing.T) {
 func TestPendingExpiresWithoutHeartbeat(t *testing.T) {
 	r, c := testRegistry()
 	r.heartbeat(beat("n1", "b1", 1))
-	out, _ := r.reserve([]placeReq{{tenant: "a", req: containerReq(0)}}, placement.Overcommit{})
+	out, _ := r.reserve([]placeReq{explicitPR("a", nil, 0)}, placement.Overcommit{})
 	if out[0].err != nil {
 		t.Fatal(out[0].err)
 	}
@@ -254,8 +260,65 @@ func TestPendingExpiresWithoutHeartbeat(t *testing.T) {
 	c.advance(r.pendingGrace + time.Second)
 	r.heartbeat(beat("n1", "b1", 1))
 	r.sweep()
-	again, _ := r.reserve([]placeReq{{tenant: "a", req: containerReq(0)}}, placement.Overcommit{})
+	again, _ := r.reserve([]placeReq{explicitPR("a", nil, 0)}, placement.Overcommit{})
 	if again[0].err != nil {
 		t.Fatalf("slot still held after the grace period: %v", again[0].err)
+	}
+}
+
+// TestReserveRequestsVsLimits: a create that leaves its resources to the
+// defaults requests nothing of a node but is charged its limits to its
+// tenant, while it is pending as after a heartbeat reports it (whose
+// summaries carry the limits): a node of 2 cores at 4x overcommit takes
+// 20 of them, but only 8 that state a core each; the quota refuses the
+// defaulted ones once their limits reach it.
+func TestReserveRequestsVsLimits(t *testing.T) {
+	r, _ := testRegistry()
+	hb := beat("n1", "b1", 100)
+	hb.Capacity[0].MilliCpu = 2000
+	if err := r.heartbeat(hb); err != nil {
+		t.Fatal(err)
+	}
+	oc := placement.Overcommit{CPU: 4, Memory: 1}
+	defaulted := placeReq{tenant: "alice", quota: &iam.Quota{MaxMilliCPU: 20_000}, req: containerReq(0), charge: iam.Usage{Sandboxes: 1, MilliCPU: 1000, MemoryBytes: 1 << 30}}
+	reqs := make([]placeReq, 21)
+	for i := range reqs {
+		reqs[i] = defaulted
+	}
+	out, err := r.reserve(reqs, oc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, res := range out[:20] {
+		if res.err != nil {
+			t.Fatalf("defaulted create %d: %v, want placed (it requests no CPU of the node)", i, res.err)
+		}
+	}
+	var qe *iam.QuotaError
+	if !errors.As(out[20].err, &qe) || qe.Quota != "max_milli_cpu" {
+		t.Fatalf("21st defaulted create: %v, want the quota's max_milli_cpu (limits are charged)", out[20].err)
+	}
+	r.mu.Lock()
+	use := r.tenantUseLocked("alice", r.now())
+	nodeUse := r.nodes["n1"].pendingUse[runtime.KindContainer]
+	r.mu.Unlock()
+	if use != (iam.Usage{Sandboxes: 20, MilliCPU: 20_000, MemoryBytes: 20 << 30}) {
+		t.Fatalf("alice uses %+v, want 20 sandboxes of the default limits", use)
+	}
+	if nodeUse != (placement.Capacity{Sandboxes: 20}) {
+		t.Fatalf("node pending %+v, want 20 sandboxes and no CPU or memory", nodeUse)
+	}
+	explicit := make([]placeReq, 9)
+	for i := range explicit {
+		explicit[i] = explicitPR("bob", nil, 1000)
+	}
+	out, err = r.reserve(explicit, oc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, res := range out {
+		if placed := res.err == nil; placed != (i < 8) {
+			t.Errorf("explicit cpu=1 create %d: %v; want the first 8 placed (2 cores x 4), the 9th refused", i, res.err)
+		}
 	}
 }

@@ -22,14 +22,29 @@ import (
 
 type sandboxService struct{ s *Server }
 
-// prepared is a validated create: the spec as the user wrote it (defaults
-// filled, resources included), the spec the edge gets (internal image
-// names), and what placement needs to know.
+// prepared is a validated create: the spec as the user wrote it, the spec
+// the edge gets (internal image names; both with the user's explicit
+// resources, the requests), the limits the sandbox gets, and what
+// placement needs to know (the requests).
 type prepared struct {
 	user, edge *dsecv1.SandboxSpec
-	req        placement.Request
-	// key matches warm pools of the same spec (edge.PoolKey).
+	// limits are the resources the sandbox gets (spec.Resolve): what its
+	// tenant's quota is charged and the edge is told.
+	limits spec.Resources
+	req    placement.Request
+	// key matches warm pools of the same spec (edge.PoolKey, on limits).
 	key string
+}
+
+// charge is what one sandbox of prep charges its tenant's quota.
+func (prep *prepared) charge() iam.Usage {
+	return iam.Usage{Sandboxes: 1, MilliCPU: prep.limits.MilliCPU, MemoryBytes: prep.limits.MemoryBytes}
+}
+
+// placeReq returns the placement of one sandbox of prep for p (pool: a
+// pool of that many, see placeReq.pool).
+func (prep *prepared) placeReq(p iam.Principal, quota *iam.Quota, pool int64) placeReq {
+	return placeReq{tenant: p.Tenant, quota: quota, req: prep.req, charge: prep.charge(), labels: prep.user.Labels, pool: pool}
 }
 
 func validDuration(field string, d *durationpb.Duration) error {
@@ -46,11 +61,14 @@ func validDuration(field string, d *durationpb.Duration) error {
 }
 
 // prepare checks a create by the spec contract (package spec), resolves
-// its images for the caller and completes its resources: what the spec
-// leaves 0 takes the tenant's default, else the nodes' (as their
-// heartbeats report them, else Config.Defaults). The edge gets them
-// spelled out, so the quota charges what the sandbox gets and the pool
-// key of a defaulted spec is that of the same values written out.
+// its images for the caller and its resources (spec.Resolve): the
+// requests are what the spec states, placed against node capacity; the
+// limits fill what it leaves 0 from the tenant's default, else the nodes'
+// (as their heartbeats report them, else Config.Defaults). The edge gets
+// the limits beside the spec, so the quota charges what the sandbox gets
+// and the pool key of a defaulted spec is that of the same values written
+// out, while a sandbox that leaves its resources to the defaults
+// reserves none of a node's CPU or memory.
 func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.SandboxSpec) (*prepared, error) {
 	user, err := spec.Validate(in)
 	if err != nil {
@@ -64,7 +82,7 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.Sandbo
 		}
 		tenantDefaults = t.Defaults
 	}
-	res := spec.WithDefaults(user, tenantDefaults, s.reg.defaults(s.cfg.Defaults))
+	requests, limits := spec.Resolve(user, tenantDefaults, s.reg.defaults(s.cfg.Defaults))
 
 	edge := proto.Clone(user).(*dsecv1.SandboxSpec)
 	seen := map[string]bool{}
@@ -100,11 +118,12 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.Sandbo
 		digests[i] = l.Digest
 	}
 	return &prepared{
-		key:  poolKeyOf(user.Backend, digests, user.Resources, user.Env),
-		user: user,
-		edge: edge,
+		key:    poolKeyOf(user.Backend, digests, limits.Proto(), user.Env),
+		user:   user,
+		edge:   edge,
+		limits: limits,
 		req: placement.Request{
-			Kind: runtime.Kind(user.Backend), MilliCPU: res.MilliCPU, MemoryBytes: res.MemoryBytes,
+			Kind: runtime.Kind(user.Backend), MilliCPU: requests.MilliCPU, MemoryBytes: requests.MemoryBytes,
 			Layers: layers, Tenant: p.Tenant, Labels: user.Labels,
 		},
 	}, nil
@@ -139,8 +158,8 @@ func toUser(sb *dsecv1.Sandbox) *dsecv1.Sandbox {
 
 // place reserves one sandbox of prep, avoiding the excluded nodes.
 func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclude []string) (reservation, error) {
-	req := prep.req
-	req.Exclude = exclude
+	pr := prep.placeReq(p, quota, 0)
+	pr.req.Exclude = exclude
 	if len(exclude) == 0 {
 		// A node with a ready sandbox of a matching warm pool serves the
 		// create in the time of a take, and one with a ready sandbox of
@@ -155,16 +174,16 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 			if len(warm) == 0 {
 				continue
 			}
-			req.Exclude = s.reg.nodesExcept(warm)
-			out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
+			pr.req.Exclude = s.reg.nodesExcept(warm)
+			out, err := s.reg.reserve([]placeReq{pr}, s.cfg.Overcommit)
 			if err == nil && out[0].err == nil {
 				s.reg.tookWarm(out[0].node, key)
 				return out[0], nil
 			}
-			req.Exclude = nil
+			pr.req.Exclude = nil
 		}
 	}
-	out, err := s.reg.reserve([]placeReq{{tenant: p.Tenant, quota: quota, req: req, labels: prep.user.Labels}}, s.cfg.Overcommit)
+	out, err := s.reg.reserve([]placeReq{pr}, s.cfg.Overcommit)
 	if err != nil {
 		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
 	}
@@ -249,7 +268,7 @@ func (s *Server) createOnEdge(ctx context.Context, p iam.Principal, prep *prepar
 	ctx, cancel := callContext(ctx, createTimeout)
 	defer cancel()
 	resp, err := s.edges.get(res.url).CreateOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeCreateRequest{
-		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge,
+		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge, Limits: prep.limits.Proto(),
 	}))
 	if err != nil {
 		return nil, err
@@ -309,7 +328,7 @@ func (s *Server) batchCreate(ctx context.Context, p iam.Principal, spec *dsecv1.
 	}
 	reqs := make([]placeReq, n)
 	for i := range reqs {
-		reqs[i] = placeReq{tenant: p.Tenant, quota: quota, req: prep.req, labels: prep.user.Labels}
+		reqs[i] = prep.placeReq(p, quota, 0)
 	}
 	// One placement call for the whole batch spreads it over the nodes.
 	placed, err := s.reg.reserve(reqs, s.cfg.Overcommit)

@@ -29,8 +29,8 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
-	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/redact"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // Defaults for Config fields left zero.

@@ -110,9 +110,9 @@ func (w *world) startNode(t *testing.T, id string, mod func(*edge.Config)) *node
 		ClusterToken:      token,
 		HeartbeatInterval: 50 * time.Millisecond,
 		Registry:          reg,
-		// Every sandbox gets limits (1 core and 1 GiB by default): room
-		// for the many sandboxes of these tests, which measure other
-		// things than capacity unless they set their own.
+		// Room for the many sandboxes of these tests (those that state
+		// resources are charged them), which measure other things than
+		// capacity unless they set their own.
 		Capacity: map[runtime.Kind]placement.Capacity{runtime.KindContainer: {MilliCPU: 1 << 20, MemoryBytes: 1 << 40}},
 	}
 	if mod != nil {

@@ -33,9 +33,10 @@ const (
 
 // PoolKey is what makes two fresh sandboxes interchangeable: backend,
 // layer digests (bottom first), resources and extra env. Callers pass the
-// effective resources (defaults filled in: spec.WithDefaults), so that a
-// spec that left them to the defaults and one that spelled out the same
-// values share pools. Labels, ttl and
+// limits (defaults filled in: spec.Resolve), so that a spec that left
+// them to the defaults and one that spelled out the same values share
+// pools (the kernel holds them to the same limits; what each charges the
+// node, its requests, is the sandbox's own, not the pool's). Labels, ttl and
 // idle settings are a sandbox's own and not part of it. Servers compute
 // the same key to route a create to a node holding a matching pool.
 func PoolKey(backend string, layers []string, res *dsecv1.Resources, env []string) string {
@@ -65,11 +66,14 @@ type warmPool struct {
 	kind            runtime.Kind
 	spec            *dsecv1.SandboxSpec
 	layers          []string
-	req             placement.Capacity
-	size, minSize   int
-	idleShrink      time.Duration
-	p               *pool.Pool
-	n               atomic.Int64
+	// req is what each sandbox the pool holds charges the node: the
+	// requests of the spec it was created with (its limits are spec's
+	// resources, what a tenant's pool charges its quota).
+	req           placement.Capacity
+	size, minSize int
+	idleShrink    time.Duration
+	p             *pool.Pool
+	n             atomic.Int64
 }
 
 // held is how many of the pool's sandboxes are the pool's (not handed out):
@@ -141,7 +145,7 @@ func dropRuntime(ctx context.Context, wp *warmPool, rs runtime.Sandbox) error {
 	return err
 }
 
-func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string, req *dsecv1.CreatePoolRequest) (*dsecv1.Pool, error) {
+func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string, req *dsecv1.CreatePoolRequest, limits *dsecv1.Resources) (*dsecv1.Pool, error) {
 	if caller == nil {
 		return nil, invalid("caller is required")
 	}
@@ -162,7 +166,7 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 	if req.IdleShrink == nil || shrink == 0 {
 		shrink = defaultIdleShrink
 	}
-	spec, err := e.validateSpec(id, req.Spec)
+	spec, nodeReq, err := e.validateSpec(id, req.Spec, limits)
 	if err != nil {
 		return nil, err
 	}
@@ -174,7 +178,7 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 	wp := &warmPool{
 		id: id, tenant: caller.Tenant, kind: kind, spec: spec, layers: digests,
 		key:  PoolKey(spec.Backend, digests, spec.Resources, spec.Env),
-		req:  placement.Capacity{MilliCPU: rspec.Resources.MilliCPU, MemoryBytes: rspec.Resources.MemoryBytes, Sandboxes: 1},
+		req:  nodeReq,
 		size: size, minSize: minSize, idleShrink: shrink,
 	}
 	if caller.Admin {
@@ -307,7 +311,8 @@ func (e *Edge) poolSummaries(held map[string]int) []*dsecv1.PoolSummary {
 			// A tenant's pool holds up to its size ready besides the
 			// sandboxes taken from it: its quota is charged for them
 			// (the node's own recycling is not anyone's).
-			ps.Charged, ps.MilliCpu, ps.MemoryBytes = int32(wp.size), wp.req.MilliCPU, wp.req.MemoryBytes
+			lim := wp.spec.GetResources()
+			ps.Charged, ps.MilliCpu, ps.MemoryBytes = int32(wp.size), lim.GetMilliCpu(), lim.GetMemoryBytes()
 		}
 		out = append(out, ps)
 		for _, l := range wp.layers {
@@ -318,7 +323,7 @@ func (e *Edge) poolSummaries(held map[string]int) []*dsecv1.PoolSummary {
 }
 
 func (s *service) CreatePoolOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeCreatePoolRequest]) (*connect.Response[dsecv1.CreatePoolResponse], error) {
-	p, err := s.e.createPool(ctx, req.Msg.Caller, req.Msg.PoolId, req.Msg.Request)
+	p, err := s.e.createPool(ctx, req.Msg.Caller, req.Msg.PoolId, req.Msg.Request, req.Msg.Limits)
 	if err != nil {
 		return nil, err
 	}

@@ -55,10 +55,14 @@ const (
 // sandbox is the edge's record of one sandbox. The fields above the line
 // never change after create; the rest are guarded by Edge.mu.
 type sandbox struct {
-	id        string
-	tenant    string
-	kind      runtime.Kind
-	spec      *dsecv1.SandboxSpec
+	id     string
+	tenant string
+	kind   runtime.Kind
+	// spec is the sandbox's spec with its limits as resources (what Get
+	// shows and the kernel enforces; spec.Resolve).
+	spec *dsecv1.SandboxSpec
+	// req is what it charges the node's capacity: its requests (the
+	// resources its creator stated), not the defaults of its limits.
 	req       placement.Capacity
 	layers    []string
 	createdAt time.Time
@@ -136,28 +140,35 @@ func invalid(format string, args ...any) error {
 }
 
 // validateSpec checks a spec by the contract (package spec) and what only
-// this node knows (the backends it offers), and returns a copy with the
-// node's defaults filled in for the resources it leaves 0. A server sends
-// specs whose resources it already completed (tenant defaults, else the
-// nodes' reported ones), so these apply only to what reaches the edge
-// otherwise.
-func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec) (*dsecv1.SandboxSpec, error) {
+// this node knows (the backends it offers), and resolves its resources
+// (spec.Resolve): it returns a copy whose resources are the sandbox's
+// limits, and its requests (what in states), which is what the node's
+// capacity is charged. limits are the server's resolution of what in
+// leaves 0 (tenant defaults, else the nodes' reported ones; the quota it
+// charged); what they leave 0 too, all of it when a caller other than a
+// server sends none, takes this node's defaults.
+func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec, limits *dsecv1.Resources) (*dsecv1.SandboxSpec, placement.Capacity, error) {
 	node, err := ids.NodeOf(id)
 	if err != nil {
-		return nil, invalid("sandbox_id: %w", err)
+		return nil, placement.Capacity{}, invalid("sandbox_id: %w", err)
 	}
 	if node != e.cfg.NodeID {
-		return nil, invalid("sandbox_id %q names node %q, not this node %q", id, node, e.cfg.NodeID)
+		return nil, placement.Capacity{}, invalid("sandbox_id %q names node %q, not this node %q", id, node, e.cfg.NodeID)
 	}
 	s, err := spec.Validate(in)
 	if err != nil {
-		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, placement.Capacity{}, connect.NewError(connect.CodeInvalidArgument, err)
 	}
 	if _, ok := e.cfg.Backends[runtime.Kind(s.Backend)]; !ok {
-		return nil, invalid("spec.backend %q is not offered by node %q", s.Backend, e.cfg.NodeID)
+		return nil, placement.Capacity{}, invalid("spec.backend %q is not offered by node %q", s.Backend, e.cfg.NodeID)
 	}
-	spec.WithDefaults(s, e.cfg.Defaults)
-	return s, nil
+	sent := spec.FromProto(limits)
+	if err := sent.Validate("limits"); err != nil {
+		return nil, placement.Capacity{}, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	req, lim := spec.Resolve(s, sent, e.cfg.Defaults)
+	s.Resources = lim.Proto()
+	return s, placement.Capacity{MilliCPU: req.MilliCPU, MemoryBytes: req.MemoryBytes, Sandboxes: 1}, nil
 }
 
 func checkDuration(field string, d *durationpb.Duration) error {
@@ -214,12 +225,13 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 	}, digests, nil
 }
 
-// create validates, resolves images, admits and builds one sandbox.
-func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec) (*dsecv1.Sandbox, error) {
+// create validates, resolves images, admits and builds one sandbox; limits
+// are the server's (see validateSpec).
+func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec, limits *dsecv1.Resources) (*dsecv1.Sandbox, error) {
 	if caller == nil {
 		return nil, invalid("caller is required")
 	}
-	spec, err := e.validateSpec(id, in)
+	spec, req, err := e.validateSpec(id, in, limits)
 	if err != nil {
 		e.metrics.failures.WithLabelValues(backendLabel(in), "invalid").Inc()
 		return nil, err
@@ -229,14 +241,13 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	if err != nil {
 		return nil, err
 	}
-	res := rspec.Resources
 	now := time.Now()
 	sb := &sandbox{
 		id:         id,
 		tenant:     caller.Tenant,
 		kind:       kind,
 		spec:       spec,
-		req:        placement.Capacity{MilliCPU: res.MilliCPU, MemoryBytes: res.MemoryBytes, Sandboxes: 1},
+		req:        req,
 		layers:     digests,
 		createdAt:  now,
 		ttl:        spec.GetTtl().AsDuration(),
@@ -741,12 +752,13 @@ func (e *Edge) summaries() []*dsecv1.SandboxSummary {
 			continue
 		}
 		out = append(out, &dsecv1.SandboxSummary{
-			Id:          sb.id,
-			Tenant:      sb.tenant,
-			State:       sb.visibleState(),
-			Labels:      maps.Clone(sb.spec.Labels),
-			MilliCpu:    sb.req.MilliCPU,
-			MemoryBytes: sb.req.MemoryBytes,
+			Id:     sb.id,
+			Tenant: sb.tenant,
+			State:  sb.visibleState(),
+			Labels: maps.Clone(sb.spec.Labels),
+			// The tenant's quota is charged the limits.
+			MilliCpu:    sb.spec.GetResources().GetMilliCpu(),
+			MemoryBytes: sb.spec.GetResources().GetMemoryBytes(),
 			Backend:     string(sb.kind),
 		})
 	}

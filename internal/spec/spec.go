@@ -4,11 +4,18 @@
 // it, so both judge a spec by the same rules, and a default is filled in by
 // the same code wherever it is filled in.
 //
-// Every sandbox has limits. A resource the spec leaves 0 takes the tenant's
-// default, else the node's (Config of the edge, --default-* flags), else
-// Builtin. The server fills them in before it places and charges the
-// create, so a quota counts what the sandbox really gets and a defaulted
-// spec has the same pool key as one that spelled the same values out.
+// Every sandbox has requests and limits, the Kubernetes way. Its requests
+// are the resources its spec states (0 for a field it leaves out); its
+// limits are the requests with what the spec leaves 0 taken from the
+// tenant's default, else the node's (Config of the edge, --default-*
+// flags), else Builtin (Resolve). Limits go to the kernel and to tenant
+// quotas, so a quota counts what the sandbox really gets, and to pool
+// keys, so a defaulted spec shares pools with one that spells the same
+// values out. Requests go to node capacity (placement and the edge's
+// admission), so sandboxes that leave resources to the defaults reserve
+// nothing of the node but a sandbox slot. The server resolves both and
+// sends the edge the user's spec with the limits beside it; an edge
+// called without limits fills them from its own defaults.
 //
 // Errors match ErrInvalid and name the field (spec.resources.milli_cpu,
 // ...); callers map them to InvalidArgument at their API boundary.
@@ -216,16 +223,28 @@ func Validate(in *dsecv1.SandboxSpec) (*dsecv1.SandboxSpec, error) {
 	return s, nil
 }
 
-// WithDefaults sets s's resources to what the sandbox gets: each field s
-// leaves 0 from the first of defaults that sets it. It modifies s (a copy
-// Validate returned) and returns the result.
-func WithDefaults(s *dsecv1.SandboxSpec, defaults ...Resources) Resources {
-	r := FromProto(s.Resources)
+// Resolve returns what a sandbox of s (a spec Validate returned) asks of
+// its node and what it gets.
+//
+// requests are the resources s states: a field it leaves out is 0 and
+// asks for nothing. Node capacity is charged requests (placement, the
+// node's pending charge, the edge's admission, pools' node charge), so a
+// sandbox created without resources does not reserve a core and a GiB of
+// the node it runs on.
+//
+// limits are requests with each field left 0 taken from the first of
+// defaults that sets it (the tenant's, then the node's, then Builtin):
+// what the kernel enforces and what tenant quotas are charged. An explicit
+// field is both its request and its limit.
+//
+// s is not modified.
+func Resolve(s *dsecv1.SandboxSpec, defaults ...Resources) (requests, limits Resources) {
+	requests = FromProto(s.GetResources())
+	limits = requests
 	for _, d := range defaults {
-		r = r.Or(d)
+		limits = limits.Or(d)
 	}
-	s.Resources = r.Proto()
-	return r
+	return requests, limits
 }
 
 func duration(field string, d *durationpb.Duration) error {

@@ -73,15 +73,16 @@ func TestValidateCopies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	WithDefaults(out, Builtin)
-	if in.Backend != "" || in.Resources != nil {
-		t.Fatalf("Validate and WithDefaults changed the caller's spec: %v", in)
+	Resolve(out, Builtin)
+	if in.Backend != "" || in.Resources != nil || out.Resources != nil {
+		t.Fatalf("Validate or Resolve changed a spec: %v, %v", in, out)
 	}
 }
 
-// TestWithDefaults: explicit values beat the tenant's defaults, which beat
-// the node's; every field is filled and each is filled independently.
-func TestWithDefaults(t *testing.T) {
+// TestResolve: explicit values beat the tenant's defaults, which beat the
+// node's; every limit is filled and each is filled independently; the
+// requests are the explicit values alone (0 where the spec says nothing).
+func TestResolve(t *testing.T) {
 	tenant := Resources{MilliCPU: 500, MemoryBytes: 256 << 20}
 	node, err := NodeDefaults(Resources{MilliCPU: 2000, Pids: 64})
 	if err != nil {
@@ -101,9 +102,15 @@ func TestWithDefaults(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := &dsecv1.SandboxSpec{Image: "x:1", Resources: tc.explicit}
-			got := WithDefaults(s, tenant, node)
-			if got != tc.want || FromProto(s.Resources) != tc.want {
-				t.Fatalf("WithDefaults = %+v (spec %v), want %+v", got, s.Resources, tc.want)
+			req, got := Resolve(s, tenant, node)
+			if got != tc.want {
+				t.Fatalf("Resolve limits = %+v, want %+v", got, tc.want)
+			}
+			if want := FromProto(tc.explicit); req != want {
+				t.Fatalf("Resolve requests = %+v, want the explicit %+v", req, want)
+			}
+			if FromProto(s.Resources) != FromProto(tc.explicit) {
+				t.Fatalf("Resolve changed the spec's resources to %v", s.Resources)
 			}
 			if !got.Complete() {
 				t.Errorf("%+v is not complete", got)
@@ -128,6 +135,6 @@ func BenchmarkValidate(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		WithDefaults(s, Resources{}, Builtin)
+		Resolve(s, Resources{}, Builtin)
 	}
 }

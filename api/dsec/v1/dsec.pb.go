@@ -30,8 +30,12 @@ const (
 // Resources a sandbox may use. Every sandbox has all four limits: a field
 // left 0 takes the tenant's default, else the node's (see
 // dsec tenant create --default-*, dsec up|edge --default-*), and the
-// sandbox's spec as Get reports it carries what it got. Defaults are
-// charged to quotas like explicit values.
+// sandbox's spec as Get and List report it carries those limits (what the
+// sandbox really gets). Defaults are charged to quotas like explicit
+// values. What a create states explicitly is also its request: the share
+// of a node's capacity placement reserves for it; a field left to the
+// defaults reserves none of the node (requests vs limits, as in
+// Kubernetes).
 type Resources struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Thousandths of a core (1000 = one core).

@@ -84,8 +84,15 @@ type EdgeCreateRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
 	// Chosen by the server; names this edge's node (see package ids).
-	SandboxId     string       `protobuf:"bytes,2,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Spec          *SandboxSpec `protobuf:"bytes,3,opt,name=spec,proto3" json:"spec,omitempty"`
+	SandboxId string       `protobuf:"bytes,2,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Spec      *SandboxSpec `protobuf:"bytes,3,opt,name=spec,proto3" json:"spec,omitempty"`
+	// The resources the sandbox gets (spec.Resolve's limits: the tenant's
+	// defaults, else the nodes', for what spec leaves 0), resolved by the
+	// server for the quota it charged. spec's own resources are the user's
+	// explicit ones, its requests: the node charges its capacity with
+	// those. A field 0 here (or no message: a caller other than a server)
+	// takes this node's default.
+	Limits        *Resources `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -137,6 +144,13 @@ func (x *EdgeCreateRequest) GetSandboxId() string {
 func (x *EdgeCreateRequest) GetSpec() *SandboxSpec {
 	if x != nil {
 		return x.Spec
+	}
+	return nil
+}
+
+func (x *EdgeCreateRequest) GetLimits() *Resources {
+	if x != nil {
+		return x.Limits
 	}
 	return nil
 }
@@ -304,7 +318,9 @@ type EdgeRunRequest struct {
 	SandboxId string       `protobuf:"bytes,2,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Spec      *SandboxSpec `protobuf:"bytes,3,opt,name=spec,proto3" json:"spec,omitempty"`
 	// The command (its sandbox_id is ignored).
-	Exec          *ExecRequest `protobuf:"bytes,4,opt,name=exec,proto3" json:"exec,omitempty"`
+	Exec *ExecRequest `protobuf:"bytes,4,opt,name=exec,proto3" json:"exec,omitempty"`
+	// As EdgeCreateRequest.limits.
+	Limits        *Resources `protobuf:"bytes,5,opt,name=limits,proto3" json:"limits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -363,6 +379,13 @@ func (x *EdgeRunRequest) GetSpec() *SandboxSpec {
 func (x *EdgeRunRequest) GetExec() *ExecRequest {
 	if x != nil {
 		return x.Exec
+	}
+	return nil
+}
+
+func (x *EdgeRunRequest) GetLimits() *Resources {
+	if x != nil {
+		return x.Limits
 	}
 	return nil
 }
@@ -901,8 +924,10 @@ type EdgeCreatePoolRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
 	// Chosen by the server; names this edge's node.
-	PoolId        string             `protobuf:"bytes,2,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
-	Request       *CreatePoolRequest `protobuf:"bytes,3,opt,name=request,proto3" json:"request,omitempty"`
+	PoolId  string             `protobuf:"bytes,2,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	Request *CreatePoolRequest `protobuf:"bytes,3,opt,name=request,proto3" json:"request,omitempty"`
+	// As EdgeCreateRequest.limits, for request.spec.
+	Limits        *Resources `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -954,6 +979,13 @@ func (x *EdgeCreatePoolRequest) GetPoolId() string {
 func (x *EdgeCreatePoolRequest) GetRequest() *CreatePoolRequest {
 	if x != nil {
 		return x.Request
+	}
+	return nil
+}
+
+func (x *EdgeCreatePoolRequest) GetLimits() *Resources {
+	if x != nil {
+		return x.Limits
 	}
 	return nil
 }
@@ -1080,7 +1112,8 @@ type BackendCapacity struct {
 	MilliCpu    int64 `protobuf:"varint,2,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
 	MemoryBytes int64 `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
 	Sandboxes   int64 `protobuf:"varint,4,opt,name=sandboxes,proto3" json:"sandboxes,omitempty"`
-	// What live sandboxes have requested.
+	// What live sandboxes and pools have requested (the resources their
+	// specs state explicitly; what is left to defaults requests nothing).
 	UsedMilliCpu    int64 `protobuf:"varint,5,opt,name=used_milli_cpu,json=usedMilliCpu,proto3" json:"used_milli_cpu,omitempty"`
 	UsedMemoryBytes int64 `protobuf:"varint,6,opt,name=used_memory_bytes,json=usedMemoryBytes,proto3" json:"used_memory_bytes,omitempty"`
 	UsedSandboxes   int64 `protobuf:"varint,7,opt,name=used_sandboxes,json=usedSandboxes,proto3" json:"used_sandboxes,omitempty"`
@@ -1168,14 +1201,16 @@ func (x *BackendCapacity) GetUsedSandboxes() int64 {
 }
 
 type SandboxSummary struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	Tenant        string                 `protobuf:"bytes,2,opt,name=tenant,proto3" json:"tenant,omitempty"`
-	State         string                 `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
-	Labels        map[string]string      `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	MilliCpu      int64                  `protobuf:"varint,5,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
-	MemoryBytes   int64                  `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
-	Backend       string                 `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Tenant string                 `protobuf:"bytes,2,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	State  string                 `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
+	Labels map[string]string      `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// The sandbox's limits (defaults included): what its tenant's quota
+	// is charged.
+	MilliCpu      int64  `protobuf:"varint,5,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes   int64  `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Backend       string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1540,12 +1575,13 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x12dsec/v1/edge.proto\x12\adsec.v1\x1a\x12dsec/v1/dsec.proto\"6\n" +
 	"\x06Caller\x12\x16\n" +
 	"\x06tenant\x18\x01 \x01(\tR\x06tenant\x12\x14\n" +
-	"\x05admin\x18\x02 \x01(\bR\x05admin\"\x85\x01\n" +
+	"\x05admin\x18\x02 \x01(\bR\x05admin\"\xb1\x01\n" +
 	"\x11EdgeCreateRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x02 \x01(\tR\tsandboxId\x12(\n" +
-	"\x04spec\x18\x03 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\"\\\n" +
+	"\x04spec\x18\x03 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12*\n" +
+	"\x06limits\x18\x04 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\"\\\n" +
 	"\x12EdgeSandboxRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
 	"\n" +
@@ -1558,13 +1594,14 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"j\n" +
 	"\x0fEdgeExecRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12.\n" +
-	"\arequest\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\arequest\"\xac\x01\n" +
+	"\arequest\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\arequest\"\xd8\x01\n" +
 	"\x0eEdgeRunRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x02 \x01(\tR\tsandboxId\x12(\n" +
 	"\x04spec\x18\x03 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12(\n" +
-	"\x04exec\x18\x04 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\"t\n" +
+	"\x04exec\x18\x04 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\x12*\n" +
+	"\x06limits\x18\x05 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\"t\n" +
 	"\x14EdgeWriteFileRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x123\n" +
 	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.WriteFileRequestR\arequest\"r\n" +
@@ -1595,11 +1632,12 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.BatchExecRequestR\arequest\"|\n" +
 	"\x18EdgeBatchRollbackRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x127\n" +
-	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.BatchRollbackRequestR\arequest\"\x8f\x01\n" +
+	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.BatchRollbackRequestR\arequest\"\xbb\x01\n" +
 	"\x15EdgeCreatePoolRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x17\n" +
 	"\apool_id\x18\x02 \x01(\tR\x06poolId\x124\n" +
-	"\arequest\x18\x03 \x01(\v2\x1a.dsec.v1.CreatePoolRequestR\arequest\"Y\n" +
+	"\arequest\x18\x03 \x01(\v2\x1a.dsec.v1.CreatePoolRequestR\arequest\x12*\n" +
+	"\x06limits\x18\x04 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\"Y\n" +
 	"\x15EdgeDeletePoolRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x17\n" +
 	"\apool_id\x18\x02 \x01(\tR\x06poolId\"\x86\x01\n" +
@@ -1722,20 +1760,20 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	nil,                                 // 24: dsec.v1.EdgeListRequest.LabelsEntry
 	nil,                                 // 25: dsec.v1.SandboxSummary.LabelsEntry
 	(*SandboxSpec)(nil),                 // 26: dsec.v1.SandboxSpec
-	(*ExecRequest)(nil),                 // 27: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),            // 28: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),             // 29: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),         // 30: dsec.v1.SubmitRewardRequest
-	(*SnapshotRequest)(nil),             // 31: dsec.v1.SnapshotRequest
-	(*CheckpointRequest)(nil),           // 32: dsec.v1.CheckpointRequest
-	(*RollbackRequest)(nil),             // 33: dsec.v1.RollbackRequest
-	(*DeleteCheckpointRequest)(nil),     // 34: dsec.v1.DeleteCheckpointRequest
-	(*GetTrajectoryRequest)(nil),        // 35: dsec.v1.GetTrajectoryRequest
-	(*BatchExecRequest)(nil),            // 36: dsec.v1.BatchExecRequest
-	(*BatchRollbackRequest)(nil),        // 37: dsec.v1.BatchRollbackRequest
-	(*CreatePoolRequest)(nil),           // 38: dsec.v1.CreatePoolRequest
-	(*RunCodeRequest)(nil),              // 39: dsec.v1.RunCodeRequest
-	(*Resources)(nil),                   // 40: dsec.v1.Resources
+	(*Resources)(nil),                   // 27: dsec.v1.Resources
+	(*ExecRequest)(nil),                 // 28: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 29: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 30: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 31: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 32: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 33: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 34: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 35: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 36: dsec.v1.GetTrajectoryRequest
+	(*BatchExecRequest)(nil),            // 37: dsec.v1.BatchExecRequest
+	(*BatchRollbackRequest)(nil),        // 38: dsec.v1.BatchRollbackRequest
+	(*CreatePoolRequest)(nil),           // 39: dsec.v1.CreatePoolRequest
+	(*RunCodeRequest)(nil),              // 40: dsec.v1.RunCodeRequest
 	(*CreateSandboxResponse)(nil),       // 41: dsec.v1.CreateSandboxResponse
 	(*GetSandboxResponse)(nil),          // 42: dsec.v1.GetSandboxResponse
 	(*ListSandboxesResponse)(nil),       // 43: dsec.v1.ListSandboxesResponse
@@ -1764,101 +1802,104 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
 	26, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
-	0,  // 2: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
-	0,  // 3: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	24, // 4: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
-	0,  // 5: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	27, // 6: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
-	0,  // 7: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
-	26, // 8: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	27, // 9: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
-	0,  // 10: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	28, // 11: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
-	0,  // 12: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	29, // 13: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
-	0,  // 14: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	30, // 15: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
-	0,  // 16: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
-	31, // 17: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
-	0,  // 18: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	32, // 19: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
-	0,  // 20: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
-	33, // 21: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
-	0,  // 22: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	34, // 23: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
-	0,  // 24: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	35, // 25: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
-	0,  // 26: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
-	36, // 27: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
-	0,  // 28: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
-	37, // 29: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
-	0,  // 30: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
-	38, // 31: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
-	0,  // 32: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
-	0,  // 33: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
-	39, // 34: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
-	25, // 35: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	19, // 36: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	20, // 37: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	22, // 38: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	40, // 39: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
-	1,  // 40: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 41: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 42: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 43: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 44: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 45: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	6,  // 46: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	7,  // 47: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 48: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	8,  // 49: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	13, // 50: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	9,  // 51: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	10, // 52: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	11, // 53: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	12, // 54: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 55: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 56: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 57: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 58: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	14, // 59: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	15, // 60: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	16, // 61: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	3,  // 62: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	17, // 63: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	18, // 64: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	21, // 65: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	41, // 66: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	42, // 67: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	43, // 68: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	44, // 69: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	45, // 70: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	46, // 71: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	47, // 72: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	48, // 73: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	49, // 74: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	50, // 75: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	51, // 76: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	52, // 77: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	53, // 78: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	54, // 79: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	55, // 80: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	56, // 81: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	57, // 82: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	58, // 83: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	58, // 84: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	59, // 85: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	60, // 86: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	61, // 87: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	62, // 88: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	63, // 89: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	64, // 90: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	23, // 91: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	66, // [66:92] is the sub-list for method output_type
-	40, // [40:66] is the sub-list for method input_type
-	40, // [40:40] is the sub-list for extension type_name
-	40, // [40:40] is the sub-list for extension extendee
-	0,  // [0:40] is the sub-list for field type_name
+	27, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
+	0,  // 3: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 4: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
+	24, // 5: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	0,  // 6: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
+	28, // 7: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	0,  // 8: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
+	26, // 9: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	28, // 10: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
+	27, // 11: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
+	0,  // 12: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
+	29, // 13: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	0,  // 14: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
+	30, // 15: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	0,  // 16: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
+	31, // 17: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	0,  // 18: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
+	32, // 19: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	0,  // 20: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	33, // 21: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	0,  // 22: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
+	34, // 23: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	0,  // 24: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	35, // 25: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	0,  // 26: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
+	36, // 27: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	0,  // 28: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
+	37, // 29: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
+	0,  // 30: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
+	38, // 31: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
+	0,  // 32: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
+	39, // 33: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
+	27, // 34: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
+	0,  // 35: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 36: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
+	40, // 37: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
+	25, // 38: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	19, // 39: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	20, // 40: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	22, // 41: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	27, // 42: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	1,  // 43: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 44: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 45: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 46: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 47: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 48: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	6,  // 49: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	7,  // 50: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 51: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	8,  // 52: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	13, // 53: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	9,  // 54: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	10, // 55: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	11, // 56: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	12, // 57: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 58: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 59: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 60: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 61: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	14, // 62: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	15, // 63: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	16, // 64: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	3,  // 65: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	17, // 66: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	18, // 67: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	21, // 68: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	41, // 69: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	42, // 70: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	43, // 71: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	44, // 72: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	45, // 73: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	46, // 74: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	47, // 75: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	48, // 76: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	49, // 77: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	50, // 78: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	51, // 79: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	52, // 80: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	53, // 81: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	54, // 82: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	55, // 83: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	56, // 84: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	57, // 85: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	58, // 86: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	58, // 87: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	59, // 88: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	60, // 89: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	61, // 90: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	62, // 91: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	63, // 92: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	64, // 93: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	23, // 94: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	69, // [69:95] is the sub-list for method output_type
+	43, // [43:69] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
