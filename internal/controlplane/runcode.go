@@ -36,7 +36,7 @@ const runCodeSlack = 30 * time.Second
 
 // anonymous is the identity of tokenless /run_code callers from the
 // configured open networks: it sees public images only.
-var anonymous = iam.Principal{Tenant: "anonymous"}
+var anonymous = iam.Principal{Tenant: iam.AnonymousTenant}
 
 type fnService struct{ s *Server }
 

@@ -35,6 +35,11 @@ import (
 // reserved: no tenant may take it.
 const AdminTenant = "admin"
 
+// AnonymousTenant is the identity of tokenless /run_code callers from the
+// networks the server opens it to. It is reserved too: a tenant of that
+// name would share its private images with them.
+const AnonymousTenant = "anonymous"
+
 // AdminTokenFile is the admin token's file name inside the data directory.
 const AdminTokenFile = "admin.token"
 
@@ -155,14 +160,14 @@ func validName(name string) bool {
 }
 
 // ValidateName checks a tenant name: 1-63 characters of [a-z0-9-], not
-// starting or ending with '-', and not "admin". The name becomes a path
+// starting or ending with '-', and neither "admin" nor "anonymous". The name becomes a path
 // component of image refs ("t/<tenant>/..."), so it must also be a valid
 // image name component, which this pattern guarantees.
 func ValidateName(name string) error {
 	if !validName(name) {
 		return fmt.Errorf("%w: name %q must be 1-63 characters of [a-z0-9-], starting and ending with a letter or digit", ErrInvalid, name)
 	}
-	if name == AdminTenant {
+	if name == AdminTenant || name == AnonymousTenant {
 		return fmt.Errorf("%w: name %q is reserved", ErrInvalid, name)
 	}
 	return nil

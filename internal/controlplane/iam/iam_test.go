@@ -41,6 +41,7 @@ func TestValidateName(t *testing.T) {
 		{"a_b", false},
 		{"a/b", false},
 		{AdminTenant, false},
+		{AnonymousTenant, false},
 	} {
 		err := ValidateName(tc.name)
 		if (err == nil) != tc.ok {
