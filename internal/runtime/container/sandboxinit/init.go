@@ -291,7 +291,22 @@ type mnt struct {
 // sandbox's writable layer does not outlive a host crash anyway, and agents
 // calling sync must not stall the node's disk. The container backend's
 // Reset mounts its fresh overlays with the same options.
-var OverlayOptions = [][2]string{{"index", "off"}, {"redirect_dir", "off"}, {"metacopy", "off"}, {"volatile", ""}}
+//
+// xino=on makes inode numbers consistent. The layers sit on several file
+// systems (one per EROFS layer, the upper on the host's), and without xino
+// readdir gives a directory's or copied-up file's inode number in the layer
+// it comes from while stat gives overlay's own, and st_dev differs between
+// files, so find -inum, du, rsync and hard-link detection go wrong. With
+// it overlay puts the layer's index in the high bits of every inode number
+// (0x4000…, 0x8000… for lower layers; the upper's are the host file
+// system's), the same in readdir and stat, with one st_dev. "on", not
+// "auto": every layer has the same file system UUID (layer.Build pins it
+// so that builds are reproducible), and "auto" falls back to xino=off over
+// two such layers ("conflicting uuid detected in lower fs"). It needs the
+// upper file system's inode numbers to leave the high bits free (ext4's
+// are 32-bit; overlay warns "inode number too big" and numbers that inode
+// on its own otherwise).
+var OverlayOptions = [][2]string{{"index", "off"}, {"redirect_dir", "off"}, {"metacopy", "off"}, {"xino", "on"}, {"volatile", ""}}
 
 // OverlayDirs are an overlay's directories named so that the mount shows
 // nothing of the host: overlay keeps the directory names it is given and
