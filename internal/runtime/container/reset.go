@@ -617,7 +617,7 @@ func newOverlay(lower []string, upper, work string) (int, error) {
 				}
 				break
 			}
-			return fail("lowerdir+ "+lower[i], err)
+			return fail("lowerdir+ (layer "+strconv.Itoa(i)+")", err)
 		}
 	}
 	for _, kv := range [][2]string{{"upperdir", dirs.Upper}, {"workdir", dirs.Work}} {

@@ -331,17 +331,19 @@ type OverlayDirs struct {
 // closes them with Close once the overlay is mounted.
 func OpenOverlayDirs(lower []string, upper, work string) (*OverlayDirs, error) {
 	d := &OverlayDirs{fds: make([]int, 0, len(lower)+2)}
-	name := func(dir string) (string, error) {
+	// Errors name the directory's role, not its path: Reset's reach the
+	// edge's callers.
+	name := func(dir, role string) (string, error) {
 		fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return "", fmt.Errorf("open overlay directory: %w", err)
+			return "", fmt.Errorf("open overlay %s directory: %w", role, err)
 		}
 		d.fds = append(d.fds, fd)
 		return "/proc/self/fd/" + strconv.Itoa(fd), nil
 	}
 	d.Lower = make([]string, len(lower))
 	for i, l := range lower {
-		n, err := name(l)
+		n, err := name(l, "layer "+strconv.Itoa(i))
 		if err != nil {
 			d.Close()
 			return nil, err
@@ -349,13 +351,13 @@ func OpenOverlayDirs(lower []string, upper, work string) (*OverlayDirs, error) {
 		d.Lower[i] = n
 	}
 	for _, p := range []struct {
-		dst *string
-		dir string
-	}{{&d.Upper, upper}, {&d.Work, work}} {
+		dst       *string
+		dir, role string
+	}{{&d.Upper, upper, "upper"}, {&d.Work, work, "work"}} {
 		if p.dir == "" {
 			continue
 		}
-		n, err := name(p.dir)
+		n, err := name(p.dir, p.role)
 		if err != nil {
 			d.Close()
 			return nil, err
