@@ -545,8 +545,20 @@ func maskPaths(root string) error {
 			return fmt.Errorf("mask /%s: %w", p, err)
 		}
 	}
+	// One empty tmpfs, bound onto the other directories: a bind costs
+	// less than a new superblock (its flags are the first mount's).
+	empty := ""
 	for _, p := range maskedDirs {
-		err := unix.Mount("tmpfs", filepath.Join(root, p), "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=0,mode=555")
+		t := filepath.Join(root, p)
+		var err error
+		if empty == "" {
+			err = unix.Mount("tmpfs", t, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=0,mode=555")
+			if err == nil {
+				empty = t
+			}
+		} else {
+			err = unix.Mount(empty, t, "", unix.MS_BIND, "")
+		}
 		if err != nil && err != unix.ENOENT {
 			return fmt.Errorf("mask /%s: %w", p, err)
 		}
