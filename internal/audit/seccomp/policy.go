@@ -111,10 +111,15 @@ type Ioctl struct {
 // copy_file_range(2) stays allowed: the kernel checks that the source is
 // open for reading and the destination for writing exactly as read(2) and
 // write(2) would (and refuses O_APPEND destinations), so it reads nothing a
-// plain read could not, and cp(1) depends on it. Block-mapping reads
-// (FS_IOC_FIEMAP) stay allowed too: a mapping is useless without the raw
-// device, and sandboxes cannot open or create device nodes (FIBMAP needs
-// CAP_SYS_RAWIO, which sandboxes do not have).
+// plain read could not, and cp(1) depends on it.
+//
+// Block-mapping queries are denied too: a file's extents there are its
+// physical offsets on the host's disk (for an upper-layer file) or in the
+// layer image, host information a sandbox has no use for (cp, tar and
+// rsync find holes with SEEK_DATA/SEEK_HOLE; coreutils falls back from
+// FIEMAP when it fails). FIBMAP and the fsmap ioctl already need
+// capabilities sandboxes lack; they are listed so that no file system's
+// mapping query is left to its own checks.
 var DeniedIoctls = []Ioctl{
 	{"FICLONE", unix.FICLONE, "shares the blocks of one file with another (reflink)"},
 	{"FICLONERANGE", unix.FICLONERANGE, "shares a block range of one file with another (reflink)"},
@@ -125,6 +130,13 @@ var DeniedIoctls = []Ioctl{
 	{"XFS_IOC_EXCHANGE_RANGE", 0x40285881, "xfs (6.10+): exchanges a range of blocks between two files"},
 	{"XFS_IOC_COMMIT_RANGE", 0x40585883, "xfs (6.13+): exchanges a range of blocks between two files if the target is unchanged"},
 	{"F2FS_IOC_MOVE_RANGE", 0xc020f509, "f2fs: moves a block range from one file to another"},
+	{"FS_IOC_FIEMAP", 0xc020660b, "maps a file's extents to physical offsets on its device"},
+	{"FIBMAP", 0x1, "maps a file's block to its physical block number"},
+	{"FS_IOC_GETFSMAP", 0xc0c0583b, "maps a whole file system's physical space to its owners"},
+	{"EXT4_IOC_GET_ES_CACHE", 0xc020662a, "ext4: a file's cached extents with their physical blocks (FIEMAP's format)"},
+	{"XFS_IOC_GETBMAP", 0xc0205826, "xfs: a file's block map with physical blocks"},
+	{"XFS_IOC_GETBMAPA", 0xc020582c, "xfs: a file's attribute-fork block map with physical blocks"},
+	{"XFS_IOC_GETBMAPX", 0xc0205838, "xfs: a file's extended block map with physical blocks"},
 }
 
 // denyRules turns DeniedIoctls into rules that must come before the

@@ -597,22 +597,29 @@ func newOverlay(lower []string, upper, work string) (int, error) {
 	if err := unix.FsconfigSetString(fsfd, "source", "overlay"); err != nil {
 		return fail("source", err)
 	}
+	// The sandbox reads the names the overlay is given in its mountinfo:
+	// descriptors' names, not host paths (see sandboxinit.OverlayDirs).
+	dirs, err := sandboxinit.OpenOverlayDirs(lower, upper, work)
+	if err != nil {
+		return -1, fmt.Errorf("new overlay: %w", err)
+	}
+	defer dirs.Close()
 	// fsconfig takes string values of at most 256 bytes, and a lowerdir
-	// list of a few layers under a data directory passes that: layers go
-	// one at a time ("lowerdir+", Linux 6.8 and later, top first as in the
-	// list) where the kernel has it, as a list otherwise.
-	for i, l := range lower {
+	// list of many layers passes that: layers go one at a time
+	// ("lowerdir+", Linux 6.8 and later, top first as in the list) where
+	// the kernel has it, as a list otherwise.
+	for i, l := range dirs.Lower {
 		if err := unix.FsconfigSetString(fsfd, "lowerdir+", l); err != nil {
 			if i == 0 && errors.Is(err, unix.EINVAL) {
-				if err := unix.FsconfigSetString(fsfd, "lowerdir", strings.Join(lower, ":")); err != nil {
+				if err := unix.FsconfigSetString(fsfd, "lowerdir", strings.Join(dirs.Lower, ":")); err != nil {
 					return fail("lowerdir", err)
 				}
 				break
 			}
-			return fail("lowerdir+ "+l, err)
+			return fail("lowerdir+ (layer "+strconv.Itoa(i)+")", err)
 		}
 	}
-	for _, kv := range [][2]string{{"upperdir", upper}, {"workdir", work}} {
+	for _, kv := range [][2]string{{"upperdir", dirs.Upper}, {"workdir", dirs.Work}} {
 		if err := unix.FsconfigSetString(fsfd, kv[0], kv[1]); err != nil {
 			return fail(kv[0], err)
 		}

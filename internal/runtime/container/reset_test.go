@@ -56,7 +56,8 @@ func TestResetDestroyRemovesAll(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// An overlay on the host would name its upper directory there.
+		// An overlay on the host would be mounted under the state
+		// directory (its directories are named /proc/self/fd/N).
 		return strings.Count(string(b), e.backend.StateDir())
 	}
 	before := hostMounts()

@@ -12,6 +12,7 @@ func (s *suite) testRootfs(t *testing.T) {
 	t.Run("writes-stay-in-sandbox", s.testWritesPrivate)
 	t.Run("scratch-dirs-writable", s.testScratchDirs)
 	t.Run("devices", s.testDevices)
+	t.Run("inode-numbers", s.testInodeNumbers)
 }
 
 func (s *suite) testBaseLayer(t *testing.T) {

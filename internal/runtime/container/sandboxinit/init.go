@@ -291,12 +291,95 @@ type mnt struct {
 // sandbox's writable layer does not outlive a host crash anyway, and agents
 // calling sync must not stall the node's disk. The container backend's
 // Reset mounts its fresh overlays with the same options.
-var OverlayOptions = [][2]string{{"index", "off"}, {"redirect_dir", "off"}, {"metacopy", "off"}, {"volatile", ""}}
+//
+// xino=on makes inode numbers consistent. The layers sit on several file
+// systems (one per EROFS layer, the upper on the host's), and without xino
+// readdir gives a directory's or copied-up file's inode number in the layer
+// it comes from while stat gives overlay's own, and st_dev differs between
+// files, so find -inum, du, rsync and hard-link detection go wrong. With
+// it overlay puts the layer's index in the high bits of every inode number
+// (0x4000…, 0x8000… for lower layers; the upper's are the host file
+// system's), the same in readdir and stat, with one st_dev. "on", not
+// "auto": every layer has the same file system UUID (layer.Build pins it
+// so that builds are reproducible), and "auto" falls back to xino=off over
+// two such layers ("conflicting uuid detected in lower fs"). It needs the
+// upper file system's inode numbers to leave the high bits free (ext4's
+// are 32-bit; overlay warns "inode number too big" and numbers that inode
+// on its own otherwise).
+var OverlayOptions = [][2]string{{"index", "off"}, {"redirect_dir", "off"}, {"metacopy", "off"}, {"xino", "on"}, {"volatile", ""}}
 
-// overlayData is OverlayOptions in mount(2)'s data syntax.
-func overlayData(lower []string, upper, work string) string {
+// OverlayDirs are an overlay's directories named so that the mount shows
+// nothing of the host: overlay keeps the directory names it is given and
+// shows them to the sandbox in /proc/mounts and mountinfo, and the host
+// paths name the node's state and data directories and the edge's PID (in
+// the slot name). Each directory is opened (O_PATH) and named by its
+// descriptor as /proc/self/fd/N, which the kernel resolves when the mount
+// is made in the process that holds the descriptors. (Passing the
+// descriptors themselves, fsconfig's FSCONFIG_SET_FD, does not help:
+// overlay then shows the directory's full path, d_path.) The names are
+// resolved once, at mount time; the directories keep their host paths for
+// everything else (pack_diff reads the upper directory by its path).
+type OverlayDirs struct {
+	// Lower are the layer directories, top first; Upper and Work may be
+	// empty (a read-only overlay).
+	Lower       []string
+	Upper, Work string
+	fds         []int
+}
+
+// OpenOverlayDirs opens lower, upper and work and names them; the caller
+// closes them with Close once the overlay is mounted.
+func OpenOverlayDirs(lower []string, upper, work string) (*OverlayDirs, error) {
+	d := &OverlayDirs{fds: make([]int, 0, len(lower)+2)}
+	// Errors name the directory's role, not its path: Reset's reach the
+	// edge's callers.
+	name := func(dir, role string) (string, error) {
+		fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return "", fmt.Errorf("open overlay %s directory: %w", role, err)
+		}
+		d.fds = append(d.fds, fd)
+		return "/proc/self/fd/" + strconv.Itoa(fd), nil
+	}
+	d.Lower = make([]string, len(lower))
+	for i, l := range lower {
+		n, err := name(l, "layer "+strconv.Itoa(i))
+		if err != nil {
+			d.Close()
+			return nil, err
+		}
+		d.Lower[i] = n
+	}
+	for _, p := range []struct {
+		dst       *string
+		dir, role string
+	}{{&d.Upper, upper, "upper"}, {&d.Work, work, "work"}} {
+		if p.dir == "" {
+			continue
+		}
+		n, err := name(p.dir, p.role)
+		if err != nil {
+			d.Close()
+			return nil, err
+		}
+		*p.dst = n
+	}
+	return d, nil
+}
+
+// Close closes the directories' descriptors.
+func (d *OverlayDirs) Close() {
+	for _, fd := range d.fds {
+		unix.Close(fd)
+	}
+	d.fds = nil
+}
+
+// overlayData is the overlay's mount(2) data: the directories and
+// OverlayOptions.
+func overlayData(d *OverlayDirs) string {
 	var b strings.Builder
-	b.WriteString("lowerdir=" + strings.Join(lower, ":") + ",upperdir=" + upper + ",workdir=" + work)
+	b.WriteString("lowerdir=" + strings.Join(d.Lower, ":") + ",upperdir=" + d.Upper + ",workdir=" + d.Work)
 	for _, o := range OverlayOptions {
 		b.WriteString("," + o[0])
 		if o[1] != "" {
@@ -308,7 +391,13 @@ func overlayData(lower []string, upper, work string) string {
 
 func mountRootfs(cfg *Config) error {
 	r := cfg.Rootfs
-	if err := unix.Mount("overlay", r, "overlay", unix.MS_NODEV, overlayData(cfg.Lower, cfg.Upper, cfg.Work)); err != nil {
+	dirs, err := OpenOverlayDirs(cfg.Lower, cfg.Upper, cfg.Work)
+	if err != nil {
+		return err
+	}
+	err = unix.Mount("overlay", r, "overlay", unix.MS_NODEV, overlayData(dirs))
+	dirs.Close()
+	if err != nil {
 		return fmt.Errorf("mount overlay (%d layers): %w", len(cfg.Lower), err)
 	}
 	if err := PrepareRoot(r); err != nil {
@@ -327,7 +416,7 @@ func mountRootfs(cfg *Config) error {
 	if err := MountDev(filepath.Join(r, "dev"), cfg.UserNS); err != nil {
 		return err
 	}
-	return maskProc(filepath.Join(r, "proc"))
+	return maskPaths(r)
 }
 
 // PrepareRoot makes the mount points the sandbox needs in a freshly mounted
@@ -417,38 +506,73 @@ func populateDev(dev string, userNS bool) error {
 	return nil
 }
 
-// maskProc hides the /proc entries that leak host information or allow host
-// changes, as Docker does: some are covered by an empty read-only file
-// system, the rest become read-only.
-func maskProc(proc string) error {
-	for _, p := range []string{"kcore", "keys", "timer_list", "sched_debug", "latency_stats"} {
-		t := filepath.Join(proc, p)
-		if _, err := os.Stat(t); err != nil {
-			continue
-		}
-		if err := unix.Mount("/dev/null", t, "", unix.MS_BIND, ""); err != nil {
-			return fmt.Errorf("mask /proc/%s: %w", p, err)
+// What maskPaths hides, relative to the root: at least what Docker hides
+// (moby's oci.DefaultSpec: masked /proc/acpi, asound, interrupts, kcore,
+// keys, latency_stats, timer_list, timer_stats, sched_debug, scsi,
+// /sys/firmware, /sys/devices/virtual/powercap; read-only /proc/bus, fs,
+// irq, sys, sysrq-trigger), and what else shows the host to a sandbox's
+// root: its kernel command line (which names the host's own services),
+// kernel memory layout and physical addresses (slabinfo, vmallocinfo,
+// vmcoreinfo, the kpage* files of every physical page), and the firmware's
+// boot parameters (e820 memory map). Paths this kernel lacks are skipped.
+var (
+	// maskedFiles are covered by the host's /dev/null: they read empty.
+	maskedFiles = []string{
+		"proc/interrupts", "proc/kcore", "proc/keys", "proc/latency_stats",
+		"proc/timer_list", "proc/timer_stats", "proc/sched_debug",
+		"proc/cmdline", "proc/slabinfo", "proc/vmallocinfo",
+		"proc/kpagecount", "proc/kpageflags", "proc/kpagecgroup",
+		"sys/kernel/vmcoreinfo",
+	}
+	// maskedDirs are covered by an empty read-only tmpfs.
+	maskedDirs = []string{
+		"proc/acpi", "proc/asound", "proc/scsi",
+		"sys/firmware", "sys/devices/virtual/powercap", "sys/kernel/boot_params",
+	}
+	// readOnlyPaths become read-only (/sys is read-only as a whole).
+	readOnlyPaths = []string{"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"}
+)
+
+// maskPaths applies the masks under root, whose /proc and /sys are
+// mounted. Each is one mount (two for a read-only bind) and no stat: a
+// path this kernel lacks fails the mount with ENOENT. The masks are
+// mounts on the sandbox's /proc and /sys, so Reset, which moves those
+// into the new root whole, keeps them.
+func maskPaths(root string) error {
+	for _, p := range maskedFiles {
+		err := unix.Mount("/dev/null", filepath.Join(root, p), "", unix.MS_BIND, "")
+		if err != nil && err != unix.ENOENT {
+			return fmt.Errorf("mask /%s: %w", p, err)
 		}
 	}
-	for _, p := range []string{"acpi", "scsi"} {
-		t := filepath.Join(proc, p)
-		if fi, err := os.Stat(t); err != nil || !fi.IsDir() {
-			continue
+	// One empty tmpfs, bound onto the other directories: a bind costs
+	// less than a new superblock (its flags are the first mount's).
+	empty := ""
+	for _, p := range maskedDirs {
+		t := filepath.Join(root, p)
+		var err error
+		if empty == "" {
+			err = unix.Mount("tmpfs", t, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=0,mode=555")
+			if err == nil {
+				empty = t
+			}
+		} else {
+			err = unix.Mount(empty, t, "", unix.MS_BIND, "")
 		}
-		if err := unix.Mount("tmpfs", t, "tmpfs", unix.MS_RDONLY, "size=0"); err != nil {
-			return fmt.Errorf("mask /proc/%s: %w", p, err)
+		if err != nil && err != unix.ENOENT {
+			return fmt.Errorf("mask /%s: %w", p, err)
 		}
 	}
-	for _, p := range []string{"bus", "fs", "irq", "sys", "sysrq-trigger"} {
-		t := filepath.Join(proc, p)
-		if _, err := os.Stat(t); err != nil {
-			continue
-		}
+	for _, p := range readOnlyPaths {
+		t := filepath.Join(root, p)
 		if err := unix.Mount(t, t, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
-			return fmt.Errorf("bind /proc/%s: %w", p, err)
+			if err == unix.ENOENT {
+				continue
+			}
+			return fmt.Errorf("bind /%s: %w", p, err)
 		}
 		if err := unix.Mount("", t, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_REC, ""); err != nil {
-			return fmt.Errorf("read-only /proc/%s: %w", p, err)
+			return fmt.Errorf("read-only /%s: %w", p, err)
 		}
 	}
 	return nil
