@@ -40,6 +40,7 @@ var (
 	maskedDirs = []string{
 		"/proc/acpi", "/proc/asound", "/proc/scsi",
 		"/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/boot_params",
+		"/sys/fs/btrfs",
 	}
 )
 

@@ -514,7 +514,9 @@ func populateDev(dev string, userNS bool) error {
 // root: its kernel command line (which names the host's own services),
 // kernel memory layout and physical addresses (slabinfo, vmallocinfo,
 // vmcoreinfo, the kpage* files of every physical page), and the firmware's
-// boot parameters (e820 memory map). Paths this kernel lacks are skipped.
+// boot parameters (e820 memory map), and the host's btrfs file systems
+// (the scratch file system's qgroups: every sandbox's disk use). Paths
+// this kernel lacks are skipped.
 var (
 	// maskedFiles are covered by the host's /dev/null: they read empty.
 	maskedFiles = []string{
@@ -528,6 +530,10 @@ var (
 	maskedDirs = []string{
 		"proc/acpi", "proc/asound", "proc/scsi",
 		"sys/firmware", "sys/devices/virtual/powercap", "sys/kernel/boot_params",
+		// Every btrfs file system of the host, the sandboxes' scratch
+		// file system among them: its qgroups show every other
+		// sandbox's disk use and limit.
+		"sys/fs/btrfs",
 	}
 	// readOnlyPaths become read-only (/sys is read-only as a whole).
 	readOnlyPaths = []string{"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"}
