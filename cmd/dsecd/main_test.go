@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/edge"
 )
@@ -93,6 +95,25 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		}
 		if _, err := os.Stat(data); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("dsecd %s made its data dir (%v)", strings.Join(tc.args, " "), err)
+		}
+	}
+}
+
+// TestCloseOnExec: a descriptor dsecd inherited without close-on-exec (a
+// supervisor's pipe) gets the flag at start, so no process dsecd starts,
+// sandbox agents included, inherits it.
+func TestCloseOnExec(t *testing.T) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], 0); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+	closeOnExec()
+	for _, fd := range p {
+		flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+		if err != nil || flags&unix.FD_CLOEXEC == 0 {
+			t.Errorf("fd %d: flags %#x, %v; want FD_CLOEXEC", fd, flags, err)
 		}
 	}
 }

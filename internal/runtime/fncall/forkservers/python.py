@@ -64,7 +64,11 @@ def _child(cwd, argv, fds):
         os.setsid()
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        # Nothing of the server's reaches the program: not its connection
+        # to the edge (closed by the caller), not what it was handed. Up to
+        # the highest descriptor it may hold, even above a soft limit
+        # lowered since it was opened (one close_range).
+        os.closerange(3, max(os.sysconf("SC_OPEN_MAX"), *(fd + 1 for fd in fds)))
         os.chdir(cwd)
         for m in _EXTRA:
             sys.modules.pop(m, None)
