@@ -36,6 +36,11 @@ var (
 	// ErrForkServer: the sandbox could not start or reach its fork server
 	// (ForkExec); the caller may run the exec the ordinary way.
 	ErrForkServer = errors.New("fork server unavailable")
+	// ErrFailedPrecondition: the sandbox's own state refuses a file
+	// operation (not a regular file, larger than the caller's bound, an
+	// I/O error of its file system, a full disk): the workload's or the
+	// caller's doing, never a platform failure (Connect FailedPrecondition).
+	ErrFailedPrecondition = errors.New("failed precondition")
 )
 
 // Layer is one read-only layer of a sandbox's root filesystem: an EROFS
