@@ -47,6 +47,7 @@ func main() {
 	if err := checkControl(3); err != nil {
 		fatal(2, "control channel fd 3 is unusable", err)
 	}
+	sealDescriptors(3)
 	// The runtime poller needs a non-blocking fd to give reads deadlines and
 	// to close the channel under a blocked reader.
 	if err := unix.SetNonblock(3, true); err != nil {

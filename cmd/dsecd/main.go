@@ -15,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 )
@@ -56,8 +57,20 @@ func short(name string) string {
 }
 
 func main() {
+	closeOnExec()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := newRoot().ExecuteContext(ctx)
 	stop()
 	os.Exit(cli.Report(os.Stderr, cli.DaemonBinary, err))
+}
+
+// closeOnExec marks every descriptor from 3 up close-on-exec. Whatever
+// started dsecd may have left descriptors open without the flag (a
+// supervisor's pipe, a shell's fd 251); Go keeps them so and every process
+// dsecd starts would inherit them, sandbox agents included, which must get
+// nothing but their own channel. Nothing in dsecd uses inherited
+// descriptors. Before Linux 5.11 (no CLOSE_RANGE_CLOEXEC) it does nothing;
+// the agent marks its own at start as well.
+func closeOnExec() {
+	_ = unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/edge"
@@ -128,6 +129,25 @@ func TestDefaultFlags(t *testing.T) {
 	for flag, def := range map[string]string{"default-cpu": "default 1)", "default-memory": "default 1GiB)", "default-pids": "default 1024)", "default-disk": "default 10GiB)"} {
 		if u := cmd.Flags().Lookup(flag).Usage; !strings.Contains(u, def) {
 			t.Errorf("--%s help %q does not say %q", flag, u, def)
+		}
+	}
+}
+
+// TestCloseOnExec: a descriptor dsecd inherited without close-on-exec (a
+// supervisor's pipe) gets the flag at start, so no process dsecd starts,
+// sandbox agents included, inherits it.
+func TestCloseOnExec(t *testing.T) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], 0); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+	closeOnExec()
+	for _, fd := range p {
+		flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+		if err != nil || flags&unix.FD_CLOEXEC == 0 {
+			t.Errorf("fd %d: flags %#x, %v; want FD_CLOEXEC", fd, flags, err)
 		}
 	}
 }

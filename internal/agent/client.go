@@ -211,6 +211,7 @@ func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.
 			res.TimedOut = r.timedOut
 			res.StdoutTruncated = r.stdoutTruncated
 			res.StderrTruncated = r.stderrTruncated
+			res.PidsExhausted = r.pidsExhausted
 		}
 		if ctxErr != nil {
 			return res, fmt.Errorf("agent exec %s: %w", execName(req), ctxErr)

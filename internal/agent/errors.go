@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/dsec-dev/dsec/internal/rawfile"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
@@ -33,6 +34,8 @@ func (e *Error) Is(target error) bool {
 		return target == fs.ErrInvalid
 	case CodeTooLarge:
 		return target == runtime.ErrTooLarge
+	case CodeFailedPrecondition:
+		return target == runtime.ErrFailedPrecondition
 	}
 	return false
 }
@@ -58,6 +61,20 @@ func codeOf(err error) Code {
 		return CodeInvalidArgument
 	case errors.Is(err, errCanceled):
 		return CodeCanceled
+	case errors.Is(err, syscall.EROFS):
+		return CodePermissionDenied
+	case errors.Is(err, syscall.EINVAL):
+		return CodeInvalidArgument
+	case errors.Is(err, rawfile.ErrNotRegular), errors.Is(err, rawfile.ErrTooLarge), errors.Is(err, errors.ErrUnsupported),
+		errors.Is(err, syscall.EIO), errors.Is(err, syscall.ENXIO), errors.Is(err, syscall.ENODEV),
+		errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT), errors.Is(err, syscall.EFBIG),
+		errors.Is(err, syscall.ETXTBSY), errors.Is(err, syscall.EBUSY), errors.Is(err, syscall.EMLINK),
+		errors.Is(err, syscall.EXDEV), errors.Is(err, syscall.EAGAIN), errors.Is(err, syscall.EOVERFLOW),
+		errors.Is(err, syscall.ESPIPE), errors.Is(err, syscall.ESTALE):
+		// The sandbox's own files and file systems (an I/O error, a device
+		// that is not there, a full disk, a FIFO, a file in use): what it
+		// or its workload did, never the platform's failure.
+		return CodeFailedPrecondition
 	}
 	return CodeUnknown
 }

@@ -33,6 +33,9 @@ func (srv *server) prepare(r *execRequest) (*execSpec, error) {
 	if argv[0] == "" {
 		return nil, errorf(CodeInvalidArgument, "exec: argv[0] is empty")
 	}
+	if err := checkNUL(r); err != nil {
+		return nil, err
+	}
 	dir := r.cwd
 	if dir == "" {
 		dir = srv.opts.Workdir
@@ -115,6 +118,13 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 		}
 		outR.Close()
 		errR.Close()
+		if res, msg := startFailure(sp.argv[0], err); res != nil {
+			// The sandbox's own state (its process limit, its memory):
+			// the command's failure, said on its stderr.
+			_ = s.sendData(s.ctx, chStderr, []byte(msg), false)
+			res.durationNanos = int64(time.Since(started))
+			return &response{exec: res}
+		}
 		return errResponse(startError(sp.argv[0], sp.path, err))
 	}
 	if srv.oom {
@@ -358,19 +368,69 @@ func drainNow(f *os.File, buf []byte, emit func([]byte)) {
 	}
 }
 
-// startError classifies a failed fork/exec.
+// startFailure turns a fork that the sandbox's own limits refused into a
+// failed result (exit code 126, as a shell reports a command it cannot
+// run) and the message for its stderr: EAGAIN is its process limit (the
+// user pids cgroup, or RLIMIT_NPROC), ENOMEM its memory. Neither is the
+// platform's failure. Nil for any other error.
+func startFailure(name string, err error) (*execResult, string) {
+	switch {
+	case errors.Is(err, syscall.EAGAIN):
+		return &execResult{exitCode: 126, pidsExhausted: true},
+			"dsec: cannot start " + name + ": " + err.Error() + ": the sandbox's process limit is reached\n"
+	case errors.Is(err, syscall.ENOMEM):
+		return &execResult{exitCode: 126},
+			"dsec: cannot start " + name + ": " + err.Error() + ": the sandbox is out of memory\n"
+	}
+	return nil, ""
+}
+
+// startError classifies a failed fork/exec. Whatever it is, it is about
+// the command or the sandbox's files, never the platform: an errno the
+// cases do not name is FailedPrecondition (a text file busy, an I/O error
+// reading the program, a bad ELF interpreter).
 func startError(name, path string, err error) error {
 	switch {
 	case errors.Is(err, syscall.ENOENT):
 		return errorf(CodeNotFound, "exec %s: %s not found (or its interpreter is missing)", name, path)
 	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
 		return errorf(CodePermissionDenied, "exec %s: %v", name, err)
-	case errors.Is(err, syscall.ENOEXEC), errors.Is(err, syscall.ENOTDIR):
+	case errors.Is(err, syscall.ENOEXEC), errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.EINVAL),
+		errors.Is(err, syscall.ELOOP), errors.Is(err, syscall.ENAMETOOLONG):
 		return errorf(CodeInvalidArgument, "exec %s: %v", name, err)
-	case errors.Is(err, syscall.EAGAIN), errors.Is(err, syscall.ENOMEM):
-		return errorf(CodeUnavailable, "exec %s: %v", name, err)
+	case errors.Is(err, syscall.E2BIG):
+		return errorf(CodeInvalidArgument, "exec %s: argv and env are too large for the kernel (E2BIG: at most 128 KiB per string, and a quarter of the stack limit in all)", name)
 	}
-	return errorf(CodeUnknown, "exec %s: %v", name, err)
+	return errorf(CodeFailedPrecondition, "exec %s: %v", name, err)
+}
+
+// checkNUL refuses NUL bytes in the strings an exec hands the kernel,
+// which cannot carry them (the fork would fail with EINVAL), naming the
+// field.
+func checkNUL(r *execRequest) error {
+	bad := func(field, s string) error {
+		if strings.IndexByte(s, 0) >= 0 {
+			return errorf(CodeInvalidArgument, "exec: %s contains a NUL byte", field)
+		}
+		return nil
+	}
+	for i, a := range r.argv {
+		if err := bad("argv["+strconv.Itoa(i)+"]", a); err != nil {
+			return err
+		}
+	}
+	for i, kv := range r.env {
+		if err := bad("env["+strconv.Itoa(i)+"]", kv); err != nil {
+			return err
+		}
+	}
+	if err := bad("shell", r.shell); err != nil {
+		return err
+	}
+	if err := bad("cwd", r.cwd); err != nil {
+		return err
+	}
+	return bad("user", r.user)
 }
 
 // lookPath finds name in PATH the way a shell does; names with a slash are

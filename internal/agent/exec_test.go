@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,6 +78,11 @@ func TestExecErrors(t *testing.T) {
 		{"not executable", runtime.ExecRequest{Argv: []string{"/etc/passwd"}}, CodePermissionDenied, fs.ErrPermission, "/etc/passwd"},
 		{"unknown user", runtime.ExecRequest{Argv: []string{"true"}, User: "no-such-user-xyz"}, CodeNotFound, fs.ErrNotExist, "no-such-user-xyz"},
 		{"bad user spec", runtime.ExecRequest{Argv: []string{"true"}, User: "root:"}, CodeInvalidArgument, fs.ErrInvalid, "root:"},
+		{"NUL in argv", runtime.ExecRequest{Argv: []string{"echo", "a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "argv[1] contains a NUL byte"},
+		{"NUL in env", runtime.ExecRequest{Argv: []string{"true"}, Env: []string{"K=a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "env[0] contains a NUL byte"},
+		{"NUL in shell", runtime.ExecRequest{Shell: "true\x00"}, CodeInvalidArgument, fs.ErrInvalid, "NUL byte"},
+		{"E2BIG", runtime.ExecRequest{Argv: []string{"echo", strings.Repeat("x", 256<<10)}}, CodeInvalidArgument, fs.ErrInvalid, "too large"},
+		{"larger than a frame", runtime.ExecRequest{Argv: []string{"echo", strings.Repeat("x", MaxFrame)}}, CodeInvalidArgument, fs.ErrInvalid, "byte limit"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -353,4 +359,15 @@ func TestProtocolViolationEndsServe(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "limit")
 	assert.False(t, errors.Is(err, context.Canceled))
+}
+
+// TestExecHugeTimeout: a timeout near the largest duration (9.3e9 s
+// overflowed into an immediate failure on its way here) runs the command.
+func TestExecHugeTimeout(t *testing.T) {
+	c := startAgent(t, Options{})
+	res, err := c.Exec(context.Background(), runtime.ExecRequest{Argv: []string{"echo", "ok"}, Timeout: time.Duration(math.MaxInt64)}, nil)
+	require.NoError(t, err)
+	assert.Equal(t, 0, res.ExitCode)
+	assert.False(t, res.TimedOut)
+	assert.Equal(t, "ok\n", string(res.Stdout))
 }

@@ -10,6 +10,11 @@ import (
 	"path"
 	"path/filepath"
 	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/rawfile"
 )
 
 // abs resolves a request path: relative paths are taken from the default
@@ -17,6 +22,9 @@ import (
 func (srv *server) abs(p, field string) (string, error) {
 	if p == "" {
 		return "", errorf(CodeInvalidArgument, "%s is empty", field)
+	}
+	if strings.IndexByte(p, 0) >= 0 {
+		return "", errorf(CodeInvalidArgument, "%s contains a NUL byte", field)
 	}
 	if !filepath.IsAbs(p) {
 		p = filepath.Join(srv.opts.Workdir, p)
@@ -36,11 +44,21 @@ func (srv *server) writeFile(s *stream, r *writeFileRequest) error {
 	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 		return fmt.Errorf("write file %s: %w", p, err)
 	}
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	// Not truncated until it is known to be a regular file of the
+	// sandbox's own: O_NONBLOCK so that a FIFO without a reader fails
+	// (ENXIO) instead of blocking, and with one is refused below.
+	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CREAT|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, uint32(mode))
 	if err != nil {
-		return fmt.Errorf("write file: %w", err)
+		return fmt.Errorf("write file: %w", &os.PathError{Op: "open", Path: p, Err: err})
 	}
-	_, err = io.Copy(f, &bodyReader{ctx: s.ctx, s: s})
+	f := os.NewFile(uintptr(fd), p)
+	err = checkWritable(fd, p, "write file")
+	if err == nil {
+		err = f.Truncate(0)
+	}
+	if err == nil {
+		_, err = io.Copy(f, &bodyReader{ctx: s.ctx, s: s})
+	}
 	if err == nil {
 		err = f.Chmod(mode) // the umask must not narrow what was asked for
 	}
@@ -53,6 +71,63 @@ func (srv *server) writeFile(s *stream, r *writeFileRequest) error {
 	return nil
 }
 
+// checkWritable refuses to write anything but a regular file, and any file
+// of a kernel file system: /proc/self there is the agent itself (a write
+// to its oom_score_adj is the agent's), and nothing in /proc or /sys is
+// the sandbox's data.
+func checkWritable(fd int, p, op string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return errorf(CodeFailedPrecondition, "%s %s: is a %s, not a regular file", op, p, rawfile.TypeName(st.Mode))
+	}
+	return checkFS(fd, p, op)
+}
+
+// checkFS refuses a descriptor on a kernel file system.
+func checkFS(fd int, p, op string) error {
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &sfs); err != nil {
+		return err
+	}
+	if name := pseudoFS(sfs.Type); name != "" {
+		return errorf(CodePermissionDenied, "%s %s: is on %s, which the agent does not write to", op, p, name)
+	}
+	return nil
+}
+
+// pseudoFS names the kernel file systems the agent never writes to on a
+// request's behalf; "" for any other.
+func pseudoFS(magic int64) string {
+	switch magic {
+	case unix.PROC_SUPER_MAGIC:
+		return "procfs"
+	case unix.SYSFS_MAGIC:
+		return "sysfs"
+	case unix.CGROUP_SUPER_MAGIC, unix.CGROUP2_SUPER_MAGIC:
+		return "cgroupfs"
+	case unix.DEVPTS_SUPER_MAGIC:
+		return "devpts"
+	case unix.SECURITYFS_MAGIC, unix.SELINUX_MAGIC, unix.SMACK_MAGIC:
+		return "securityfs"
+	case unix.DEBUGFS_MAGIC, unix.TRACEFS_MAGIC:
+		return "debugfs"
+	case unix.BPF_FS_MAGIC:
+		return "bpffs"
+	case unix.EFIVARFS_MAGIC, unix.PSTOREFS_MAGIC:
+		return "efivarfs"
+	case unix.BINFMTFS_MAGIC:
+		return "binfmt_misc"
+	case 0x65735543: // fusectl
+		return "fusectl"
+	case 0x62656570: // configfs
+		return "configfs"
+	}
+	return ""
+}
+
 func (srv *server) readFile(s *stream, r *readFileRequest) error {
 	p, err := srv.abs(r.path, "read file: path")
 	if err != nil {
@@ -62,10 +137,13 @@ func (srv *server) readFile(s *stream, r *readFileRequest) error {
 	if limit <= 0 {
 		limit = DefaultMaxReadBytes
 	}
-	f, err := os.Open(p)
+	// O_NONBLOCK: opening a FIFO must not wait for a writer (it is
+	// refused below); O_NOCTTY: nor make a terminal the agent's.
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("read file: %w", err)
+		return fmt.Errorf("read file: %w", &os.PathError{Op: "open", Path: p, Err: err})
 	}
+	f := os.NewFile(uintptr(fd), p)
 	defer f.Close()
 	fi, err := f.Stat()
 	if err != nil {
@@ -73,6 +151,10 @@ func (srv *server) readFile(s *stream, r *readFileRequest) error {
 	}
 	if fi.IsDir() {
 		return errorf(CodeInvalidArgument, "read file %s: is a directory", p)
+	}
+	if !fi.Mode().IsRegular() {
+		// A FIFO or a device (/dev/zero) would block or never end.
+		return errorf(CodeFailedPrecondition, "read file %s: is a %s, not a regular file", p, rawfile.TypeName(uint32(fi.Sys().(*syscall.Stat_t).Mode)))
 	}
 	tooLarge := func(n int64) error {
 		return errorf(CodeTooLarge, "read file %s: %d bytes or more, limit is %d", p, n, limit)
@@ -113,6 +195,13 @@ func (srv *server) putArchive(s *stream, r *putArchiveRequest) error {
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("put archive: %w", err)
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		return fmt.Errorf("put archive: %w", &os.PathError{Op: "statfs", Path: dir, Err: err})
+	}
+	if name := pseudoFS(sfs.Type); name != "" {
+		return errorf(CodePermissionDenied, "put archive into %s: is on %s, which the agent does not write to", dir, name)
 	}
 	root, err := os.OpenRoot(dir)
 	if err != nil {
@@ -243,6 +332,7 @@ func (srv *server) getArchive(s *stream, r *getArchiveRequest) error {
 	if !fi.IsDir() {
 		return errorf(CodeInvalidArgument, "get archive: %s is not a directory", dir)
 	}
+	rootDev := fi.Sys().(*syscall.Stat_t).Dev
 	tw := tar.NewWriter(bodyWriter{ctx: s.ctx, s: s})
 	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -261,6 +351,14 @@ func (srv *server) getArchive(s *stream, r *getArchiveRequest) error {
 		}
 		if info.Mode()&(fs.ModeSocket|fs.ModeIrregular) != 0 {
 			return nil
+		}
+		// Kernel file systems mounted below (/proc, /sys under /) are not
+		// the sandbox's files: their sizes lie and some reads never end.
+		if info.IsDir() && info.Sys().(*syscall.Stat_t).Dev != rootDev {
+			var sfs unix.Statfs_t
+			if unix.Statfs(p, &sfs) == nil && pseudoFS(sfs.Type) != "" {
+				return filepath.SkipDir
+			}
 		}
 		link := ""
 		if info.Mode()&fs.ModeSymlink != 0 {
@@ -282,13 +380,7 @@ func (srv *server) getArchive(s *stream, r *getArchiveRequest) error {
 		if !info.Mode().IsRegular() {
 			return nil
 		}
-		f, err := os.Open(p)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		_, err = io.Copy(tw, f)
-		return err
+		return copyRegular(tw, p, info, hdr.Size)
 	})
 	if err == nil {
 		err = tw.Close()
@@ -297,4 +389,32 @@ func (srv *server) getArchive(s *stream, r *getArchiveRequest) error {
 		return fmt.Errorf("get archive %s: %w", dir, err)
 	}
 	return nil
+}
+
+// copyRegular writes the regular file p, as the walk saw it (info), to tw:
+// exactly size bytes. The workload may replace it meanwhile: it is opened
+// without following a link and without blocking (a FIFO in its place would
+// wait for a writer), and must still be the same regular file.
+func copyRegular(tw io.Writer, p string, info fs.FileInfo, size int64) error {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOFOLLOW|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return &os.PathError{Op: "open", Path: p, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), p)
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return &os.PathError{Op: "fstat", Path: p, Err: err}
+	}
+	was := info.Sys().(*syscall.Stat_t)
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Dev != was.Dev || st.Ino != was.Ino {
+		return errorf(CodeFailedPrecondition, "%s changed while it was archived (now a %s)", p, rawfile.TypeName(st.Mode))
+	}
+	// A file that grew is cut at the size in its header; one that shrank
+	// fails the archive (the tar writer counts).
+	_, err = io.CopyN(tw, f, size)
+	if err == io.EOF {
+		err = errorf(CodeFailedPrecondition, "%s shrank while it was archived", p)
+	}
+	return err
 }

@@ -158,11 +158,19 @@ var framePool = sync.Pool{New: func() any { b := make([]byte, 0, MaxChunk+256); 
 // send writes one frame. A write error ends the connection.
 func (m *mux) send(f *frame) error {
 	if err := f.checkUTF8(); err != nil {
+		if f.request != nil { // the caller's input
+			return errorf(CodeInvalidArgument, "request: %v", err)
+		}
 		return fmt.Errorf("encode frame for stream %d: %w", f.stream, err)
 	}
 	bp := framePool.Get().(*[]byte)
 	b := appendFrame(append((*bp)[:0], 0, 0, 0, 0), f)
 	if len(b)-4 > MaxFrame {
+		if f.request != nil {
+			// Only a request's header (argv, env, a shell script) can be
+			// this large: the caller's input, refused before it is sent.
+			return errorf(CodeInvalidArgument, "request is %d bytes encoded, more than the %d byte limit (argv, env and shell together)", len(b)-4, MaxFrame)
+		}
 		return fmt.Errorf("frame for stream %d is %d bytes, more than the %d byte limit", f.stream, len(b)-4, MaxFrame)
 	}
 	var err error

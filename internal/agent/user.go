@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"errors"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -36,13 +37,20 @@ func lookupUser(etcDir, spec string) (*identity, error) {
 	name := ""
 	if n, err := strconv.ParseUint(userPart, 10, 32); err == nil {
 		id.uid = uint32(n)
-		if e := findEntry(passwd, 2, userPart); e != nil {
+		e, err := findEntry(passwd, 2, userPart)
+		if err != nil {
+			return nil, unusable(spec, err)
+		}
+		if e != nil {
 			name = e[0]
 			id.gid = parseID(e[3])
 			id.home = nonEmpty(e[5], "/")
 		}
 	} else {
-		e := findEntry(passwd, 0, userPart)
+		e, err := findEntry(passwd, 0, userPart)
+		if err != nil {
+			return nil, unusable(spec, err)
+		}
 		if e == nil {
 			return nil, errorf(CodeNotFound, "user %q not found in %s", userPart, passwd)
 		}
@@ -55,7 +63,10 @@ func lookupUser(etcDir, spec string) (*identity, error) {
 		if n, err := strconv.ParseUint(groupPart, 10, 32); err == nil {
 			id.gid = uint32(n)
 		} else {
-			e := findEntry(groupFile, 0, groupPart)
+			e, err := findEntry(groupFile, 0, groupPart)
+			if err != nil {
+				return nil, unusable(spec, err)
+			}
 			if e == nil {
 				return nil, errorf(CodeNotFound, "group %q not found in %s", groupPart, groupFile)
 			}
@@ -64,7 +75,7 @@ func lookupUser(etcDir, spec string) (*identity, error) {
 	}
 	id.groups = []uint32{}
 	if name != "" {
-		eachEntry(groupFile, func(f []string) bool {
+		err := eachEntry(groupFile, func(f []string) bool {
 			if len(f) < 4 {
 				return true
 			}
@@ -78,13 +89,22 @@ func lookupUser(etcDir, spec string) (*identity, error) {
 			}
 			return true
 		})
+		if err != nil {
+			return nil, unusable(spec, err)
+		}
 	}
 	return id, nil
 }
 
+// unusable is the error for a passwd or group file the agent refuses to
+// read (not a regular file, too large): the sandbox's own doing.
+func unusable(spec string, err error) error {
+	return errorf(CodeFailedPrecondition, "user %q: %v", spec, err)
+}
+
 // homeOf returns the home directory of uid, or "/".
 func homeOf(etcDir string, uid int) string {
-	if e := findEntry(filepath.Join(etcDir, "passwd"), 2, strconv.Itoa(uid)); e != nil {
+	if e, _ := findEntry(filepath.Join(etcDir, "passwd"), 2, strconv.Itoa(uid)); e != nil {
 		return nonEmpty(e[5], "/")
 	}
 	return "/"
@@ -114,6 +134,9 @@ func (c *homeCache) get(etcDir string, uid int) string {
 	if err := unix.Stat(filepath.Join(etcDir, "passwd"), &st); err != nil {
 		return homeOf(etcDir, uid)
 	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return "/" // a FIFO, /dev/zero: not read (and homeOf would refuse it)
+	}
 	id := [6]int64{int64(st.Dev), int64(st.Ino), st.Size, st.Mtim.Nano(), st.Ctim.Nano(), int64(st.Nlink)}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -126,10 +149,11 @@ func (c *homeCache) get(etcDir string, uid int) string {
 }
 
 // findEntry returns the first line of a colon-separated database whose
-// field col equals val (passwd lines have 7 fields, group lines 4).
-func findEntry(path string, col int, val string) []string {
+// field col equals val (passwd lines have 7 fields, group lines 4). A
+// missing file has no entries; one the agent refuses to read is an error.
+func findEntry(path string, col int, val string) ([]string, error) {
 	var found []string
-	eachEntry(path, func(f []string) bool {
+	err := eachEntry(path, func(f []string) bool {
 		if len(f) > col && f[col] == val && len(f) >= 4 {
 			if len(f) < 7 {
 				f = append(f, make([]string, 7-len(f))...)
@@ -139,7 +163,7 @@ func findEntry(path string, col int, val string) []string {
 		}
 		return true
 	})
-	return found
+	return found, err
 }
 
 // eachEntry calls fn with the fields of each line of a colon-separated
@@ -147,10 +171,19 @@ func findEntry(path string, col int, val string) []string {
 // calls into one buffer: every exec without HOME in its environment looks
 // its user up, and an *os.File, a bufio.Scanner and a string per line cost
 // more than the lookup.
-func eachEntry(path string, fn func([]string) bool) {
-	b, err := rawfile.Read(path, 4096)
+//
+// The sandbox's workload owns the file: it is read only if it is a regular
+// file of at most maxDatabase bytes, opened so that a FIFO cannot block
+// PID 1 and a link to /dev/zero is not read without end (rawfile.
+// ReadRegular); anything else is an error. A missing or unreadable file
+// has no entries, as before.
+func eachEntry(path string, fn func([]string) bool) error {
+	b, err := rawfile.ReadRegular(path, maxDatabase)
+	if errors.Is(err, rawfile.ErrNotRegular) || errors.Is(err, rawfile.ErrTooLarge) {
+		return err
+	}
 	if err != nil {
-		return
+		return nil
 	}
 	var fields [8]string
 	for len(b) > 0 {
@@ -180,10 +213,15 @@ func eachEntry(path string, fn func([]string) bool) {
 			f = strings.Split(string(line), ":") // more fields than any database has
 		}
 		if !fn(f) {
-			return
+			return nil
 		}
 	}
+	return nil
 }
+
+// maxDatabase bounds the passwd and group files the agent reads (real
+// ones are kilobytes; a directory service's full dump, a few megabytes).
+const maxDatabase = 4 << 20
 
 func parseID(s string) uint32 {
 	n, _ := strconv.ParseUint(s, 10, 32)

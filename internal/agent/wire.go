@@ -43,10 +43,15 @@ const (
 	CodeTooLarge         Code = 6
 	CodeCanceled         Code = 7
 	CodeUnavailable      Code = 8
+	// CodeFailedPrecondition: the sandbox's own state refuses the
+	// operation (a file that is not a regular file, an I/O error of its
+	// file system, a full disk).
+	CodeFailedPrecondition Code = 9
 )
 
 var codeNames = [...]string{"CODE_OK", "CODE_UNKNOWN", "CODE_INVALID_ARGUMENT", "CODE_NOT_FOUND",
-	"CODE_PERMISSION_DENIED", "CODE_ALREADY_EXISTS", "CODE_TOO_LARGE", "CODE_CANCELED", "CODE_UNAVAILABLE"}
+	"CODE_PERMISSION_DENIED", "CODE_ALREADY_EXISTS", "CODE_TOO_LARGE", "CODE_CANCELED", "CODE_UNAVAILABLE",
+	"CODE_FAILED_PRECONDITION"}
 
 // String returns the name agent.proto gives the code (the number for an
 // unknown one, as protobuf-go does).
@@ -127,6 +132,7 @@ type execResult struct {
 	timedOut        bool
 	stdoutTruncated bool
 	stderrTruncated bool
+	pidsExhausted   bool
 }
 
 type writeFileRequest struct {
@@ -370,7 +376,7 @@ func (e *wireError) size() int {
 func (e *execResult) size() int {
 	return sizeUint(uint64(int64(e.exitCode))) + sizeUint(uint64(int64(e.signal))) +
 		sizeUint(uint64(e.durationNanos)) + sizeUint(b2u(e.timedOut)) +
-		sizeUint(b2u(e.stdoutTruncated)) + sizeUint(b2u(e.stderrTruncated))
+		sizeUint(b2u(e.stdoutTruncated)) + sizeUint(b2u(e.stderrTruncated)) + sizeUint(b2u(e.pidsExhausted))
 }
 
 func (e *execResult) appendTo(b []byte) []byte {
@@ -379,7 +385,8 @@ func (e *execResult) appendTo(b []byte) []byte {
 	b = appendUint(b, 3, uint64(e.durationNanos))
 	b = appendUint(b, 4, b2u(e.timedOut))
 	b = appendUint(b, 5, b2u(e.stdoutTruncated))
-	return appendUint(b, 6, b2u(e.stderrTruncated))
+	b = appendUint(b, 6, b2u(e.stderrTruncated))
+	return appendUint(b, 7, b2u(e.pidsExhausted))
 }
 
 // errInvalidUTF8 matches what protobuf-go reports for such strings.
@@ -802,6 +809,8 @@ func (e *execResult) unmarshal(b []byte) error {
 			e.stdoutTruncated = fd.u != 0
 		case 6:
 			e.stderrTruncated = fd.u != 0
+		case 7:
+			e.pidsExhausted = fd.u != 0
 		}
 		return nil
 	})

@@ -57,7 +57,7 @@ func toPB(f *frame) *agentpb.Frame {
 		if e := f.response.exec; e != nil {
 			pr.Exec = &agentpb.ExecResult{
 				ExitCode: e.exitCode, Signal: e.signal, DurationNanos: e.durationNanos,
-				TimedOut: e.timedOut, StdoutTruncated: e.stdoutTruncated, StderrTruncated: e.stderrTruncated,
+				TimedOut: e.timedOut, StdoutTruncated: e.stdoutTruncated, StderrTruncated: e.stderrTruncated, PidsExhausted: e.pidsExhausted,
 			}
 		}
 		out.Msg = &agentpb.Frame_Response{Response: pr}
@@ -105,7 +105,7 @@ func fromPB(p *agentpb.Frame) *frame {
 		if e := m.Response.GetExec(); e != nil {
 			r.exec = &execResult{
 				exitCode: e.GetExitCode(), signal: e.GetSignal(), durationNanos: e.GetDurationNanos(),
-				timedOut: e.GetTimedOut(), stdoutTruncated: e.GetStdoutTruncated(), stderrTruncated: e.GetStderrTruncated(),
+				timedOut: e.GetTimedOut(), stdoutTruncated: e.GetStdoutTruncated(), stderrTruncated: e.GetStderrTruncated(), pidsExhausted: e.GetPidsExhausted(),
 			}
 		}
 		f.response = r
@@ -214,7 +214,7 @@ func randFrame(r *rand.Rand) *frame {
 		if b() {
 			resp.exec = &execResult{
 				exitCode: i32(), signal: i32(), durationNanos: i64(),
-				timedOut: b(), stdoutTruncated: b(), stderrTruncated: b(),
+				timedOut: b(), stdoutTruncated: b(), stderrTruncated: b(), pidsExhausted: b(),
 			}
 		}
 		f.response = resp
@@ -360,7 +360,7 @@ func TestWireInvalidUTF8(t *testing.T) {
 }
 
 func TestCodeString(t *testing.T) {
-	for c := CodeOK; c <= CodeUnavailable+1; c++ {
+	for c := CodeOK; c <= CodeFailedPrecondition+1; c++ {
 		if got, want := c.String(), agentpb.Code(c).String(); got != want {
 			t.Errorf("Code(%d).String() = %q, want %q", c, got, want)
 		}

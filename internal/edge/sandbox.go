@@ -738,6 +738,10 @@ func opError(ctx context.Context, id, op string, err error) error {
 		return connect.NewError(connect.CodeAlreadyExists, wrapped)
 	case errors.Is(err, fs.ErrInvalid), errors.Is(err, runtime.ErrInvalidSpec):
 		return connect.NewError(connect.CodeInvalidArgument, wrapped)
+	case errors.Is(err, runtime.ErrFailedPrecondition):
+		// The sandbox's own state (not a regular file, larger than asked
+		// for, an I/O error of its files): not the platform's failure.
+		return connect.NewError(connect.CodeFailedPrecondition, wrapped)
 	}
 	return connect.NewError(connect.CodeUnknown, wrapped)
 }

@@ -39,6 +39,11 @@ var (
 	// ErrTooLarge: ReadFile found the file larger than its bound (the
 	// caller's to fix, not a failure of the sandbox).
 	ErrTooLarge = errors.New("file is larger than the bound")
+	// ErrFailedPrecondition: the sandbox's own state refuses a file
+	// operation (not a regular file, larger than the caller's bound, an
+	// I/O error of its file system, a full disk): the workload's or the
+	// caller's doing, never a platform failure (Connect FailedPrecondition).
+	ErrFailedPrecondition = errors.New("failed precondition")
 )
 
 // Layer is one read-only layer of a sandbox's root filesystem: an EROFS

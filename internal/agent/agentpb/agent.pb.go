@@ -97,6 +97,10 @@ const (
 	Code_CODE_TOO_LARGE         Code = 6
 	Code_CODE_CANCELED          Code = 7
 	Code_CODE_UNAVAILABLE       Code = 8
+	// FAILED_PRECONDITION: the sandbox's own state refuses the operation (a
+	// file that is not a regular file, an I/O error of its file system, a
+	// full disk): the caller's or the workload's doing, not the platform's.
+	Code_CODE_FAILED_PRECONDITION Code = 9
 )
 
 // Enum value maps for Code.
@@ -111,17 +115,19 @@ var (
 		6: "CODE_TOO_LARGE",
 		7: "CODE_CANCELED",
 		8: "CODE_UNAVAILABLE",
+		9: "CODE_FAILED_PRECONDITION",
 	}
 	Code_value = map[string]int32{
-		"CODE_OK":                0,
-		"CODE_UNKNOWN":           1,
-		"CODE_INVALID_ARGUMENT":  2,
-		"CODE_NOT_FOUND":         3,
-		"CODE_PERMISSION_DENIED": 4,
-		"CODE_ALREADY_EXISTS":    5,
-		"CODE_TOO_LARGE":         6,
-		"CODE_CANCELED":          7,
-		"CODE_UNAVAILABLE":       8,
+		"CODE_OK":                  0,
+		"CODE_UNKNOWN":             1,
+		"CODE_INVALID_ARGUMENT":    2,
+		"CODE_NOT_FOUND":           3,
+		"CODE_PERMISSION_DENIED":   4,
+		"CODE_ALREADY_EXISTS":      5,
+		"CODE_TOO_LARGE":           6,
+		"CODE_CANCELED":            7,
+		"CODE_UNAVAILABLE":         8,
+		"CODE_FAILED_PRECONDITION": 9,
 	}
 )
 
@@ -810,8 +816,12 @@ type ExecResult struct {
 	TimedOut        bool                   `protobuf:"varint,4,opt,name=timed_out,json=timedOut,proto3" json:"timed_out,omitempty"`
 	StdoutTruncated bool                   `protobuf:"varint,5,opt,name=stdout_truncated,json=stdoutTruncated,proto3" json:"stdout_truncated,omitempty"`
 	StderrTruncated bool                   `protobuf:"varint,6,opt,name=stderr_truncated,json=stderrTruncated,proto3" json:"stderr_truncated,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// pids_exhausted: the command could not be started because the
+	// sandbox's process limit is reached (fork failed with EAGAIN); the
+	// result is a failure (exit code 126) with the reason on stderr.
+	PidsExhausted bool `protobuf:"varint,7,opt,name=pids_exhausted,json=pidsExhausted,proto3" json:"pids_exhausted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExecResult) Reset() {
@@ -882,6 +892,13 @@ func (x *ExecResult) GetStdoutTruncated() bool {
 func (x *ExecResult) GetStderrTruncated() bool {
 	if x != nil {
 		return x.StderrTruncated
+	}
+	return false
+}
+
+func (x *ExecResult) GetPidsExhausted() bool {
+	if x != nil {
+		return x.PidsExhausted
 	}
 	return false
 }
@@ -1164,7 +1181,7 @@ const file_agent_proto_rawDesc = "" +
 	"\rtimeout_nanos\x18\x06 \x01(\x03R\ftimeoutNanos\x12(\n" +
 	"\x10max_output_bytes\x18\a \x01(\x03R\x0emaxOutputBytes\x12#\n" +
 	"\rstream_output\x18\b \x01(\bR\fstreamOutput\x12\x1b\n" +
-	"\thas_stdin\x18\t \x01(\bR\bhasStdin\"\xdb\x01\n" +
+	"\thas_stdin\x18\t \x01(\bR\bhasStdin\"\x82\x02\n" +
 	"\n" +
 	"ExecResult\x12\x1b\n" +
 	"\texit_code\x18\x01 \x01(\x05R\bexitCode\x12\x16\n" +
@@ -1172,7 +1189,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x0eduration_nanos\x18\x03 \x01(\x03R\rdurationNanos\x12\x1b\n" +
 	"\ttimed_out\x18\x04 \x01(\bR\btimedOut\x12)\n" +
 	"\x10stdout_truncated\x18\x05 \x01(\bR\x0fstdoutTruncated\x12)\n" +
-	"\x10stderr_truncated\x18\x06 \x01(\bR\x0fstderrTruncated\":\n" +
+	"\x10stderr_truncated\x18\x06 \x01(\bR\x0fstderrTruncated\x12%\n" +
+	"\x0epids_exhausted\x18\a \x01(\bR\rpidsExhausted\":\n" +
 	"\x10WriteFileRequest\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x02 \x01(\rR\x04mode\"B\n" +
@@ -1187,7 +1205,7 @@ const file_agent_proto_rawDesc = "" +
 	"\aChannel\x12\x10\n" +
 	"\fCHANNEL_BODY\x10\x00\x12\x12\n" +
 	"\x0eCHANNEL_STDOUT\x10\x01\x12\x12\n" +
-	"\x0eCHANNEL_STDERR\x10\x02*\xc6\x01\n" +
+	"\x0eCHANNEL_STDERR\x10\x02*\xe4\x01\n" +
 	"\x04Code\x12\v\n" +
 	"\aCODE_OK\x10\x00\x12\x10\n" +
 	"\fCODE_UNKNOWN\x10\x01\x12\x19\n" +
@@ -1197,7 +1215,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x13CODE_ALREADY_EXISTS\x10\x05\x12\x12\n" +
 	"\x0eCODE_TOO_LARGE\x10\x06\x12\x11\n" +
 	"\rCODE_CANCELED\x10\a\x12\x14\n" +
-	"\x10CODE_UNAVAILABLE\x10\bB1Z/github.com/dsec-dev/dsec/internal/agent/agentpbb\x06proto3"
+	"\x10CODE_UNAVAILABLE\x10\b\x12\x1c\n" +
+	"\x18CODE_FAILED_PRECONDITION\x10\tB1Z/github.com/dsec-dev/dsec/internal/agent/agentpbb\x06proto3"
 
 var (
 	file_agent_proto_rawDescOnce sync.Once

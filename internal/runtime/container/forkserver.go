@@ -11,7 +11,9 @@ package container
 //	                requires the exec's to be the server's)
 //	server -> edge: "pid N" with SCM_RIGHTS a pidfd of the child, then
 //	                "exit S" (S: its wait status) once it has exited; or
-//	                "error MESSAGE" if it could not run the request.
+//	                "error MESSAGE" if it could not run the request; or
+//	                "nofork ERRNO MESSAGE" if its fork failed (the
+//	                sandbox's process or memory limit: a failed result).
 //
 // The server is started through the agent like any exec (so it is born in
 // the sandbox's namespaces, cgroup, seccomp filter and capability set),
@@ -467,6 +469,15 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 	}
 	if msg, ok := strings.CutPrefix(reply, "error "); ok {
 		return res, fmt.Errorf("fork exec: the server refused the request: %s", msg)
+	}
+	if msg, ok := strings.CutPrefix(reply, "nofork "); ok {
+		// As the agent reports a fork its limits refused: exit code 126,
+		// the reason on stderr.
+		errno, text, _ := strings.Cut(msg, " ")
+		res.ExitCode = 126
+		res.PidsExhausted = errno == strconv.Itoa(int(syscall.EAGAIN))
+		res.Stderr = []byte("dsec: cannot start " + req.Argv[0] + ": fork: " + text + "\n")
+		return res, nil
 	}
 	if !strings.HasPrefix(reply, "pid ") || len(rights) != 1 {
 		for _, fd := range rights {

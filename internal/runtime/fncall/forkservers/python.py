@@ -12,7 +12,9 @@
 #                   this server's environment (the exec's, by contract).
 #   server -> edge: b"pid N" with SCM_RIGHTS a pidfd of the child, then
 #                   b"exit S" (S: the wait status) once it has exited; or
-#                   b"error MESSAGE" if the request could not be run.
+#                   b"error MESSAGE" if the request could not be run; or
+#                   b"nofork ERRNO MESSAGE" if fork failed (the sandbox's
+#                   process or memory limit).
 #
 # It imports nothing a fresh interpreter does not have but _socket and gc,
 # which the child drops from sys.modules, so the child starts from the
@@ -64,7 +66,11 @@ def _child(cwd, argv, fds):
         os.setsid()
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        # Nothing of the server's reaches the program: not its connection
+        # to the edge (closed by the caller), not what it was handed. Up to
+        # the highest descriptor it may hold, even above a soft limit
+        # lowered since it was opened (one close_range).
+        os.closerange(3, max(os.sysconf("SC_OPEN_MAX"), *(fd + 1 for fd in fds)))
         os.chdir(cwd)
         for m in _EXTRA:
             sys.modules.pop(m, None)
@@ -227,7 +233,15 @@ def main():
                 os.close(fd)
             conn.send(b"error " + str(e).encode())
             continue
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            # The sandbox's own limits (its pids cgroup: EAGAIN; its
+            # memory: ENOMEM): the program's failure, not the server's.
+            for fd in fds:
+                os.close(fd)
+            conn.send(b"nofork %d %s" % (e.errno or 0, os.strerror(e.errno or 0).encode()))
+            continue
         if pid == 0:
             conn.close()
             _child(cwd, argv, fds)
