@@ -65,7 +65,7 @@ func sandboxLimits(t *testing.T, e *env, id string) limitFiles {
 		dir := filepath.Dir(filepath.Join("/sys/fs/cgroup", unified))
 		f = limitFiles{cpu: filepath.Join(dir, "cpu.max"), memory: filepath.Join(dir, "user", "memory.max"),
 			sbMemory: filepath.Join(dir, "memory.max"),
-			pids: filepath.Join(dir, "pids.max"), userPids: filepath.Join(dir, "user", "pids.max"), v2: true}
+			pids:     filepath.Join(dir, "pids.max"), userPids: filepath.Join(dir, "user", "pids.max"), v2: true}
 	}
 	if f.cpu == "" || f.memory == "" || f.pids == "" {
 		t.Fatalf("cgroups of sandbox %s not found in:\n%s", id, b)
