@@ -20,6 +20,7 @@ func init() {
 		advCase{"oom-fork-bomb", (*suite).testAdvOOMForkBomb},
 		advCase{"oom-background", (*suite).testAdvOOMBackground},
 		advCase{"pids-exhausted", (*suite).testAdvPidsExhausted},
+		advCase{"reset-fork-bomb", (*suite).testAdvResetForkBomb},
 	)
 }
 
@@ -126,5 +127,27 @@ func (s *suite) testAdvPidsExhausted(t *testing.T) {
 	requireExit(t, res, 0, "one fork after the pids limit was hit")
 	if res.PidsExhausted {
 		t.Errorf("an exec after the one that hit the pids limit is reported as hitting it: %s", limitSummary(res))
+	}
+}
+
+// testAdvResetForkBomb: a sandbox handed back with a fork bomb still
+// running (an exec that left it behind) is reset for the next user, and
+// Reset must get every process killed and reaped although hundreds of
+// dying processes share the sandbox's small CPU quota.
+func (s *suite) testAdvResetForkBomb(t *testing.T) {
+	sb := s.bomb64(t)
+	if _, ok := sb.(runtime.Resetter); !ok {
+		t.Skip("the backend's sandboxes do not implement runtime.Resetter")
+	}
+	res, err := sb.Exec(s.ctx(t), runtime.ExecRequest{Shell: `f(){ f|f & }; f; exec sleep 3631`, Timeout: 4 * time.Second}, nil)
+	if err != nil {
+		t.Fatalf("fork bomb exec: %v", err)
+	}
+	t.Logf("fork bomb left running: %s", limitSummary(res))
+	if err := s.tryReset(t, sb); err != nil {
+		t.Fatalf("Reset with a fork bomb running: %v", err)
+	}
+	if got := s.sh(t, sb, `echo ok`); got != "ok\n" {
+		t.Errorf("after Reset, echo ok printed %q", got)
 	}
 }
