@@ -18,6 +18,7 @@ import (
 	"github.com/containerd/cgroups/v3/cgroup1"
 	"github.com/containerd/cgroups/v3/cgroup2"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
 
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
@@ -30,7 +31,7 @@ const agentPids = 64
 
 // agentMemory is the memory the sandbox cgroup allows above the user's
 // limit, for the agent. User processes are born in the child cgroup "user"
-// (memory and pids hierarchies on v1, a leaf with both controllers on v2)
+// (pids, memory and cpu hierarchies on v1, a leaf on v2)
 // whose memory limit is the spec's, so the user's memory is the only thing
 // that can OOM there and its OOM kills only user processes: the kernel
 // picks a memory cgroup's OOM victim among that cgroup's processes, and
@@ -138,7 +139,7 @@ type userEvents struct {
 // processes were OOM-killed or refused a fork.
 type eventFiles struct {
 	mu       sync.Mutex
-	oom, pid *os.File
+	oom, pid int // descriptors, once open (0: not yet)
 	// oomFile, oomKey and pidsFile name what to read.
 	oomFile, oomKey, pidsFile string
 }
@@ -147,44 +148,50 @@ func (e *eventFiles) read() (userEvents, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var ev userEvents
+	for _, f := range []struct {
+		fd   *int
+		name string
+	}{{&e.oom, e.oomFile}, {&e.pid, e.pidsFile}} {
+		if *f.fd > 0 {
+			continue
+		}
+		fd, err := unix.Open(f.name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return ev, fmt.Errorf("open %s: %w", f.name, err)
+		}
+		*f.fd = fd
+	}
 	var err error
-	if e.oom == nil {
-		if e.oom, err = os.Open(e.oomFile); err != nil {
-			return ev, err
-		}
-	}
-	if e.pid == nil {
-		if e.pid, err = os.Open(e.pidsFile); err != nil {
-			return ev, err
-		}
-	}
-	var buf [512]byte
-	if ev.oomKills, err = preadKV(e.oom, buf[:], e.oomKey); err != nil {
+	if ev.oomKills, err = preadKV(e.oom, e.oomFile, e.oomKey); err != nil {
 		return ev, err
 	}
-	ev.pidsMax, err = preadKV(e.pid, buf[:], "max")
+	ev.pidsMax, err = preadKV(e.pid, e.pidsFile, "max")
 	return ev, err
 }
 
 func (e *eventFiles) close() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, f := range []**os.File{&e.oom, &e.pid} {
-		if *f != nil {
-			(*f).Close()
-			*f = nil
+	for _, fd := range []*int{&e.oom, &e.pid} {
+		if *fd > 0 {
+			unix.Close(*fd)
+			*fd = 0
 		}
 	}
 }
 
-// preadKV reads a "key value" file from its start through f and returns
-// key's value.
-func preadKV(f *os.File, buf []byte, key string) (uint64, error) {
-	n, err := f.ReadAt(buf, 0)
-	if n == 0 && err != nil {
-		return 0, err
+// preadKV reads a small "key value" file (name) from its start through
+// fd, in one pread, and returns key's value.
+func preadKV(fd int, name, key string) (uint64, error) {
+	var buf [512]byte
+	b, ok, err := preadSmall(fd, buf[:])
+	if err != nil {
+		return 0, fmt.Errorf("read %s: %w", name, err)
 	}
-	return parseKV(buf[:n], f.Name(), key)
+	if !ok {
+		return 0, fmt.Errorf("%s is larger than %d bytes", name, len(buf))
+	}
+	return parseKV(b, name, key)
 }
 
 type cgroupV1 struct {
@@ -225,7 +232,7 @@ func newCgroup1(group string, r rt.Resources) (*cgroupV1, error) {
 	return c, nil
 }
 
-// userWrites are the writes that give the user cgroups (pids and memory)
+// v1UserWrites are the writes that give the user cgroups (pids, memory)
 // the limits to, where they differ from from (nil: all). Raising a memory
 // limit raises the sandbox's first, lowering it lowers the user's first:
 // a child's limit above its parent's is allowed but pointless, and the

@@ -36,7 +36,7 @@ func (s *suite) bomb64(t *testing.T) runtime.Sandbox {
 	s.need(t, PidsLimit)
 	return s.create(t, func(sp *runtime.Spec) {
 		sp.Resources.MemoryBytes = 64 << 20
-		sp.Resources.Pids = 1024
+		sp.Resources.Pids = 512
 		sp.Resources.MilliCPU = 1000
 	})
 }
