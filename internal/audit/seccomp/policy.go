@@ -319,6 +319,54 @@ func DefaultPolicy() (Policy, error) {
 	if err != nil {
 		return Policy{}, err
 	}
-	docker.Rules = append(denyRules(), docker.Rules...)
+	docker.Rules = append(append(denyRules(), pid1Rules()...), docker.Rules...)
 	return docker, nil
+}
+
+// The sandbox's PID 1 is its agent, and in the sandbox's PID namespace a
+// workload running as root (the agent's user) may otherwise change what
+// the kernel lets a process's owner change about it: lower its resource
+// limits (a lowered hard limit cannot be raised again without
+// CAP_SYS_RESOURCE, so every Reset failed and the sandbox was destroyed:
+// any tenant could force a cold create per call), renice it, change its
+// scheduling, CPU affinity, I/O priority or memory placement. Every
+// process the agent starts inherits those, from one tenant to the next.
+// pid1Rules refuse those calls with EPERM when they are aimed at PID 1
+// (or at its process group, 1, since the agent leads its own session;
+// or at every process of a user, which includes the agent's threads).
+//
+// Setting a resource limit is refused for any process but the caller
+// itself (pid 0): the agent's other threads have IDs of their own that a
+// workload can name, and a process-wide limit set through any of them is
+// the agent's. setrlimit(2) and the C library's setrlimit (prlimit64 with
+// pid 0) are unaffected; reading another process's limits stays allowed.
+// The per-thread attributes of the agent's other threads are put back by
+// Reset (as are its limits and OOM score), so a workload can reach them
+// only for its own session. The agent's /proc files (oom_score_adj,
+// autogroup) are outside seccomp's reach; Reset restores what they set.
+func pid1Rules() []Rule {
+	eperm := Errno(unix.EPERM)
+	pidIs := func(arg int, v uint64) Cond { return Cond{Arg: arg, Op: OpEqual, Value: v, Low32: true} }
+	const (
+		prioProcess, prioPgrp, prioUser = 0, 1, 2
+		ioprioWhoProcess, ioprioWhoPgrp = 1, 2
+		ioprioWhoUser                   = 3
+	)
+	rules := []Rule{
+		// prlimit64(pid, resource, new, old): a new limit for another process.
+		{Syscall: "prlimit64", Conds: []Cond{{Arg: 0, Op: OpNotEqual, Value: 0, Low32: true}, {Arg: 2, Op: OpNotEqual, Value: 0}}, Action: eperm},
+		// setpriority(which, who, prio).
+		{Syscall: "setpriority", Conds: []Cond{pidIs(0, prioProcess), pidIs(1, 1)}, Action: eperm},
+		{Syscall: "setpriority", Conds: []Cond{pidIs(0, prioPgrp), pidIs(1, 1)}, Action: eperm},
+		{Syscall: "setpriority", Conds: []Cond{pidIs(0, prioUser)}, Action: eperm},
+		// ioprio_set(which, who, ioprio).
+		{Syscall: "ioprio_set", Conds: []Cond{pidIs(0, ioprioWhoProcess), pidIs(1, 1)}, Action: eperm},
+		{Syscall: "ioprio_set", Conds: []Cond{pidIs(0, ioprioWhoPgrp), pidIs(1, 1)}, Action: eperm},
+		{Syscall: "ioprio_set", Conds: []Cond{pidIs(0, ioprioWhoUser)}, Action: eperm},
+	}
+	// Calls whose first argument is the target pid.
+	for _, sc := range []string{"sched_setattr", "sched_setscheduler", "sched_setparam", "sched_setaffinity", "migrate_pages", "move_pages"} {
+		rules = append(rules, Rule{Syscall: sc, Conds: []Cond{pidIs(0, 1)}, Action: eperm})
+	}
+	return rules
 }

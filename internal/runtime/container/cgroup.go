@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	"github.com/containerd/cgroups/v3/cgroup1"
 	"github.com/containerd/cgroups/v3/cgroup2"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
 
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
@@ -27,12 +29,38 @@ import (
 // the child cgroup "user" with the spec's limit.
 const agentPids = 64
 
+// agentMemory is the memory the sandbox cgroup allows above the user's
+// limit, for the agent. User processes are born in the child cgroup "user"
+// (pids, memory and cpu hierarchies on v1, a leaf on v2)
+// whose memory limit is the spec's, so the user's memory is the only thing
+// that can OOM there and its OOM kills only user processes: the kernel
+// picks a memory cgroup's OOM victim among that cgroup's processes, and
+// the agent is not one of them. (Its own oom_score_adj of -1000 is only a
+// request: it needs CAP_SYS_RESOURCE, which some hosts withhold from root.)
+// The agent, outside "user", is bounded by the sandbox cgroup, at the
+// user's limit plus this: an idle agent is charged ~1.3 MiB, one serving
+// many streams a few MiB more, so 32 MiB bounds what a workload can make
+// the node pay for the agent without the agent ever reaching it in normal
+// use.
+const agentMemory = 32 << 20
+
 const cgroupRoot = "/sys/fs/cgroup"
 
 // v1Controllers are the cgroup v1 hierarchies a sandbox gets a directory in.
 // Each mkdir costs, so only the controllers DSec uses: limits (cpu, memory,
 // pids), accounting (cpuacct) and freezing (freezer).
 var v1Controllers = []cgroup1.Name{cgroup1.Cpu, cgroup1.Cpuacct, cgroup1.Memory, cgroup1.Pids, cgroup1.Freezer}
+
+// v1UserMore are the v1 hierarchies besides pids where the sandbox's
+// cgroup has a "user" child for the user's processes: memory, so that
+// the user's limit and OOM kills are theirs alone (see agentMemory), and
+// cpu, so that the sandbox's quota, on the sandbox's cgroup, is shared
+// between the agent and the user's processes as two groups of equal
+// weight: a fork storm of hundreds of runnable processes would otherwise
+// leave the agent a few thousandths of the quota, and every request to it
+// would stall until the storm was killed. (On v2 the "agent" and "user"
+// leaves do the same with the memory and cpu controllers.)
+var v1UserMore = []string{"memory", "cpu"}
 
 // cgroup is one sandbox's control group, in whichever mode the host runs.
 type cgroup interface {
@@ -50,8 +78,9 @@ type cgroup interface {
 	// userDir is the cgroup directory of the user's processes (with the
 	// pids controller; on v1 the agent's spawner thread lives there too).
 	userDir() string
-	// oomKills is the number of OOM kills in the cgroup so far.
-	oomKills() (uint64, error)
+	// events reads the user cgroup's counters of OOM kills and of forks
+	// refused by its pids limit so far.
+	events() (userEvents, error)
 	// user fills in where the sandbox's user processes are born (see
 	// sandboxinit.Config.UserTasks).
 	user(cfg *sandboxinit.Config)
@@ -59,6 +88,11 @@ type cgroup interface {
 	// once they are all stopped; thaw resumes them.
 	freeze() error
 	thaw() error
+	// unthrottle lifts the CPU quota of a sandbox whose processes have all
+	// been sent SIGKILL (Destroy): a killed process still needs CPU time to
+	// exit, and hundreds of them sharing a small quota (a fork storm) took
+	// minutes, holding up the destroy and every processes' memory.
+	unthrottle() error
 	// paths lists the cgroup's directories (for leak checks).
 	paths() []string
 	delete() error
@@ -76,6 +110,10 @@ func newCgroup(parent, id string, r rt.Resources) (cgroup, error) {
 	return newCgroup1(group, r)
 }
 
+// toSpec is the sandbox cgroup's limits for r: the CPU quota covers
+// every process of the sandbox, the agent included; pids and memory leave
+// the agent room above the user's limits (agentPids, agentMemory), which
+// the "user" child cgroup holds its processes to.
 func toSpec(r rt.Resources) *specs.LinuxResources {
 	pids := r.Pids + agentPids
 	res := &specs.LinuxResources{Pids: &specs.LinuxPids{Limit: &pids}}
@@ -85,15 +123,81 @@ func toSpec(r rt.Resources) *specs.LinuxResources {
 		res.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota}
 	}
 	if r.MemoryBytes > 0 {
-		limit := r.MemoryBytes
+		limit := r.MemoryBytes + agentMemory
 		res.Memory = &specs.LinuxMemory{Limit: &limit}
 	}
 	return res
 }
 
+// userEvents are the user cgroup's event counters.
+type userEvents struct {
+	oomKills, pidsMax uint64
+}
+
+// eventFiles keeps the user cgroup's event files open: an exec reads them
+// before and after it runs (one pread each), to tell whether its
+// processes were OOM-killed or refused a fork.
+type eventFiles struct {
+	mu       sync.Mutex
+	oom, pid int // descriptors, once open (0: not yet)
+	// oomFile, oomKey and pidsFile name what to read.
+	oomFile, oomKey, pidsFile string
+}
+
+func (e *eventFiles) read() (userEvents, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var ev userEvents
+	for _, f := range []struct {
+		fd   *int
+		name string
+	}{{&e.oom, e.oomFile}, {&e.pid, e.pidsFile}} {
+		if *f.fd > 0 {
+			continue
+		}
+		fd, err := unix.Open(f.name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return ev, fmt.Errorf("open %s: %w", f.name, err)
+		}
+		*f.fd = fd
+	}
+	var err error
+	if ev.oomKills, err = preadKV(e.oom, e.oomFile, e.oomKey); err != nil {
+		return ev, err
+	}
+	ev.pidsMax, err = preadKV(e.pid, e.pidsFile, "max")
+	return ev, err
+}
+
+func (e *eventFiles) close() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, fd := range []*int{&e.oom, &e.pid} {
+		if *fd > 0 {
+			unix.Close(*fd)
+			*fd = 0
+		}
+	}
+}
+
+// preadKV reads a small "key value" file (name) from its start through
+// fd, in one pread, and returns key's value.
+func preadKV(fd int, name, key string) (uint64, error) {
+	var buf [512]byte
+	b, ok, err := preadSmall(fd, buf[:])
+	if err != nil {
+		return 0, fmt.Errorf("read %s: %w", name, err)
+	}
+	if !ok {
+		return 0, fmt.Errorf("%s is larger than %d bytes", name, len(buf))
+	}
+	return parseKV(b, name, key)
+}
+
 type cgroupV1 struct {
 	group string
 	cg    cgroup1.Cgroup
+	ev    eventFiles
 }
 
 func v1Hierarchy() ([]cgroup1.Subsystem, error) {
@@ -111,27 +215,75 @@ func newCgroup1(group string, r rt.Resources) (*cgroupV1, error) {
 		return nil, fmt.Errorf("create cgroup %s: %w", group, err)
 	}
 	c := &cgroupV1{group: group, cg: cg}
-	user := filepath.Join(cgroupRoot, "pids", group, "user")
-	if err := os.Mkdir(user, 0o755); err != nil {
-		cg.Delete()
-		return nil, fmt.Errorf("create cgroup %s/user: %w", group, err)
+	memUser := filepath.Join(cgroupRoot, "memory", group, "user")
+	c.ev = eventFiles{oomFile: filepath.Join(memUser, "memory.oom_control"), oomKey: "oom_kill",
+		pidsFile: filepath.Join(c.userDir(), "pids.events")}
+	for _, ctrl := range append([]string{"pids"}, v1UserMore...) {
+		dir := filepath.Join(cgroupRoot, ctrl, group, "user")
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			c.delete()
+			return nil, fmt.Errorf("create cgroup %s: %w", dir, err)
+		}
 	}
-	if err := os.WriteFile(filepath.Join(user, "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0); err != nil {
-		os.Remove(user)
-		cg.Delete()
-		return nil, fmt.Errorf("set pids limit: %w", err)
+	if err := c.setUser(nil, r); err != nil {
+		c.delete()
+		return nil, fmt.Errorf("set user limits: %w", err)
 	}
 	return c, nil
+}
+
+// v1UserWrites are the writes that give the user cgroups (pids, memory)
+// the limits to, where they differ from from (nil: all). Raising a memory
+// limit raises the sandbox's first, lowering it lowers the user's first:
+// a child's limit above its parent's is allowed but pointless, and the
+// order keeps the agent's headroom whichever way the limit moves.
+func v1UserWrites(group string, from *rt.Resources, to rt.Resources) []cgroupWrite {
+	var w []cgroupWrite
+	if from == nil || from.MemoryBytes != to.MemoryBytes {
+		user, sb := "-1", "-1"
+		if to.MemoryBytes > 0 {
+			user, sb = strconv.FormatInt(to.MemoryBytes, 10), strconv.FormatInt(to.MemoryBytes+agentMemory, 10)
+		}
+		dir := filepath.Join(cgroupRoot, "memory", group)
+		userW := cgroupWrite{filepath.Join(dir, "user", "memory.limit_in_bytes"), user}
+		sbW := cgroupWrite{filepath.Join(dir, "memory.limit_in_bytes"), sb}
+		if from != nil && (to.MemoryBytes == 0 || from.MemoryBytes != 0 && to.MemoryBytes > from.MemoryBytes) {
+			w = append(w, sbW, userW)
+		} else {
+			w = append(w, userW, sbW)
+		}
+	}
+	if from == nil || from.Pids != to.Pids {
+		w = append(w,
+			cgroupWrite{filepath.Join(cgroupRoot, "pids", group, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)},
+			cgroupWrite{filepath.Join(cgroupRoot, "pids", group, "user", "pids.max"), strconv.FormatInt(to.Pids, 10)})
+	}
+	return w
+}
+
+// setUser writes the user cgroups' limits only (the sandbox cgroup's are
+// containerd's, through toSpec).
+func (c *cgroupV1) setUser(from *rt.Resources, to rt.Resources) error {
+	var w []cgroupWrite
+	for _, x := range v1UserWrites(c.group, from, to) {
+		if filepath.Base(filepath.Dir(x.file)) == "user" {
+			w = append(w, x)
+		}
+	}
+	return writeAll(w)
 }
 
 func (c *cgroupV1) freeze() error { return c.cg.Freeze() }
 func (c *cgroupV1) thaw() error   { return c.cg.Thaw() }
 
+// update applies r to a pre-started agent's cgroups, which hold the
+// warm pool's limits (pids only): the sandbox cgroup's first, so that the
+// user's memory limit is never above the sandbox's.
 func (c *cgroupV1) update(r rt.Resources) error {
 	if err := c.cg.Update(toSpec(r)); err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(cgroupRoot, "pids", c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
+	return c.setUser(nil, r)
 }
 
 func (c *cgroupV1) set(from *rt.Resources, to rt.Resources) error {
@@ -146,18 +298,7 @@ func (c *cgroupV1) set(from *rt.Resources, to rt.Resources) error {
 		}
 		w = append(w, cgroupWrite{filepath.Join(dir, "cpu.cfs_quota_us"), quota})
 	}
-	if from == nil || from.MemoryBytes != to.MemoryBytes {
-		limit := "-1"
-		if to.MemoryBytes > 0 {
-			limit = strconv.FormatInt(to.MemoryBytes, 10)
-		}
-		w = append(w, cgroupWrite{filepath.Join(cgroupRoot, "memory", c.group, "memory.limit_in_bytes"), limit})
-	}
-	if from == nil || from.Pids != to.Pids {
-		w = append(w,
-			cgroupWrite{filepath.Join(cgroupRoot, "pids", c.group, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)},
-			cgroupWrite{filepath.Join(c.userDir(), "pids.max"), strconv.FormatInt(to.Pids, 10)})
-	}
+	w = append(w, v1UserWrites(c.group, from, to)...)
 	return writeAll(w)
 }
 
@@ -181,6 +322,9 @@ func (c *cgroupV1) userDir() string { return filepath.Join(cgroupRoot, "pids", c
 
 func (c *cgroupV1) user(cfg *sandboxinit.Config) {
 	cfg.UserTasks = filepath.Join(cgroupRoot, "pids", c.group, "user", "tasks")
+	for _, ctrl := range v1UserMore {
+		cfg.UserMoreTasks = append(cfg.UserMoreTasks, filepath.Join(cgroupRoot, ctrl, c.group, "user", "tasks"))
+	}
 }
 
 func removeV1Dirs(group string) {
@@ -248,12 +392,17 @@ func threadCgroups() (map[string]string, error) {
 	return m, nil
 }
 
-func (c *cgroupV1) oomKills() (uint64, error) {
-	return readKV(filepath.Join(cgroupRoot, "memory", c.group, "memory.oom_control"), "oom_kill")
+func (c *cgroupV1) events() (userEvents, error) { return c.ev.read() }
+
+func (c *cgroupV1) unthrottle() error {
+	return os.WriteFile(filepath.Join(cgroupRoot, "cpu", c.group, "cpu.cfs_quota_us"), []byte("-1"), 0)
 }
 
 func (c *cgroupV1) paths() []string {
-	p := []string{filepath.Join(cgroupRoot, "pids", c.group, "user")}
+	var p []string
+	for _, ctrl := range append([]string{"pids"}, v1UserMore...) {
+		p = append(p, filepath.Join(cgroupRoot, ctrl, c.group, "user"))
+	}
 	for _, ctrl := range v1Controllers {
 		p = append(p, filepath.Join(cgroupRoot, string(ctrl), c.group))
 	}
@@ -261,8 +410,11 @@ func (c *cgroupV1) paths() []string {
 }
 
 func (c *cgroupV1) delete() error {
-	if err := os.Remove(filepath.Join(cgroupRoot, "pids", c.group, "user")); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove cgroup %s/user: %w", c.group, err)
+	c.ev.close()
+	for _, ctrl := range append([]string{"pids"}, v1UserMore...) {
+		if err := os.Remove(filepath.Join(cgroupRoot, ctrl, c.group, "user")); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("remove cgroup %s%s/user: %w", ctrl, c.group, err)
+		}
 	}
 	err := c.cg.Delete()
 	if errors.Is(err, cgroup1.ErrCgroupDeleted) {
@@ -274,17 +426,29 @@ func (c *cgroupV1) delete() error {
 type cgroupV2 struct {
 	group string
 	m     *cgroup2.Manager
+	ev    eventFiles
 }
 
+// v2Controllers are the controllers a sandbox's v2 cgroup gets, whatever
+// its limits (a pre-started agent's are set later), and v2Delegated those
+// its "agent" and "user" leaves get: limits on the user's processes alone,
+// and the quota shared between the two as on v1 (see v1UserMore).
+var (
+	v2Controllers = []string{"cpu", "memory", "pids"}
+	v2Delegated   = "+cpu +memory +pids"
+)
+
+// v2Resources is the sandbox cgroup's limits for r (see toSpec). A lifted
+// limit is written as "max", since Update writes only what is set.
 func v2Resources(r rt.Resources) *cgroup2.Resources {
 	res := &cgroup2.Resources{Pids: &cgroup2.Pids{Max: r.Pids + agentPids}}
+	period := uint64(cpuPeriod)
 	if r.MilliCPU > 0 {
-		period := uint64(cpuPeriod)
 		quota := r.MilliCPU * int64(period) / 1000
 		res.CPU = &cgroup2.CPU{Max: cgroup2.NewCPUMax(&quota, &period)}
 	}
 	if r.MemoryBytes > 0 {
-		limit := r.MemoryBytes
+		limit := r.MemoryBytes + agentMemory
 		zero := int64(0)
 		res.Memory = &cgroup2.Memory{Max: &limit, Swap: &zero}
 	}
@@ -301,8 +465,16 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 	// v2 allows processes only in leaves once controllers are delegated:
 	// the agent lives in "agent", user processes in "user".
 	dir := filepath.Join(cgroupRoot, group)
+	user := filepath.Join(dir, "user")
+	c.ev = eventFiles{oomFile: filepath.Join(user, "memory.events"), oomKey: "oom_kill",
+		pidsFile: filepath.Join(user, "pids.events")}
 	err = func() error {
-		if err := os.WriteFile(filepath.Join(dir, "cgroup.subtree_control"), []byte("+pids"), 0); err != nil {
+		// Every controller, limits or not: a pre-started agent gets its
+		// limits later, and files of a controller not enabled do not exist.
+		if err := m.ToggleControllers(v2Controllers, cgroup2.Enable); err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.subtree_control"), []byte(v2Delegated), 0); err != nil {
 			return err
 		}
 		for _, child := range []string{"agent", "user"} {
@@ -310,7 +482,7 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 				return err
 			}
 		}
-		return os.WriteFile(filepath.Join(dir, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
+		return writeAll(v2UserWrites(dir, nil, r))
 	}()
 	if err != nil {
 		c.delete()
@@ -326,7 +498,26 @@ func (c *cgroupV2) update(r rt.Resources) error {
 	if err := c.m.Update(v2Resources(r)); err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "user", "pids.max"), []byte(strconv.FormatInt(r.Pids, 10)), 0)
+	return writeAll(v2UserWrites(filepath.Join(cgroupRoot, c.group), nil, r))
+}
+
+// v2UserWrites are the writes that give the user leaf of the sandbox
+// cgroup dir the limits to, where they differ from from (nil: all).
+func v2UserWrites(dir string, from *rt.Resources, to rt.Resources) []cgroupWrite {
+	user := filepath.Join(dir, "user")
+	var w []cgroupWrite
+	if from == nil || from.MemoryBytes != to.MemoryBytes {
+		limit := "max"
+		if to.MemoryBytes > 0 {
+			limit = strconv.FormatInt(to.MemoryBytes, 10)
+			w = append(w, cgroupWrite{filepath.Join(user, "memory.swap.max"), "0"})
+		}
+		w = append(w, cgroupWrite{filepath.Join(user, "memory.max"), limit})
+	}
+	if from == nil || from.Pids != to.Pids {
+		w = append(w, cgroupWrite{filepath.Join(user, "pids.max"), strconv.FormatInt(to.Pids, 10)})
+	}
+	return w
 }
 
 // set writes "max" for lifted limits (v2 has no -1), and no swap with a
@@ -344,17 +535,17 @@ func (c *cgroupV2) set(from *rt.Resources, to rt.Resources) error {
 	if from == nil || from.MemoryBytes != to.MemoryBytes {
 		if to.MemoryBytes > 0 {
 			w = append(w, cgroupWrite{filepath.Join(dir, "memory.swap.max"), "0"},
-				cgroupWrite{filepath.Join(dir, "memory.max"), strconv.FormatInt(to.MemoryBytes, 10)})
+				cgroupWrite{filepath.Join(dir, "memory.max"), strconv.FormatInt(to.MemoryBytes+agentMemory, 10)})
 		} else {
 			w = append(w, cgroupWrite{filepath.Join(dir, "memory.max"), "max"})
 		}
 	}
 	if from == nil || from.Pids != to.Pids {
-		w = append(w,
-			cgroupWrite{filepath.Join(dir, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)},
-			cgroupWrite{filepath.Join(dir, "user", "pids.max"), strconv.FormatInt(to.Pids, 10)})
+		w = append(w, cgroupWrite{filepath.Join(dir, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)})
 	}
-	return writeAll(w)
+	// v2 takes a child's limit above its parent's, so the order of the
+	// sandbox's and the user's writes does not matter.
+	return writeAll(append(w, v2UserWrites(dir, from, to)...))
 }
 
 func (c *cgroupV2) userDir() string { return filepath.Join(cgroupRoot, c.group, "user") }
@@ -375,8 +566,10 @@ func (c *cgroupV2) spawn(attr *syscall.SysProcAttr, start func() error) error {
 	return start()
 }
 
-func (c *cgroupV2) oomKills() (uint64, error) {
-	return readKV(filepath.Join(cgroupRoot, c.group, "memory.events"), "oom_kill")
+func (c *cgroupV2) events() (userEvents, error) { return c.ev.read() }
+
+func (c *cgroupV2) unthrottle() error {
+	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "cpu.max"), []byte("max "+strconv.Itoa(cpuPeriod)), 0)
 }
 
 func (c *cgroupV2) paths() []string {
@@ -385,6 +578,7 @@ func (c *cgroupV2) paths() []string {
 }
 
 func (c *cgroupV2) delete() error {
+	c.ev.close()
 	for _, child := range []string{"agent", "user"} {
 		if err := os.Remove(filepath.Join(cgroupRoot, c.group, child)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove cgroup %s/%s: %w", c.group, child, err)
@@ -393,12 +587,8 @@ func (c *cgroupV2) delete() error {
 	return c.m.Delete()
 }
 
-// readKV reads "key value" lines and returns key's value.
-func readKV(path, key string) (uint64, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0, err
-	}
+// parseKV returns key's value from "key value" lines b read from path.
+func parseKV(b []byte, path, key string) (uint64, error) {
 	for _, line := range strings.Split(string(b), "\n") {
 		k, v, ok := strings.Cut(line, " ")
 		if ok && k == key {

@@ -636,9 +636,6 @@ type sandbox struct {
 	spec   rt.Spec
 	client *agent.Client
 
-	// oomSeen is the cgroup's OOM-kill count already reported.
-	oomSeen atomic.Uint64
-
 	// attrs are the agent's inheritable attributes after Create.
 	attrs *agentAttrs
 	// resetMu serialises Reset with itself and with the end of Destroy,
@@ -717,36 +714,37 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	if req.User == "" {
 		req.User = s.spec.User
 	}
+	before, evErr := s.cg.events()
 	res, err := s.client.Exec(ctx, req, out)
 	if err != nil {
 		return res, s.gone(err)
 	}
-	s.noteOOM(&res)
+	if evErr == nil {
+		s.noteEvents(&res, before)
+	}
 	s.noteDiskFull(&res)
 	return res, nil
 }
 
-// noteOOM sets res.OOMKilled if the exec's process died of the OOM killer.
-// The cgroup's OOM-kill counter is read only when a process died of
-// SIGKILL, not around every exec: a new kill since the last one we saw is
-// this exec's (or a concurrent one's: the kernel does not say whose).
-func (s *sandbox) noteOOM(res *rt.ExecResult) {
-	if res.Signal != int(syscall.SIGKILL) || res.TimedOut {
-		return
-	}
-	n, err := s.cg.oomKills()
+// noteEvents reports what the sandbox's limits did to the exec, from the
+// user cgroup's counters read before it (before) and now: OOMKilled if
+// the kernel OOM-killed one of the sandbox's processes meanwhile,
+// PidsExhausted if the pids limit refused a fork. Either is the
+// workload's own trouble, reported as its command's result; the sandbox
+// stays usable (its agent is not in the user cgroup). The kernel does not
+// say which process a kill or a refusal hit, so execs running at the same
+// time each see the other's; one after another, each sees its own. Two
+// preads on descriptors kept open, whatever the exec did.
+func (s *sandbox) noteEvents(res *rt.ExecResult, before userEvents) {
+	after, err := s.cg.events()
 	if err != nil {
 		return
 	}
-	for {
-		seen := s.oomSeen.Load()
-		if n <= seen {
-			return
-		}
-		if s.oomSeen.CompareAndSwap(seen, n) {
-			res.OOMKilled = true
-			return
-		}
+	if after.oomKills > before.oomKills {
+		res.OOMKilled = true
+	}
+	if after.pidsMax > before.pidsMax {
+		res.PidsExhausted = true
 	}
 }
 
@@ -811,6 +809,10 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		// frozen sandbox is thawed first: its processes could not die.
 		s.cmd.Process.Signal(syscall.SIGKILL)
 		s.cg.thaw()
+		// The kernel kills the PID namespace's processes when its init
+		// dies, and init's exit waits for them: no user code runs again,
+		// so their teardown need not wait for the sandbox's quota.
+		s.cg.unthrottle()
 		<-s.done
 		s.client.Close()
 		s.conn.Close()

@@ -136,6 +136,7 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 	if req.Cwd == "" {
 		req.Cwd = "/"
 	}
+	before, evErr := s.cg.events()
 	res, err := f.run(ctx, req)
 	if errors.Is(err, errServerLost) {
 		// The program stopped or ended the server it was forked from:
@@ -149,7 +150,9 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 		s.dropForkServer()
 		return res, s.gone(err)
 	}
-	s.noteOOM(&res)
+	if evErr == nil {
+		s.noteEvents(&res, before)
+	}
 	return res, nil
 }
 

@@ -860,6 +860,19 @@ type agentAttrs struct {
 	affinity unix.CPUSet
 	ioprio   int
 	oomScore []byte
+	// autogroup is /proc/PID/autogroup ("/autogroup-N nice K"; nil where
+	// the kernel has none): the nice value of the agent's session's
+	// scheduling group, which a process of the same user may set (one
+	// tenant's "echo 19 > /proc/1/autogroup" was still there for the
+	// next). coredumpFilter is /proc/PID/coredump_filter, which every
+	// process the agent forks inherits.
+	autogroup      []byte
+	autogroupNice  []byte
+	coredumpFilter []byte
+	// coredumpValue is coredumpFilter as it is written back: the file
+	// prints hex digits with leading zeros, and takes them as octal
+	// without a 0x.
+	coredumpValue []byte
 }
 
 // ioprioWhoProcess is IOPRIO_WHO_PROCESS: ioprio_get/set of one thread.
@@ -893,6 +906,15 @@ func captureAgent(pid int) (*agentAttrs, error) {
 	if a.oomScore, err = os.ReadFile(fmt.Sprintf("/proc/%d/oom_score_adj", pid)); err != nil {
 		return nil, fmt.Errorf("read agent OOM score: %w", err)
 	}
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/autogroup", pid)); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 3 && f[1] == "nice" {
+			a.autogroup, a.autogroupNice = b, []byte(f[2])
+		}
+	}
+	if a.coredumpFilter, err = os.ReadFile(fmt.Sprintf("/proc/%d/coredump_filter", pid)); err != nil {
+		return nil, fmt.Errorf("read agent coredump filter: %w", err)
+	}
+	a.coredumpValue = []byte("0x" + strings.TrimSpace(string(a.coredumpFilter)))
 	return a, nil
 }
 
@@ -937,6 +959,14 @@ func (a *agentAttrs) restoreWith(pid int, f *resetFiles) error {
 	}
 	if err := a.restoreOOMScore(proc, f, buf[:]); err != nil {
 		return fmt.Errorf("restore agent OOM score: %w", err)
+	}
+	if a.autogroup != nil {
+		if err := restoreProcFile(proc+"/autogroup", fdOf(f, func(f *resetFiles) int { return f.autogroup }), a.autogroup, a.autogroupNice, buf[:]); err != nil {
+			return fmt.Errorf("restore agent autogroup nice: %w", err)
+		}
+	}
+	if err := restoreProcFile(proc+"/coredump_filter", fdOf(f, func(f *resetFiles) int { return f.coredump }), a.coredumpFilter, a.coredumpValue, buf[:]); err != nil {
+		return fmt.Errorf("restore agent coredump filter: %w", err)
 	}
 	tids, err := a.threads(proc, f, buf[:])
 	if err != nil {
@@ -986,6 +1016,38 @@ func (a *agentAttrs) restoreOOMScore(proc string, f *resetFiles, buf []byte) err
 	return err
 }
 
+// fdOf is get(f), or -1 without kept descriptors.
+func fdOf(f *resetFiles, get func(*resetFiles) int) int {
+	if f == nil {
+		return -1
+	}
+	return get(f)
+}
+
+// restoreProcFile reads the /proc file name (through fd when it is not
+// -1) and, unless it reads want, writes value into it. These files take
+// no pread (autogroup answers ESPIPE): each access seeks to the start.
+func restoreProcFile(name string, fd int, want, value, buf []byte) error {
+	if fd < 0 {
+		var err error
+		if fd, err = unix.Open(name, unix.O_RDWR|unix.O_CLOEXEC, 0); err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+	}
+	if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
+		return err
+	}
+	if n, err := unix.Read(fd, buf); err == nil && n < len(buf) && bytes.Equal(buf[:n], want) {
+		return nil
+	}
+	if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
+		return err
+	}
+	_, err := unix.Write(fd, value)
+	return err
+}
+
 // threads lists the thread IDs of process proc, through f's descriptor of
 // its task directory (read again from the start) when f is not nil.
 func (a *agentAttrs) threads(proc string, f *resetFiles, buf []byte) ([]string, error) {
@@ -1030,9 +1092,11 @@ type resetFiles struct {
 	pidsOpen        bool
 
 	// limits, oom and task are the agent's /proc/PID/limits,
-	// oom_score_adj and task directory.
-	limits, oom, task int
-	procOpen          bool
+	// oom_score_adj and task directory, autogroup and coredump its
+	// autogroup (-1 if the kernel has none) and coredump_filter.
+	limits, oom, task   int
+	autogroup, coredump int
+	procOpen            bool
 
 	// sysv are /proc/sysvipc/shm, sem and msg, opened inside the
 	// sandbox's IPC namespace: such a file lists the namespace of whoever
@@ -1089,12 +1153,16 @@ func (f *resetFiles) learnAgentTasks(dir string, tasks int) {
 // /proc/PID). They name the process, not the number: once it is gone
 // they fail rather than read another process that got the PID.
 func (f *resetFiles) openProc(proc string) error {
-	fds := [3]int{-1, -1, -1}
+	fds := [5]int{-1, -1, -1, -1, -1}
 	for i, o := range []struct {
 		name  string
 		flags int
-	}{{"limits", unix.O_RDONLY}, {"oom_score_adj", unix.O_RDWR}, {"task", unix.O_RDONLY | unix.O_DIRECTORY}} {
+	}{{"limits", unix.O_RDONLY}, {"oom_score_adj", unix.O_RDWR}, {"task", unix.O_RDONLY | unix.O_DIRECTORY},
+		{"coredump_filter", unix.O_RDWR}, {"autogroup", unix.O_RDWR}} {
 		fd, err := unix.Open(proc+"/"+o.name, o.flags|unix.O_CLOEXEC, 0)
+		if err != nil && o.name == "autogroup" && errors.Is(err, unix.ENOENT) {
+			break // a kernel without CONFIG_SCHED_AUTOGROUP
+		}
 		if err != nil {
 			for _, fd := range fds[:i] {
 				unix.Close(fd)
@@ -1103,7 +1171,7 @@ func (f *resetFiles) openProc(proc string) error {
 		}
 		fds[i] = fd
 	}
-	f.limits, f.oom, f.task = fds[0], fds[1], fds[2]
+	f.limits, f.oom, f.task, f.coredump, f.autogroup = fds[0], fds[1], fds[2], fds[3], fds[4]
 	f.procOpen = true
 	return nil
 }
@@ -1165,8 +1233,10 @@ func (s *sandbox) closeResetFiles() {
 		unix.Close(f.pids)
 	}
 	if f.procOpen {
-		for _, fd := range []int{f.limits, f.oom, f.task} {
-			unix.Close(fd)
+		for _, fd := range []int{f.limits, f.oom, f.task, f.coredump, f.autogroup} {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
 		}
 	}
 	if f.sysvOpen {

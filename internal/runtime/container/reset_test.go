@@ -2,10 +2,13 @@ package container_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
@@ -94,30 +97,61 @@ func TestResetDestroyRemovesAll(t *testing.T) {
 	}
 }
 
-// TestResetRestoresAgentLimits checks that resource limits a user lowers
-// on the agent (PID 1), which every process it starts inherits, are back
-// after a Reset that keeps the root: Reset reads them back in one go and
-// writes them only when they differ. The second round runs with what the
-// first Reset opened and keeps.
+// TestResetRestoresAgentLimits checks that resource limits, the OOM score,
+// the autogroup nice and the coredump filter of the agent (PID 1), which
+// every process it starts inherits or the next user sees, are back after a
+// Reset that keeps the root: Reset reads each back in one go and writes it
+// only when it differs. The sandbox's seccomp filter keeps a workload from
+// setting the agent's limits (the testsuite's reset/agent case tries), so
+// the test changes them from the host, as a way around the filter would.
+// The second round runs with what the first Reset opened and keeps.
 func TestResetRestoresAgentLimits(t *testing.T) {
 	e := newProbeEnv(t)
 	sb := e.create(t)
-	const probe = `cat /proc/1/limits; ulimit -n; ulimit -c`
-	fresh := sh(t, sb, probe)
+	pid, _ := e.backend.AgentPID(sb.ID())
+	proc := fmt.Sprintf("/proc/%d/", pid)
+	const probe = `ulimit -n; ulimit -c; cat /proc/self/oom_score_adj /proc/self/coredump_filter`
+	agentState := func() string {
+		var b strings.Builder
+		for _, f := range []string{"limits", "oom_score_adj", "autogroup", "coredump_filter"} {
+			v, err := os.ReadFile(proc + f)
+			if err != nil && f != "autogroup" {
+				t.Fatal(err)
+			}
+			b.Write(v)
+		}
+		return b.String() + sh(t, sb, probe)
+	}
+	fresh := agentState()
 	for round := range 2 {
-		// Soft limits of RLIMIT_NOFILE (7) down and RLIMIT_CORE (4) up.
-		// (Hard limits stay: raising one back needs CAP_SYS_RESOURCE,
-		// which the edge may lack; Reset then fails and the sandbox is
-		// destroyed.)
-		sh(t, sb, fsProbe+` prlimit 1 7 512 $(ulimit -Hn) && `+fsProbe+` prlimit 1 4 4096 18446744073709551615`)
-		if got := sh(t, sb, probe); got == fresh {
-			t.Fatalf("round %d: the agent's limits did not change: %q", round, got)
+		// Soft limits of RLIMIT_NOFILE down and RLIMIT_CORE up (hard
+		// limits stay: raising one back needs CAP_SYS_RESOURCE, which the
+		// edge may lack), the OOM score up, the autogroup niced, no core
+		// dump filter.
+		var lim unix.Rlimit
+		if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, nil, &lim); err != nil {
+			t.Fatal(err)
+		}
+		lim.Cur = 512
+		if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, &lim, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Prlimit(pid, unix.RLIMIT_CORE, &unix.Rlimit{Cur: 4096, Max: unix.RLIM_INFINITY}, nil); err != nil {
+			t.Fatal(err)
+		}
+		for f, v := range map[string]string{"oom_score_adj": "1000", "autogroup": "19", "coredump_filter": "0"} {
+			if err := os.WriteFile(proc+f, []byte(v), 0); err != nil && f != "autogroup" {
+				t.Fatal(err)
+			}
+		}
+		if got := agentState(); got == fresh {
+			t.Fatalf("round %d: the agent's attributes did not change: %q", round, got)
 		}
 
 		reset(t, sb)
 
-		if got := sh(t, sb, probe); got != fresh {
-			t.Errorf("round %d: the agent's limits after Reset differ from the fresh sandbox's:\n%s", round, diff(fresh, got))
+		if got := agentState(); got != fresh {
+			t.Errorf("round %d: the agent's attributes after Reset differ from the fresh sandbox's:\n%s", round, diff(fresh, got))
 		}
 		if kept, rebuilt := container.ResetCounts(sb); kept != int64(round+1) || rebuilt != 0 {
 			t.Errorf("round %d: kept %d rebuilt %d; want the root kept every time", round, kept, rebuilt)

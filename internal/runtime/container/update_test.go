@@ -16,7 +16,10 @@ import (
 // on cgroup v1 or v2.
 type limitFiles struct {
 	cpu, memory, pids, userPids string
-	v2                          bool
+	// sbMemory is the sandbox cgroup's memory limit: memory's plus the
+	// agent's headroom.
+	sbMemory string
+	v2       bool
 }
 
 // sandboxLimits finds the cgroup files of sandbox id from its agent's
@@ -44,7 +47,10 @@ func sandboxLimits(t *testing.T, e *env, id string) limitFiles {
 			case "cpu":
 				f.cpu = filepath.Join(dir, "cpu.cfs_quota_us")
 			case "memory":
-				f.memory = filepath.Join(dir, "memory.limit_in_bytes")
+				// The spec's limit is the user cgroup's; the sandbox's
+				// cgroup, the agent's, adds the agent's headroom.
+				f.memory = filepath.Join(dir, "user", "memory.limit_in_bytes")
+				f.sbMemory = filepath.Join(dir, "memory.limit_in_bytes")
 			case "pids":
 				f.pids = filepath.Join(dir, "pids.max")
 				f.userPids = filepath.Join(dir, "user", "pids.max")
@@ -57,8 +63,9 @@ func sandboxLimits(t *testing.T, e *env, id string) limitFiles {
 	if f.memory == "" && unified != "" {
 		// v2: the agent lives in the "agent" leaf of the sandbox's cgroup.
 		dir := filepath.Dir(filepath.Join("/sys/fs/cgroup", unified))
-		f = limitFiles{cpu: filepath.Join(dir, "cpu.max"), memory: filepath.Join(dir, "memory.max"),
-			pids: filepath.Join(dir, "pids.max"), userPids: filepath.Join(dir, "user", "pids.max"), v2: true}
+		f = limitFiles{cpu: filepath.Join(dir, "cpu.max"), memory: filepath.Join(dir, "user", "memory.max"),
+			sbMemory: filepath.Join(dir, "memory.max"),
+			pids:     filepath.Join(dir, "pids.max"), userPids: filepath.Join(dir, "user", "pids.max"), v2: true}
 	}
 	if f.cpu == "" || f.memory == "" || f.pids == "" {
 		t.Fatalf("cgroups of sandbox %s not found in:\n%s", id, b)
@@ -129,6 +136,15 @@ func TestUpdateWritesOnlyChanges(t *testing.T) {
 		}
 	}
 	check("after Create", 50000, 256<<20, 164, 100)
+	checkAgent := func(step string, memory int64) {
+		t.Helper()
+		g := f
+		g.memory = f.sbMemory
+		if _, m, _, _ := g.read(t); m != memory {
+			t.Errorf("%s: the sandbox cgroup's memory limit is %d; want %d (the user's plus the agent's 32 MiB)", step, m, memory)
+		}
+	}
+	checkAgent("after Create", 256<<20+32<<20)
 
 	// Only the memory limit changes: the CPU file keeps what was written
 	// behind the backend's back.
@@ -152,8 +168,10 @@ func TestUpdateWritesOnlyChanges(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("limits lifted", 0, 0, 2048+64, 2048)
+	checkAgent("limits lifted", 0)
 	if err := u.Update(ctx, rt.Resources{MilliCPU: 250, MemoryBytes: 64 << 20, Pids: 10}); err != nil {
 		t.Fatal(err)
 	}
 	check("all changed", 25000, 64<<20, 74, 10)
+	checkAgent("all changed", 64<<20+32<<20)
 }

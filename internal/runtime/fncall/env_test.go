@@ -174,11 +174,12 @@ func memoryCgroup(t testing.TB, b *container.Backend, id string) string {
 		}
 		for _, c := range strings.Split(parts[1], ",") {
 			if c == "memory" {
-				return filepath.Join("/sys/fs/cgroup/memory", parts[2])
+				// The sandbox's limit is its user processes' cgroup's.
+				return filepath.Join("/sys/fs/cgroup/memory", parts[2], "user")
 			}
 		}
 		if parts[0] == "0" && parts[1] == "" {
-			unified = filepath.Join("/sys/fs/cgroup", parts[2])
+			unified = filepath.Join("/sys/fs/cgroup", filepath.Dir(parts[2]), "user")
 		}
 	}
 	if unified == "" {

@@ -16,6 +16,7 @@ func (s *suite) testLimits(t *testing.T) {
 	t.Run("memory", s.testMemoryLimit)
 	t.Run("pids", s.testPidsLimit)
 	t.Run("cpu", s.testCPUQuota)
+	t.Run("cpu-strays", s.testCPUStrays)
 }
 
 // awkAlloc makes busybox awk double a string n times: the last copy holds
@@ -239,4 +240,106 @@ func parseStat(line string) (cpu, start uint64, err error) {
 		}
 	}
 	return v[0] + v[1], v[2], nil
+}
+
+// testCPUStrays checks that the CPU limit holds processes that outlive
+// the exec that started them, in sessions of their own (as a fork bomb's
+// or a careless server's do), and that it holds them together: three
+// busy loops left behind share one limit. Their CPU time is read from
+// /proc over an interval by a later exec, so no clock is asserted, only
+// CPU over wall time; an unlimited loop on the host beside them tells a
+// quota from contention.
+func (s *suite) testCPUStrays(t *testing.T) {
+	s.need(t, CPUQuota)
+	const milli = 200
+	sb := s.create(t, func(sp *runtime.Spec) { sp.Resources.MilliCPU = milli })
+	ref := exec.Command("sh", "-c", "while :; do :; done")
+	if err := ref.Start(); err != nil {
+		t.Fatalf("start reference loop: %v", err)
+	}
+	t.Cleanup(func() { _ = ref.Process.Kill(); _ = ref.Wait() })
+
+	const marker = "spin3630"
+	s.sh(t, sb, `for i in 1 2 3; do setsid sh -c 'while :; do :; done' `+marker+` >/dev/null 2>&1 & done; echo started`)
+	// Both snapshots: the loops' utime+stime summed (clock ticks), then
+	// /proc/uptime, for the loops found by their command line.
+	// The pattern matches the marker but not itself, so not this script.
+	script := `P=$(grep -l '` + marker[:len(marker)-1] + `[` + marker[len(marker)-1:] + `]' /proc/[0-9]*/cmdline 2>/dev/null | cut -d/ -f3)
+snap() { t=0; n=0; for p in $P; do s=$(cat /proc/$p/stat 2>/dev/null) || continue; set -- ${s##*)}; t=$((t + ${12} + ${13})); n=$((n+1)); done; read up _ </proc/uptime; echo "$n $t $up"; }
+snap; sleep 2; snap`
+	refStart, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", ref.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	upStart, err := os.ReadFile("/proc/uptime")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := s.sh(t, sb, script)
+	refEnd, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", ref.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	upEnd, err := os.ReadFile("/proc/uptime")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("stray CPU script printed %q", out)
+	}
+	var n [2]int
+	var cpu [2]uint64
+	var up [2]float64
+	for i, l := range lines {
+		if _, err := fmt.Sscanf(l, "%d %d %g", &n[i], &cpu[i], &up[i]); err != nil {
+			t.Fatalf("stray CPU script line %q: %v", l, err)
+		}
+	}
+	if n[0] != 3 || n[1] != 3 {
+		t.Fatalf("found %d and %d of the 3 busy loops left behind: %q", n[0], n[1], out)
+	}
+	const clkTck = 100
+	ratio := float64(cpu[1]-cpu[0]) / clkTck / (up[1] - up[0])
+	refRatio, err := intervalRatio(string(refStart), string(refEnd), string(upStart), string(upEnd))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("MilliCPU=%d: 3 stray busy loops used %.2f of a core together; an unlimited host loop %.2f", milli, ratio, refRatio)
+	if ratio < 0.02 {
+		t.Fatalf("the stray loops used only %.3f of a core: they did not run or the measurement is broken", ratio)
+	}
+	if ratio >= 0.35 {
+		t.Errorf("with MilliCPU=%d three busy loops left behind by an exec used %.2f of a core; want at most ~0.2", milli, ratio)
+	}
+	if refRatio < 0.4 {
+		t.Skipf("host too busy to tell a quota from contention: an unlimited loop got only %.2f of a core", refRatio)
+	}
+}
+
+// intervalRatio is the CPU time over wall time of a process between two
+// /proc/PID/stat lines, with /proc/uptime read beside each.
+func intervalRatio(stat0, stat1, up0, up1 string) (float64, error) {
+	c0, _, err := parseStat(stat0)
+	if err != nil {
+		return 0, err
+	}
+	c1, _, err := parseStat(stat1)
+	if err != nil {
+		return 0, err
+	}
+	var u [2]float64
+	for i, s := range []string{up0, up1} {
+		f := strings.Fields(s)
+		if len(f) == 0 {
+			return 0, fmt.Errorf("empty /proc/uptime")
+		}
+		if u[i], err = strconv.ParseFloat(f[0], 64); err != nil {
+			return 0, err
+		}
+	}
+	if u[1]-u[0] <= 0.5 {
+		return 0, fmt.Errorf("interval of %.2fs of wall time; measurement broken", u[1]-u[0])
+	}
+	return float64(c1-c0) / 100 / (u[1] - u[0]), nil
 }

@@ -442,26 +442,47 @@ func (s *suite) testResetUnchanged(t *testing.T) {
 }
 
 // testResetAgent checks what the previous user could do to PID 1, which a
-// reset sandbox keeps: its scheduling attributes, which every process it
-// starts inherits, must be back as they were, and its memory out of reach.
+// reset sandbox keeps: what every process it starts inherits (nice,
+// scheduling, CPU list, I/O priority, resource limits, OOM score,
+// coredump filter) and its own OOM score and autogroup nice must be back
+// as they were, Reset must succeed whatever was tried (a hard limit
+// lowered on the agent cannot be raised again without CAP_SYS_RESOURCE:
+// every Reset failed and the sandbox was destroyed, so any tenant could
+// force a cold create per call), and its memory must be out of reach.
 func (s *suite) testResetAgent(t *testing.T) {
+	bin, err := os.ReadFile(testutil.BuildBinary(t, "./internal/runtime/testsuite/internal/pid1probe"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	sb := s.create(t, nil)
-	// cut's own nice value and CPU list: what a process started now gets;
-	// and the agent's OOM score.
-	const schedProbe = `cut -d' ' -f19 /proc/self/stat; grep Cpus_allowed_list /proc/self/status; cat /proc/1/oom_score_adj`
-	fresh := s.sh(t, sb, schedProbe)
-	// Threads of the same user may be reniced and pinned without
-	// privileges, and an OOM score raised.
-	s.sh(t, sb, `for t in /proc/1/task/*; do renice 15 -p ${t##*/} >/dev/null 2>&1; taskset -p 1 ${t##*/} >/dev/null 2>&1; done
-echo 1000 > /proc/1/oom_score_adj 2>/dev/null; true`)
-	if tampered := s.sh(t, sb, schedProbe); tampered == fresh {
-		t.Log("the user could not change the agent's scheduling; checking Reset keeps it anyway")
+	// What a process started now gets, and what of PID 1 the sandbox can
+	// read (a backend may hide PID 1's /proc files: then they stay hidden).
+	const probe = `cut -d' ' -f19 /proc/self/stat; grep Cpus_allowed_list /proc/self/status; ionice
+cat /proc/self/limits /proc/self/oom_score_adj /proc/self/coredump_filter
+for f in oom_score_adj autogroup coredump_filter limits; do cat /proc/1/$f 2>/dev/null || echo "no /proc/1/$f"; done`
+	fresh := s.sh(t, sb, probe)
+	if err := sb.WriteFile(s.ctx(t), "/tmp/pid1probe", bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// Every way the user owning PID 1 may try, on every thread of it that
+	// /proc shows and on the low thread IDs a Go agent's threads get.
+	// RLIMIT_NOFILE (7) and RLIMIT_CORE (4) are lowered, hard limits too.
+	s.sh(t, sb, `{ tids=$(ls /proc/1/task 2>/dev/null); for t in 1 2 3 4 5 6 7 8 $tids; do
+renice 15 -p $t; taskset -p 1 $t; ionice -c 3 -p $t; /tmp/pid1probe prlimit $t 7 64 64; /tmp/pid1probe prlimit $t 4 0 0
+done
+echo 1000 > /proc/1/oom_score_adj; echo 19 > /proc/1/autogroup; echo 0 > /proc/1/coredump_filter; } >/dev/null 2>&1; true`)
+	if tampered := s.sh(t, sb, probe); tampered == fresh {
+		t.Log("the user could not change what PID 1 hands down or shows; checking Reset keeps it anyway")
+	} else {
+		t.Logf("the user changed:\n%s", lineDiff(fresh, tampered))
 	}
 
-	s.reset(t, sb)
+	if err := s.tryReset(t, sb); err != nil {
+		t.Fatalf("Reset after the user tampered with PID 1 failed (the sandbox is lost for the next user): %v", err)
+	}
 
-	if got := s.sh(t, sb, schedProbe); got != fresh {
-		t.Errorf("after Reset, new processes or the agent keep what the previous user set (nice, CPU list, agent OOM score):\n%s", lineDiff(fresh, got))
+	if got := s.sh(t, sb, probe); got != fresh {
+		t.Errorf("after Reset, new processes or the agent keep what the previous user set:\n%s", lineDiff(fresh, got))
 	}
 	// ptrace, /proc/1/mem and pidfd_getfd share one permission check: a
 	// process that may open /proc/1/mem for reading may take the agent over.

@@ -61,9 +61,20 @@ type Config struct {
 	// cgroup file system is still visible.
 	UserTasks     string `json:"user_tasks,omitempty"`
 	UserCgroupDir string `json:"user_cgroup_dir,omitempty"`
+	// UserMoreTasks are, on cgroup v1, the tasks files of the user cgroups
+	// in the other hierarchies with one (memory, cpu), which the spawner
+	// thread joins too. A process is born in its forking thread's cgroups,
+	// and a v1 memory cgroup charges a process's memory to the cgroup of
+	// the process, not of the thread: so user processes are held to the
+	// user's memory limit and are the only candidates of its OOM killer,
+	// while the agent's memory stays in the sandbox's cgroup; and a fork
+	// storm competes for the sandbox's CPU quota as one group beside the
+	// agent, which keeps its share however many processes the storm has.
+	UserMoreTasks []string `json:"user_more_tasks,omitempty"`
 
-	userTasks *os.File // opened UserTasks
-	userDirFD int      // opened UserCgroupDir
+	userTasks     *os.File   // opened UserTasks
+	userMoreTasks []*os.File // opened UserMoreTasks
+	userDirFD     int        // opened UserCgroupDir
 }
 
 // Reply is init's answer: empty Error means the sandbox is ready.
@@ -180,12 +191,15 @@ func startSpawner(cfg *Config, lock Lockdown) (Fork, error) {
 		// Never unlocked: the thread is the spawner for the sandbox's life
 		// (if setup fails, the runtime ends the thread with the goroutine).
 		runtime.LockOSThread()
-		if cfg.userTasks != nil {
-			if _, err := cfg.userTasks.Write([]byte(strconv.Itoa(unix.Gettid()))); err != nil {
-				ready <- fmt.Errorf("enter user cgroup: %w", err)
+		for _, f := range append([]*os.File{cfg.userTasks}, cfg.userMoreTasks...) {
+			if f == nil {
+				continue
+			}
+			if _, err := f.Write([]byte(strconv.Itoa(unix.Gettid()))); err != nil {
+				ready <- fmt.Errorf("enter user cgroup %s: %w", f.Name(), err)
 				return
 			}
-			cfg.userTasks.Close()
+			f.Close()
 		}
 		if !cfg.NoLockdown && lock.Thread != nil {
 			if err := lock.Thread(cfg.Caps); err != nil {
@@ -228,6 +242,13 @@ func openUserCgroup(cfg *Config) error {
 			return fmt.Errorf("open user cgroup: %w", err)
 		}
 		cfg.userTasks = f
+		for _, name := range cfg.UserMoreTasks {
+			f, err := os.OpenFile(name, os.O_WRONLY, 0)
+			if err != nil {
+				return fmt.Errorf("open user cgroup: %w", err)
+			}
+			cfg.userMoreTasks = append(cfg.userMoreTasks, f)
+		}
 	}
 	return nil
 }
