@@ -179,17 +179,7 @@ echo "$u"`
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("MilliCPU=%d: sandbox loop used %.2f of a core; unlimited host loop beside it %.2f", milli, ratio, refRatio)
-	if ratio < 0.02 {
-		t.Fatalf("sandbox loop used only %.3f of a core: the loop did not run or the measurement is broken", ratio)
-	}
-	// The quota is a hard ceiling: 0.2 plus at most a period's slack.
-	if ratio >= 0.35 {
-		t.Errorf("with MilliCPU=%d a busy loop used %.2f of a core; want at most ~0.2", milli, ratio)
-	}
-	if refRatio < 0.4 {
-		t.Skipf("host too busy to tell a quota from contention: an unlimited loop got only %.2f of a core", refRatio)
-	}
+	checkQuotaRatio(t, milli, "a sandbox busy loop", ratio, refRatio)
 	// Unlimited, both loops get about the same share; the quota holds the
 	// sandbox's well below the reference.
 	if ratio >= 0.6*refRatio {
@@ -305,12 +295,22 @@ snap; sleep 2; snap`
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("MilliCPU=%d: 3 stray busy loops used %.2f of a core together; an unlimited host loop %.2f", milli, ratio, refRatio)
+	checkQuotaRatio(t, milli, "three busy loops left behind by an exec", ratio, refRatio)
+}
+
+// checkQuotaRatio holds what of a core the sandbox's loops (what) used,
+// ratio, to a quota of milli=200 (0.2 plus at most a period's slack),
+// beside refRatio, what an unlimited loop on the host got meanwhile: when
+// the host is too busy for that loop, a quota cannot be told from
+// contention and the test skips.
+func checkQuotaRatio(t *testing.T, milli int64, what string, ratio, refRatio float64) {
+	t.Helper()
+	t.Logf("MilliCPU=%d: %s used %.2f of a core; an unlimited host loop beside it %.2f", milli, what, ratio, refRatio)
 	if ratio < 0.02 {
-		t.Fatalf("the stray loops used only %.3f of a core: they did not run or the measurement is broken", ratio)
+		t.Fatalf("%s used only %.3f of a core: the loops did not run or the measurement is broken", what, ratio)
 	}
 	if ratio >= 0.35 {
-		t.Errorf("with MilliCPU=%d three busy loops left behind by an exec used %.2f of a core; want at most ~0.2", milli, ratio)
+		t.Errorf("with MilliCPU=%d %s used %.2f of a core; want at most ~0.2", milli, what, ratio)
 	}
 	if refRatio < 0.4 {
 		t.Skipf("host too busy to tell a quota from contention: an unlimited loop got only %.2f of a core", refRatio)
