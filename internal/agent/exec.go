@@ -20,6 +20,9 @@ type execSpec struct {
 	env  []string
 	dir  string
 	cred *syscall.Credential
+	// notFound, when set, says the program is on no PATH entry: the
+	// exec is a failed result (127, as a shell's), not an error.
+	notFound string
 }
 
 func (srv *server) prepare(r *execRequest) (*execSpec, error) {
@@ -70,18 +73,24 @@ func (srv *server) prepare(r *execRequest) (*execSpec, error) {
 	}
 	path, err := lookPath(argv[0], envGet(sp.env, "PATH"), dir)
 	if err != nil {
-		return nil, err
+		sp.notFound = err.Error()
+		return sp, nil
 	}
 	sp.path = path
 	return sp, nil
 }
 
 // exec runs one command and streams its output. The response is the exit
-// status; errors are reserved for commands that could not be started.
+// status, also for a command that could not start (startFailure: exit
+// 127 or 126, as a shell); errors are reserved for requests that cannot
+// be run as asked (bad input: a missing cwd or user, NUL bytes, E2BIG).
 func (srv *server) exec(s *stream, r *execRequest) *response {
 	sp, err := srv.prepare(r)
 	if err != nil {
 		return errResponse(err)
+	}
+	if sp.notFound != "" {
+		return cannotRun(s, &execResult{exitCode: 127}, "dsec: "+sp.notFound+"\n", time.Now())
 	}
 	maxOut := r.maxOutputBytes
 	if maxOut <= 0 {
@@ -118,12 +127,8 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 		}
 		outR.Close()
 		errR.Close()
-		if res, msg := startFailure(sp.argv[0], err); res != nil {
-			// The sandbox's own state (its process limit, its memory):
-			// the command's failure, said on its stderr.
-			_ = s.sendData(s.ctx, chStderr, []byte(msg), false)
-			res.durationNanos = int64(time.Since(started))
-			return &response{exec: res}
+		if res, msg := startFailure(sp.argv[0], sp.path, err); res != nil {
+			return cannotRun(s, res, msg, started)
 		}
 		return errResponse(startError(sp.argv[0], sp.path, err))
 	}
@@ -368,13 +373,33 @@ func drainNow(f *os.File, buf []byte, emit func([]byte)) {
 	}
 }
 
-// startFailure turns a fork that the sandbox's own limits refused into a
-// failed result (exit code 126, as a shell reports a command it cannot
-// run) and the message for its stderr: EAGAIN is its process limit (the
-// user pids cgroup, or RLIMIT_NPROC), ENOMEM its memory. Neither is the
-// platform's failure. Nil for any other error.
-func startFailure(name string, err error) (*execResult, string) {
+// cannotRun answers an exec whose command could not start with res, its
+// failed result, and msg on its stderr (streamed, as a shell would print
+// it): the command's failure, never an error the platform would be blamed
+// for.
+func cannotRun(s *stream, res *execResult, msg string, started time.Time) *response {
+	_ = s.sendData(s.ctx, chStderr, []byte(msg), false)
+	res.durationNanos = int64(time.Since(started))
+	return &response{exec: res}
+}
+
+// startFailure turns a command that could not start because of the
+// sandbox's own state into a failed result with the exit code a shell
+// gives (127: no such program; 126: found but not runnable) and the
+// message for its stderr: a missing program or interpreter, one that is
+// not executable or not a program, and a fork that the sandbox's limits
+// refused (EAGAIN is its process limit, the user pids cgroup or
+// RLIMIT_NPROC; ENOMEM its memory). None is the platform's failure. Nil
+// for any other error.
+func startFailure(name, path string, err error) (*execResult, string) {
 	switch {
+	case errors.Is(err, syscall.ENOENT):
+		return &execResult{exitCode: 127},
+			"dsec: cannot start " + name + ": " + path + " not found (or its interpreter is missing)\n"
+	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM), errors.Is(err, syscall.ENOEXEC),
+		errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.ELOOP), errors.Is(err, syscall.ETXTBSY):
+		return &execResult{exitCode: 126},
+			"dsec: cannot start " + name + ": " + path + ": " + err.Error() + "\n"
 	case errors.Is(err, syscall.EAGAIN):
 		return &execResult{exitCode: 126, pidsExhausted: true},
 			"dsec: cannot start " + name + ": " + err.Error() + ": the sandbox's process limit is reached\n"
@@ -387,16 +412,13 @@ func startFailure(name string, err error) (*execResult, string) {
 
 // startError classifies a failed fork/exec. Whatever it is, it is about
 // the command or the sandbox's files, never the platform: an errno the
-// cases do not name is FailedPrecondition (a text file busy, an I/O error
-// reading the program, a bad ELF interpreter).
+// cases do not name is FailedPrecondition (an I/O error reading the
+// program, say). What a shell would report as a command that cannot run
+// (no such program, not executable, the limits refused the fork) is a
+// failed result instead (startFailure).
 func startError(name, path string, err error) error {
 	switch {
-	case errors.Is(err, syscall.ENOENT):
-		return errorf(CodeNotFound, "exec %s: %s not found (or its interpreter is missing)", name, path)
-	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
-		return errorf(CodePermissionDenied, "exec %s: %v", name, err)
-	case errors.Is(err, syscall.ENOEXEC), errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.EINVAL),
-		errors.Is(err, syscall.ELOOP), errors.Is(err, syscall.ENAMETOOLONG):
+	case errors.Is(err, syscall.EINVAL), errors.Is(err, syscall.ENAMETOOLONG):
 		return errorf(CodeInvalidArgument, "exec %s: %v", name, err)
 	case errors.Is(err, syscall.E2BIG):
 		return errorf(CodeInvalidArgument, "exec %s: argv and env are too large for the kernel (E2BIG: at most 128 KiB per string, and a quarter of the stack limit in all)", name)

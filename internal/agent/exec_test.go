@@ -71,11 +71,8 @@ func TestExecErrors(t *testing.T) {
 		msg  string
 	}{
 		{"empty", runtime.ExecRequest{}, CodeInvalidArgument, fs.ErrInvalid, "empty"},
-		{"not in PATH", runtime.ExecRequest{Argv: []string{"no-such-command-xyz"}}, CodeNotFound, fs.ErrNotExist, "no-such-command-xyz"},
-		{"missing path", runtime.ExecRequest{Argv: []string{"/no/such/bin"}}, CodeNotFound, fs.ErrNotExist, "/no/such/bin"},
 		{"missing cwd", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/no/such/dir"}, CodeNotFound, fs.ErrNotExist, "/no/such/dir"},
 		{"cwd is a file", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/etc/passwd"}, CodeInvalidArgument, fs.ErrInvalid, "/etc/passwd"},
-		{"not executable", runtime.ExecRequest{Argv: []string{"/etc/passwd"}}, CodePermissionDenied, fs.ErrPermission, "/etc/passwd"},
 		{"unknown user", runtime.ExecRequest{Argv: []string{"true"}, User: "no-such-user-xyz"}, CodeNotFound, fs.ErrNotExist, "no-such-user-xyz"},
 		{"bad user spec", runtime.ExecRequest{Argv: []string{"true"}, User: "root:"}, CodeInvalidArgument, fs.ErrInvalid, "root:"},
 		{"NUL in argv", runtime.ExecRequest{Argv: []string{"echo", "a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "argv[1] contains a NUL byte"},
@@ -370,4 +367,38 @@ func TestExecHugeTimeout(t *testing.T) {
 	assert.Equal(t, 0, res.ExitCode)
 	assert.False(t, res.TimedOut)
 	assert.Equal(t, "ok\n", string(res.Stdout))
+}
+
+// TestExecCannotStart: a command that cannot start is the command's
+// failure, as a shell reports it (127 no such program, 126 not runnable,
+// the reason on stderr), not an error a caller could take for the
+// platform's.
+func TestExecCannotStart(t *testing.T) {
+	c := startAgent(t, Options{})
+	for _, tc := range []struct {
+		name string
+		argv []string
+		code int
+		msg  string
+	}{
+		{"not in PATH", []string{"no-such-command-xyz"}, 127, "no-such-command-xyz"},
+		{"missing path", []string{"/no/such/bin"}, 127, "/no/such/bin not found"},
+		{"not executable", []string{"/etc/passwd"}, 126, "/etc/passwd: permission denied"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var streamed []byte
+			res, err := c.Exec(context.Background(), runtime.ExecRequest{Argv: tc.argv}, func(s runtime.Stream, b []byte) {
+				if s == runtime.Stderr {
+					streamed = append(streamed, b...)
+				}
+			})
+			require.NoError(t, err)
+			assert.Equal(t, tc.code, res.ExitCode)
+			assert.Contains(t, string(streamed), tc.msg)
+		})
+	}
+	res, err := c.Exec(context.Background(), runtime.ExecRequest{Argv: []string{"no-such-command-xyz"}}, nil)
+	require.NoError(t, err)
+	assert.Equal(t, 127, res.ExitCode)
+	assert.Contains(t, string(res.Stderr), "no-such-command-xyz")
 }

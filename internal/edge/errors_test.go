@@ -59,7 +59,7 @@ func TestRuntimeErrorClassification(t *testing.T) {
 		{name: "NUL in a path", op: read("/etc/\x00passwd", 0), code: connect.CodeInvalidArgument, mention: "NUL"},
 		{name: "argv of 3 MiB", op: exec(&dsecv1.ExecRequest{Argv: []string{"echo", big}}), code: connect.CodeInvalidArgument, mention: "argv[1] is 3145728 bytes"},
 		{name: "timeout of 9.3e9 s", op: exec(&dsecv1.ExecRequest{Argv: []string{"echo", "ok"}, Timeout: &durationpb.Duration{Seconds: 9_300_000_000}}), code: connect.CodeInvalidArgument, mention: "timeout"},
-		{name: "missing program", op: exec(&dsecv1.ExecRequest{Argv: []string{"/no/such/program"}}), code: connect.CodeNotFound, mention: "/no/such/program"},
+		{name: "missing program", op: exec(&dsecv1.ExecRequest{Argv: []string{"/no/such/program"}}), outcome: edge.OutcomeFailed},
 		{
 			// Four sleeps, then the user cgroup's limit lowered to what it
 			// holds: as a fork bomb leaves it, without a race.
