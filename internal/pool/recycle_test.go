@@ -41,7 +41,10 @@ func newGatedCreator(t *testing.T) (*creator, chan struct{}) {
 // sandbox is being reset waits for that sandbox instead of creating one.
 func TestTakeWaitsForReset(t *testing.T) {
 	c, gate := newGatedCreator(t)
-	p, _ := startPool(t, c, pool.Options{Size: 1, RefillDelay: time.Hour})
+	// Max: with the second sandbox in use, no create can serve the
+	// waiting take before the reset does (the pool would otherwise refill
+	// its ready target at once, and a fast create could win the race).
+	p, _ := startPool(t, c, pool.Options{Size: 1, Max: 2, RefillDelay: time.Hour})
 	waitStats(t, p, "one ready", func(s pool.Stats) bool { return s.Ready == 1 })
 	a, err := p.Take(t.Context())
 	if err != nil {
@@ -84,7 +87,9 @@ func TestTakeWaitsForReset(t *testing.T) {
 // is ready or coming, and waits for a reset in flight.
 func TestTakeWarm(t *testing.T) {
 	c, gate := newGatedCreator(t)
-	p, _ := startPool(t, c, pool.Options{Size: 1, RefillDelay: time.Hour})
+	// Max: no create can serve the waiting take before the reset does
+	// (see TestTakeWaitsForReset).
+	p, _ := startPool(t, c, pool.Options{Size: 1, Max: 1, RefillDelay: time.Hour})
 	waitStats(t, p, "one ready", func(s pool.Stats) bool { return s.Ready == 1 })
 	a, err := p.TakeWarm(t.Context())
 	if err != nil || a == nil {
