@@ -106,6 +106,25 @@ func procedures(fd protoreflect.FileDescriptor) []string {
 	return out
 }
 
+// countedCluster is a cluster with one edge whose server and edge each
+// listen on a real HTTP server, both counting into read the body bytes
+// their handlers read.
+func countedCluster(t *testing.T) (c *cluster, api, edgeSrv *httptest.Server, read *atomic.Int64) {
+	t.Helper()
+	c = newCluster(t)
+	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
+	read = new(atomic.Int64)
+	mux := http.NewServeMux()
+	c.srv.Mount(mux)
+	api = httptest.NewServer(counted(mux, read))
+	t.Cleanup(api.Close)
+	emux := http.NewServeMux()
+	c.edges["n1"].e.Mount(emux)
+	edgeSrv = httptest.NewServer(counted(emux, read))
+	t.Cleanup(edgeSrv.Close)
+	return c, api, edgeSrv, read
+}
+
 // Nothing is read of a request before its caller is authenticated: every
 // procedure of the public API, NodeService, /run_code and EdgeService
 // answers 401 to a call without a token, or with a wrong one, having read
@@ -113,17 +132,7 @@ func procedures(fd protoreflect.FileDescriptor) []string {
 // (Connect reads and inflates a body before interceptors run: the token
 // check was an interceptor, and a 50 KB POST became 50 MB before its 401.)
 func TestAuthBeforeBody(t *testing.T) {
-	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
-	var read atomic.Int64
-	mux := http.NewServeMux()
-	c.srv.Mount(mux)
-	api := httptest.NewServer(counted(mux, &read))
-	defer api.Close()
-	emux := http.NewServeMux()
-	c.edges["n1"].e.Mount(emux)
-	edgeSrv := httptest.NewServer(counted(emux, &read))
-	defer edgeSrv.Close()
+	c, api, edgeSrv, read := countedCluster(t)
 
 	bomb := gzipZeros(t, 64<<20)
 	paths := append(procedures(dsecv1.File_dsec_v1_dsec_proto), "/run_code")
@@ -164,17 +173,7 @@ func TestAuthBeforeBody(t *testing.T) {
 // having read at most the bound, and a gzip bomb stops inflating at the
 // bound instead of being inflated to its end to report its size.
 func TestRequestBounds(t *testing.T) {
-	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
-	var read atomic.Int64
-	mux := http.NewServeMux()
-	c.srv.Mount(mux)
-	api := httptest.NewServer(counted(mux, &read))
-	defer api.Close()
-	emux := http.NewServeMux()
-	c.edges["n1"].e.Mount(emux)
-	edgeSrv := httptest.NewServer(counted(emux, &read))
-	defer edgeSrv.Close()
+	c, api, edgeSrv, read := countedCluster(t)
 
 	const over = limits.MaxRequestBytes + 8<<20
 	for _, tc := range []struct {

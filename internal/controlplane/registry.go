@@ -467,14 +467,7 @@ func (r *registry) release(id string) {
 func (r *registry) forget(id string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if p := r.pending[id]; p != nil {
-		r.dropPendingLocked(p)
-	}
-	nodeID, err := ids.NodeOf(id)
-	if err != nil {
-		return
-	}
-	n := r.nodes[nodeID]
+	n := r.dropLocked(id)
 	if n == nil {
 		return
 	}
@@ -497,19 +490,25 @@ func (r *registry) forget(id string) {
 	}
 }
 
-// forgetPool drops a deleted pool's charge at once rather than at the
-// node's next heartbeat.
-func (r *registry) forgetPool(id string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+// dropLocked drops the pending charge of id (a sandbox or a pool) and
+// returns the node its ID names, nil when none is known.
+func (r *registry) dropLocked(id string) *node {
 	if p := r.pending[id]; p != nil {
 		r.dropPendingLocked(p)
 	}
 	nodeID, err := ids.NodeOf(id)
 	if err != nil {
-		return
+		return nil
 	}
-	n := r.nodes[nodeID]
+	return r.nodes[nodeID]
+}
+
+// forgetPool drops a deleted pool's charge at once rather than at the
+// node's next heartbeat.
+func (r *registry) forgetPool(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := r.dropLocked(id)
 	if n == nil {
 		return
 	}
