@@ -58,7 +58,7 @@ func (o *ociRuntime) Setup(ctx context.Context, env Env) error {
 
 // bundle makes the bundle directory for container id: an overlay of the
 // shared rootfs with a private upper dir, and its config.json.
-func (o *ociRuntime) bundle(id string, args []string) (string, error) {
+func (o *ociRuntime) bundle(id, cgroup string, args []string) (string, error) {
 	dir := filepath.Join(o.work, "b", id)
 	upper, wk, merged := filepath.Join(dir, "upper"), filepath.Join(dir, "work"), filepath.Join(dir, "rootfs")
 	for _, d := range []string{upper, wk, merged} {
@@ -71,7 +71,7 @@ func (o *ociRuntime) bundle(id string, args []string) (string, error) {
 		_ = os.RemoveAll(dir)
 		return "", fmt.Errorf("overlay for %s: %w", id, err)
 	}
-	cfg, err := json.Marshal(ociSpec(id, args, "/"+o.cgroup+"/"+id))
+	cfg, err := json.Marshal(ociSpec(id, args, "/"+cgroup+"/"+id))
 	if err == nil {
 		err = os.WriteFile(filepath.Join(dir, "config.json"), cfg, 0o644)
 	}
@@ -94,7 +94,7 @@ func (o *ociRuntime) removeBundle(dir string) error {
 
 func (o *ociRuntime) Cycle(ctx context.Context) error {
 	id := fmt.Sprintf("cb%d", o.seq.Add(1))
-	dir, err := o.bundle(id, []string{"/bin/true"})
+	dir, err := o.bundle(id, o.cgroup, []string{"/bin/true"})
 	if err != nil {
 		return err
 	}
@@ -106,7 +106,7 @@ func (o *ociRuntime) Cycle(ctx context.Context) error {
 
 func (o *ociRuntime) StartIdle(ctx context.Context, i int) (func(context.Context) error, error) {
 	id := fmt.Sprintf("idle%d", i)
-	dir, err := o.bundle(id, []string{"/bin/sleep", "1000000"})
+	dir, err := o.bundle(id, o.idleCgroup(), []string{"/bin/sleep", "1000000"})
 	if err != nil {
 		return nil, err
 	}
@@ -210,7 +210,13 @@ func (o *ociRuntime) Teardown(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-func (o *ociRuntime) CgroupMemory() (int64, error) { return cgroupMemoryUsage(o.cgroup) }
+// idleCgroup is the parent of the idle containers' cgroups, apart from the
+// cycles' parent: on cgroup v1 a removed child's charges (page cache) move
+// to its parent and are reclaimed later, so a parent the cycles used can
+// shrink while idle containers start, and the idle figure went negative.
+func (o *ociRuntime) idleCgroup() string { return o.cgroup + "/idle" }
+
+func (o *ociRuntime) CgroupMemory() (int64, error) { return cgroupMemoryUsage(o.idleCgroup()) }
 
 // ociSpec is the config `runc spec` generates, changed where the harness
 // needs it: no terminal, a writable root (the overlay is private), the
