@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"path/filepath"
@@ -32,7 +33,9 @@ type edgeFlags struct {
 	cpu, memory  string
 	maxSandboxes int64
 	heartbeat    time.Duration
-	oc           placement.Overcommit
+	share        placement.Share
+	memReserve   string
+	reserve      int64
 	trajectory   bool
 	fnWarm       int
 	fnMax        int
@@ -69,8 +72,9 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g (default: all RAM)")
 	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~20 descriptors each)", edge.DefaultMaxSandboxes))
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
-	fl.Float64Var(&f.oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the servers')")
-	fl.Float64Var(&f.oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the servers')")
+	fl.Float64Var(&f.share.CPU, "request-share-cpu", placement.DefaultShare.CPU, "fraction of a sandbox's requested CPU the node reserves for it on top of measured use, 0..1 (0: place by measured use only; 1: requests are reservations)")
+	fl.Float64Var(&f.share.Memory, "request-share-memory", placement.DefaultShare.Memory, "fraction of a sandbox's requested memory the node reserves for it on top of measured use, 0..1")
+	fl.StringVar(&f.memReserve, "memory-reserve", "", fmt.Sprintf("memory (available plus swap free) below which the node takes no more sandboxes (default %s or 2%% of RAM, whichever is larger)", cli.FormatSize(edge.DefaultMemoryReserve)))
 	fl.IntVar(&f.fnWarm, "fn-warm", edge.DefaultFnWarm, "clean sandboxes each fncall pool (one per language image) keeps ready")
 	fl.IntVar(&f.fnMax, "fn-max", edge.DefaultFnMax, "most sandboxes of one fncall pool; calls beyond wait")
 	fl.IntVar(&f.fnQueue, "fn-queue", edge.DefaultFnQueue, "most fncall calls waiting for a sandbox; beyond, Unavailable with a retry-after hint")
@@ -97,6 +101,20 @@ func (f *edgeFlags) validate() error {
 	}
 	if _, err := f.scratchBytes(); err != nil {
 		return err
+	}
+	for _, v := range []struct {
+		name string
+		v    float64
+	}{{"request-share-cpu", f.share.CPU}, {"request-share-memory", f.share.Memory}} {
+		if !(v.v >= 0 && v.v <= 1) {
+			return cli.Usagef("--%s %v: must be between 0 and 1", v.name, v.v)
+		}
+	}
+	if f.memReserve != "" {
+		var err error
+		if f.reserve, err = cli.ParseSize("memory-reserve", f.memReserve); err != nil {
+			return cli.UsageError{Err: err}
+		}
 	}
 	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -174,7 +192,8 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		Store:             store,
 		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend},
 		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: f.capacity},
-		Overcommit:        f.oc,
+		RequestShare:      map[runtime.Kind]placement.Share{runtime.KindContainer: f.share},
+		MemoryReserve:     f.reserve,
 		AdvertiseURL:      advertise,
 		Servers:           servers,
 		ClusterToken:      token,
@@ -278,6 +297,7 @@ func newEdgeCmd() *cobra.Command {
 			mux := newMux(metrics)
 			e.Mount(mux)
 			log.Info("dsec edge listening", "node", ef.nodeID, "advertise", advertise, "servers", servers)
+			printBounds(cmd.OutOrStdout(), e.Bounds())
 			ctx, cancel := context.WithCancel(cmd.Context())
 			defer cancel()
 			var wg sync.WaitGroup
@@ -301,4 +321,16 @@ func newEdgeCmd() *cobra.Command {
 	ef.register(cmd)
 	mf.register(cmd)
 	return cmd
+}
+
+// printBounds says what bounds the node's capacity and by how much, the
+// tightest first: what an operator raises to hold more sandboxes.
+func printBounds(w io.Writer, bounds []edge.Bound) {
+	if len(bounds) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "capacity: at most %d idle sandboxes, bound by %s\n", bounds[0].Sandboxes, bounds[0].What)
+	for _, b := range bounds {
+		fmt.Fprintf(w, "  %-14s %8d  %s\n", b.What, b.Sandboxes, b.Detail)
+	}
 }

@@ -13,7 +13,6 @@ import (
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/controlplane"
-	"github.com/dsec-dev/dsec/internal/placement"
 )
 
 func newServerCmd() *cobra.Command {
@@ -22,7 +21,6 @@ func newServerCmd() *cobra.Command {
 		sf          serveFlags
 		mf          metricsFlags
 		nodeTimeout time.Duration
-		oc          placement.Overcommit
 	)
 	cmd := &cobra.Command{
 		Use:   "server",
@@ -42,7 +40,6 @@ func newServerCmd() *cobra.Command {
 				Store:        store,
 				ClusterToken: token,
 				NodeTimeout:  nodeTimeout,
-				Overcommit:   oc,
 				Logger:       log,
 				Registry:     reg,
 			}))
@@ -81,8 +78,6 @@ func newServerCmd() *cobra.Command {
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "shared secret of servers and edges (default DATA-DIR/cluster.token, created if missing)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fl.DurationVar(&nodeTimeout, "node-timeout", controlplane.DefaultNodeTimeout, "a node silent this long is lost, and so are its sandboxes")
-	fl.Float64Var(&oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the edges')")
-	fl.Float64Var(&oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the edges')")
 	sf.register(cmd)
 	mf.register(cmd)
 	return cmd

@@ -74,7 +74,6 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 				DataDir:      f.dataDir,
 				Store:        store,
 				ClusterToken: token,
-				Overcommit:   ef.oc,
 				Defaults:     ef.defaults,
 				Logger:       log,
 				Registry:     reg,
@@ -120,6 +119,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 			if f.dataDir != defaultDataDir || self != "http://"+defaultListen {
 				fmt.Fprintf(cmd.OutOrStdout(), "clients: export DSEC_ENDPOINT=%s DSEC_TOKEN=$(cat %s)\n", self, tokenPath)
 			}
+			printBounds(cmd.OutOrStdout(), e.Bounds())
 			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
 			cancel()
 			wg.Wait()

@@ -49,7 +49,7 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 	if !queueable(first) {
 		return reservation{}, toConnect(first)
 	}
-	if err := s.reg.everFits(prep.req, s.cfg.Overcommit); err != nil {
+	if err := s.reg.everFits(prep.req); err != nil {
 		// Waiting would hold a queue slot until the deadline for nothing.
 		return reservation{}, err
 	}
@@ -92,17 +92,10 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 }
 
 // everFits refuses at once a request that no live node could hold even
-// empty: more CPU or memory than any node offers for the backend (say
-// memory_bytes 2^63-1). It names the resource field and the most a node
-// offers.
-func (r *registry) everFits(req placement.Request, oc placement.Overcommit) error {
-	ratio := func(v, def float64) float64 {
-		if v == 0 {
-			return def
-		}
-		return v
-	}
-	cpuRatio, memRatio := ratio(oc.CPU, placement.DefaultOvercommit.CPU), ratio(oc.Memory, placement.DefaultOvercommit.Memory)
+// empty: a memory limit above every node's memory, or more than a node
+// offers at the node's request share (say memory_bytes 2^40 on nodes of
+// 24 GiB). It names the resource field and the most a node offers.
+func (r *registry) everFits(req placement.Request) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
@@ -114,11 +107,18 @@ func (r *registry) everFits(req placement.Request, oc placement.Overcommit) erro
 			continue
 		}
 		offered = true
-		cpu, mem := scaled(c.MilliCPU, cpuRatio), scaled(c.MemoryBytes, memRatio)
-		if req.MilliCPU <= cpu && req.MemoryBytes <= mem {
+		sh := n.shareOf(req.Kind)
+		if placement.ChargeOf(req.MilliCPU, sh.CPU) <= c.MilliCPU && req.MemoryBytes <= c.MemoryBytes &&
+			placement.ChargeOf(req.MemoryBytes, sh.Memory) <= c.MemoryBytes {
 			return nil
 		}
-		maxCPU, maxMem = max(maxCPU, cpu), max(maxMem, mem)
+		// The most this node could take: all of it, or its CPU over
+		// its share.
+		cpu := int64(math.MaxInt64)
+		if sh.CPU > 0 {
+			cpu = int64(min(float64(c.MilliCPU)/sh.CPU, math.MaxInt64/2))
+		}
+		maxCPU, maxMem = max(maxCPU, cpu), max(maxMem, c.MemoryBytes)
 	}
 	if !offered {
 		return nil // placement said there are eligible nodes; let it decide
@@ -133,13 +133,4 @@ func (r *registry) everFits(req placement.Request, oc placement.Overcommit) erro
 		field = fmt.Sprintf("spec.resources milli_cpu %d with memory_bytes %d: no node offers both at once for the %s backend", req.MilliCPU, req.MemoryBytes, req.Kind)
 	}
 	return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("no node can ever hold this sandbox, even empty: %s", field))
-}
-
-// scaled is placement's effective capacity: v × ratio, saturating.
-func scaled(v int64, ratio float64) int64 {
-	f := float64(v) * ratio
-	if f >= math.MaxInt64 {
-		return math.MaxInt64
-	}
-	return int64(f)
 }

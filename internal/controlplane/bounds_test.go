@@ -112,7 +112,7 @@ func procedures(fd protoreflect.FileDescriptor) []string {
 func countedCluster(t *testing.T) (c *cluster, api, edgeSrv *httptest.Server, read *atomic.Int64) {
 	t.Helper()
 	c = newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Share{})
 	read = new(atomic.Int64)
 	mux := http.NewServeMux()
 	c.srv.Mount(mux)
@@ -232,7 +232,7 @@ func TestRequestBounds(t *testing.T) {
 // caller's InvalidArgument.
 func TestOutputCeilings(t *testing.T) {
 	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}

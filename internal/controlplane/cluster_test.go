@@ -55,6 +55,9 @@ type cluster struct {
 	// defaults are the edges' Config.Defaults, for the edges added after
 	// it is set.
 	defaults spec.Resources
+	// memoryReserve is the edges' Config.MemoryReserve, for the edges
+	// added after it is set (0: the default).
+	memoryReserve int64
 }
 
 type testEdge struct {
@@ -124,7 +127,7 @@ func newCluster(t testing.TB) *cluster {
 
 // addEdge starts a real edge with its own container backend and layer
 // mounts, sharing the cluster's blob store.
-func (c *cluster) addEdge(id string, capacity placement.Capacity, oc placement.Overcommit) {
+func (c *cluster) addEdge(id string, capacity placement.Capacity, share placement.Share) {
 	t := c.t
 	t.Helper()
 	dir := filepath.Join(c.root, id)
@@ -152,13 +155,14 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, oc placement.O
 		Store:             c.store,
 		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: b},
 		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: capacity},
-		Overcommit:        oc,
+		RequestShare:      map[runtime.Kind]placement.Share{runtime.KindContainer: share},
 		AdvertiseURL:      hs.URL,
 		Servers:           []string{c.url},
 		ClusterToken:      clusterToken,
 		HeartbeatInterval: 50 * time.Millisecond,
 		AutoPool:          c.autoPool,
 		Defaults:          c.defaults,
+		MemoryReserve:     c.memoryReserve,
 		Registry:          prometheus.NewRegistry(),
 		Logger:            slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})
@@ -396,12 +400,11 @@ func (c *cluster) metric(name string, labels map[string]string) float64 {
 func TestCluster(t *testing.T) {
 	c := newCluster(t)
 	ctx := context.Background()
-	// n1 admits only what it really has (no overcommit at the edge), while
-	// the server overcommits 4x: the server will place on n1 sandboxes n1
-	// then refuses, which exercises optimistic placement's retry.
+	// n1 reserves what sandboxes request (a share of 1); n2 places by
+	// measured use only, and holds 1 GiB.
 	const slots = 6
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Overcommit{CPU: 1})
-	c.addEdge("n2", placement.Capacity{MilliCPU: 500_000, Sandboxes: slots}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{CPU: 1, Memory: 1})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 500_000, MemoryBytes: 1 << 30, Sandboxes: slots}, placement.Share{})
 
 	rootfs := testsuite.BusyboxRootfs(t)
 	var alice, bob, carol string
@@ -648,10 +651,18 @@ func TestCluster(t *testing.T) {
 
 	var onN2 *dsecv1.Sandbox
 	t.Run("edge refusal is retried elsewhere", func(t *testing.T) {
+		// n3's measured state says it is full (it keeps more memory in
+		// reserve than the machine has), which only its own admission
+		// checks: the server places on it what it then refuses, which
+		// exercises optimistic placement's retry. It goes at the end.
+		c.memoryReserve = 1 << 50
+		c.addEdge("n3", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{})
+		c.memoryReserve = 0
+		defer c.edges["n3"].stop()
 		retries := c.metric("dsec_server_placement_retries_total", nil)
-		// Both nodes fit 1,500 cores in the server's overcommitted view; n1
-		// refuses them at admission, so the sandbox must end up on n2
-		// whichever node placement tried first.
+		// n2 and n3 fit 1,500 cores in the server's view (n1 reserves
+		// only 1,000); n3 refuses them at admission, so the sandbox must
+		// end up on n2 whichever node placement tried first.
 		sb, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 1_500_000}})
 		if err != nil {
 			t.Fatal(err)
@@ -660,11 +671,12 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("sandbox placed on %s, want n2", sb.GetNode())
 		}
 		onN2 = sb
-		// 3,000 cores fit only n1 in the server's view, and n1 refuses:
-		// one retry, then no node is left.
+		// 3,000 cores with 2 GiB fit only n3 in the server's view (n1
+		// reserves cores, n2 holds 1 GiB), and n3 refuses: one retry,
+		// then no node is left.
 		before := c.metric("dsec_server_placement_retries_total", nil)
-		_, err = c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 3_000_000}})
-		wantCode(t, err, connect.CodeResourceExhausted, "milliCPU")
+		_, err = c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 3_000_000, MemoryBytes: 2 << 30}})
+		wantCode(t, err, connect.CodeResourceExhausted, "memory")
 		if got := c.metric("dsec_server_placement_retries_total", nil) - before; got != 1 {
 			t.Fatalf("placement retries went up by %v, want 1", got)
 		}
@@ -734,12 +746,13 @@ func TestCluster(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		// The scrape sees one dead node and the lost sandbox.
+		// The scrape sees two dead nodes (n2, and n3 stopped after the
+		// refusal case) and the lost sandbox.
 		if got := c.metric("dsec_server_sandboxes", map[string]string{"state": "lost"}); got < 1 {
 			t.Fatalf("dsec_server_sandboxes{state=lost} = %v, want at least 1", got)
 		}
-		if got := c.metric("dsec_server_nodes", map[string]string{"alive": "false"}); got != 1 {
-			t.Fatalf("dsec_server_nodes{alive=false} = %v, want 1", got)
+		if got := c.metric("dsec_server_nodes", map[string]string{"alive": "false"}); got != 2 {
+			t.Fatalf("dsec_server_nodes{alive=false} = %v, want 2", got)
 		}
 	})
 }
@@ -752,8 +765,8 @@ func TestJobFreezeAcrossEdges(t *testing.T) {
 	ctx := context.Background()
 	// Four slots per edge: five sandboxes of the job cannot all fit on one.
 	const slots = 4
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Overcommit{})
-	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}

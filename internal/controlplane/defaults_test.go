@@ -92,7 +92,7 @@ func TestDefaultsChargedToQuota(t *testing.T) {
 	c := newCluster(t)
 	// The node's defaults: CPU and pids set, memory and disk built in.
 	c.defaults = spec.Resources{MilliCPU: 1000, Pids: 100}
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -194,7 +194,7 @@ func containsString(ss []string, s string) bool {
 // nobody else may, and a tenant sees only itself.
 func TestUpdateTenant(t *testing.T) {
 	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -260,7 +260,7 @@ func TestUpdateTenant(t *testing.T) {
 // spelled out serves creates that leave the same values to the defaults.
 func TestPoolsCountAgainstQuota(t *testing.T) {
 	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -405,14 +405,14 @@ func TestImportSizeLimit(t *testing.T) {
 // sandbox created without resources gets the defaults as its kernel limits
 // and is charged them to its tenant's quota, but reserves none of its
 // node's CPU or memory, in placement and at the edge's admission alike:
-// with defaults charged as requests, a node of 2 cores at 4x overcommit
+// with defaults charged as requests, a node of 2 cores at a CPU request share of 1/4
 // held 8 such sandboxes (issue 13's density regression; before defaults
 // it held as many as its sandbox slots). Explicit values are requests:
 // cpu=1 sandboxes still stop at 8 there.
 func TestDefaultsReserveNoCapacity(t *testing.T) {
 	c := newCluster(t)
 	c.defaults = spec.Resources{Pids: 77}
-	oc := placement.Overcommit{CPU: 4, Memory: 1}
+	oc := placement.Share{CPU: 0.25, Memory: 1}
 	c.addEdge("n1", placement.Capacity{MilliCPU: 2000, MemoryBytes: 24 << 30, Sandboxes: 64}, oc)
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
@@ -461,13 +461,14 @@ func TestDefaultsReserveNoCapacity(t *testing.T) {
 			t.Fatalf("explicit cpu=1 sandbox %d of 8: %v", i+1, r.GetError())
 		}
 	}
-	// The node reports only the explicit requests as used.
+	// The node is charged a quarter of the explicit requests' CPU (its
+	// share) and the sandboxes' measured memory (a few MiB each).
 	c.waitFor("a heartbeat with all 28 sandboxes", func() bool { return len(c.srv.reg.liveSummaries("n1")) == defaulted+8 })
 	c.srv.reg.mu.Lock()
 	used := c.srv.reg.nodes["n1"].usage[runtime.KindContainer]
 	c.srv.reg.mu.Unlock()
-	if used.MilliCPU != 8000 || used.MemoryBytes != 0 || used.Sandboxes != defaulted+8 {
-		t.Errorf("n1 reports %+v used, want 8000 milli-CPU, no memory, %d sandboxes", used, defaulted+8)
+	if used.MilliCPU != 2000 || used.MemoryBytes > (defaulted+8)*(16<<20) || used.Sandboxes != defaulted+8 {
+		t.Errorf("n1 reports %+v used, want 2000 milli-CPU, a few MiB a sandbox, %d sandboxes", used, defaulted+8)
 	}
 	p := iam.Principal{Tenant: "many"}
 	prep, err := c.srv.prepare(context.Background(), p, explicit)

@@ -61,7 +61,7 @@ func keys(m map[string]any) []string {
 
 func TestRunCode(t *testing.T) {
 	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Share{})
 	// The "sh" language needs only a POSIX shell: busybox stands in for the
 	// language image under its default name.
 	if _, err := c.importPath(c.admin, fncall.DefaultImage, testsuite.BusyboxRootfs(t)); err != nil {
@@ -139,7 +139,7 @@ func TestRunCode(t *testing.T) {
 func TestAdmissionQueue(t *testing.T) {
 	c := newCluster(t)
 	c.srv.cfg.QueueSize = 1
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 2}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 2}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -218,8 +218,8 @@ func TestAdmissionQueue(t *testing.T) {
 
 func TestBatchAndPools(t *testing.T) {
 	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
-	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Share{})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 64}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}

@@ -22,7 +22,7 @@ import (
 func TestGarbageCollect(t *testing.T) {
 	c := newCluster(t)
 	ctx := context.Background()
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 8}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: 8}, placement.Share{})
 	base, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t))
 	if err != nil {
 		t.Fatal(err)

@@ -23,7 +23,7 @@ import (
 // layers names its blob store; the caller hears what was wrong instead.
 func TestNoHostPathsInErrors(t *testing.T) {
 	c := newCluster(t)
-	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 8000, MemoryBytes: 8 << 30, Sandboxes: 4}, placement.Share{})
 	alice := c.createTenant("alice", nil)
 	host := func(t *testing.T, what string, err error, mention string) {
 		t.Helper()

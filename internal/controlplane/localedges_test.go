@@ -106,7 +106,7 @@ func TestLocalEdgesRefused(t *testing.T) {
 //	go test -run XXX -bench EdgeCall ./internal/controlplane
 func BenchmarkEdgeCall(b *testing.B) {
 	c := newCluster(b)
-	c.addEdge("bench", placement.Capacity{Sandboxes: 10}, placement.Overcommit{})
+	c.addEdge("bench", placement.Capacity{Sandboxes: 10}, placement.Share{})
 	te := c.edges["bench"]
 	quiet := slog.New(slog.DiscardHandler)
 	for _, bc := range []struct {

@@ -21,7 +21,7 @@ func TestRebaseRouting(t *testing.T) {
 	// (placement's locality weight) against an empty n2.
 	// Memory is plenty on both: every sandbox gets a default of 1 GiB,
 	// which must not weigh in the comparison.
-	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, MemoryBytes: 1 << 40, Sandboxes: 8}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 1_000_000, MemoryBytes: 1 << 40, Sandboxes: 8}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +36,7 @@ func TestRebaseRouting(t *testing.T) {
 		onN1 = append(onN1, sb)
 	}
 	// n2 joins empty: by load every create goes there from now on.
-	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, MemoryBytes: 1 << 40, Sandboxes: 64}, placement.Overcommit{})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 1_000_000, MemoryBytes: 1 << 40, Sandboxes: 64}, placement.Share{})
 	if err := c.destroy(alice, onN1[0].GetId()); err != nil {
 		t.Fatal(err)
 	}

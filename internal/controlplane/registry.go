@@ -54,10 +54,16 @@ type registry struct {
 type node struct {
 	id, url, bootID string
 	capacity        map[runtime.Kind]placement.Capacity
-	usage           map[runtime.Kind]placement.Capacity
-	layers          map[string]struct{}
-	load            float64
-	sandboxes       map[string]*dsecv1.SandboxSummary
+	// usage is what the node is charged per backend (measured use plus
+	// its share of requests) and share the fraction of a request it
+	// charges, as last reported.
+	usage map[runtime.Kind]placement.Capacity
+	share map[runtime.Kind]placement.Share
+	// status is what the node measures about itself, as last reported.
+	status    *dsecv1.NodeStatus
+	layers    map[string]struct{}
+	load      float64
+	sandboxes map[string]*dsecv1.SandboxSummary
 	// tenantUse sums the live (not destroyed or failed) sandboxes per tenant.
 	tenantUse map[string]iam.Usage
 	// lost holds sandboxes an earlier boot of this node owned.
@@ -138,6 +144,7 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 	}
 	capacity := make(map[runtime.Kind]placement.Capacity, len(hb.GetCapacity()))
 	usage := make(map[runtime.Kind]placement.Capacity, len(hb.GetCapacity()))
+	share := make(map[runtime.Kind]placement.Share, len(hb.GetCapacity()))
 	for i, c := range hb.GetCapacity() {
 		if c.GetBackend() == "" {
 			return fmt.Errorf("capacity[%d].backend: empty", i)
@@ -148,6 +155,11 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 		if err := checkNonNegative(capacity[k], usage[k]); err != nil {
 			return fmt.Errorf("capacity[%d] (%s): %w", i, k, err)
 		}
+		sh := placement.Share{CPU: c.GetRequestShareCpu(), Memory: c.GetRequestShareMemory()}
+		if !(sh.CPU >= 0 && sh.CPU <= 1) || !(sh.Memory >= 0 && sh.Memory <= 1) {
+			return fmt.Errorf("capacity[%d] (%s): request share %+v not in [0, 1]", i, k, sh)
+		}
+		share[k] = sh
 	}
 	layers := make(map[string]struct{}, len(hb.GetLayers()))
 	for _, l := range hb.GetLayers() {
@@ -205,7 +217,8 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 		}
 	}
 	n.url, n.bootID = hb.GetUrl(), hb.GetBootId()
-	n.capacity, n.usage, n.layers, n.load = capacity, usage, layers, load
+	n.capacity, n.usage, n.share, n.layers, n.load = capacity, usage, share, layers, load
+	n.status = hb.GetStatus()
 	n.sandboxes, n.tenantUse = sandboxes, tenantUse
 	n.lastSeen = now
 	n.deadLogged = false
@@ -324,11 +337,19 @@ func (pr placeReq) need() iam.Usage {
 	return pr.charge
 }
 
-// nodeNeed is what pr charges the node it is placed on until a heartbeat
-// counts it: its requests.
-func (pr placeReq) nodeNeed() placement.Capacity {
-	n := max(pr.pool, 1)
-	return placement.Capacity{MilliCPU: n * pr.req.MilliCPU, MemoryBytes: n * pr.req.MemoryBytes, Sandboxes: n}
+// nodeNeed is what pr charges node n until a heartbeat counts it: n's
+// share of its requests.
+func (pr placeReq) nodeNeed(n *node) placement.Capacity {
+	c, sh := max(pr.pool, 1), n.shareOf(pr.req.Kind)
+	return placement.Capacity{MilliCPU: c * placement.ChargeOf(pr.req.MilliCPU, sh.CPU), MemoryBytes: c * placement.ChargeOf(pr.req.MemoryBytes, sh.Memory), Sandboxes: c}
+}
+
+// shareOf is the request share n reported for kind.
+func (n *node) shareOf(kind runtime.Kind) placement.Share {
+	if sh, ok := n.share[kind]; ok {
+		return sh
+	}
+	return placement.DefaultShare
 }
 
 // reservation is where one placeReq goes, or why it cannot.
@@ -340,7 +361,7 @@ type reservation struct {
 // reserve checks quotas and places a batch in one placement.Place call,
 // charging each placed request to its tenant and node until the create
 // completes and a heartbeat reports it (or it is released).
-func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservation, error) {
+func (r *registry) reserve(reqs []placeReq) ([]reservation, error) {
 	out := make([]reservation, len(reqs))
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -377,7 +398,7 @@ func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservat
 	for j, i := range admitted {
 		preqs[j] = reqs[i].req
 	}
-	decisions, err := placement.Place(views, preqs, placement.WithOvercommit(oc), placement.WithSeed(rand.Uint64()))
+	decisions, err := placement.Place(views, preqs, placement.WithSeed(rand.Uint64()))
 	if err != nil {
 		return nil, err
 	}
@@ -391,7 +412,7 @@ func (r *registry) reserve(reqs []placeReq, oc placement.Overcommit) ([]reservat
 		pr := reqs[i]
 		p := &pendingCreate{
 			id: ids.NewSandbox(n.id), node: n.id, tenant: pr.tenant, kind: pr.req.Kind, labels: pr.labels,
-			use: pr.need(), nodeUse: pr.nodeNeed(), pool: pr.pool > 0,
+			use: pr.need(), nodeUse: pr.nodeNeed(n), pool: pr.pool > 0,
 		}
 		r.pending[p.id] = p
 		r.pendingUse[p.tenant] = r.pendingUse[p.tenant].Add(p.use)
@@ -436,7 +457,7 @@ func (r *registry) viewsLocked(now time.Time) []placement.NodeView {
 			}
 		}
 		views = append(views, placement.NodeView{
-			ID: n.id, Healthy: true, Capacity: n.capacity, Usage: usage, Layers: n.layers, Load: min(n.load, 1),
+			ID: n.id, Healthy: true, Capacity: n.capacity, Usage: usage, Share: n.share, Layers: n.layers, Load: min(n.load, 1),
 		})
 	}
 	return views

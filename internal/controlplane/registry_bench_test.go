@@ -36,7 +36,7 @@ func BenchmarkReserveBurst(b *testing.B) {
 			}
 		}
 		b.StartTimer()
-		out, err := r.reserve(reqs, placement.Overcommit{})
+		out, err := r.reserve(reqs)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -71,7 +71,7 @@ func TestReserveChargesPendingUntilHeartbeat(t *testing.T) {
 	q := &iam.Quota{MaxSandboxes: 10}
 	one := []placeReq{explicitPR("alice", q, 100)}
 
-	res1, err := r.reserve(one, placement.Overcommit{})
+	res1, err := r.reserve(one)
 	if err != nil || res1[0].err != nil {
 		t.Fatal(err, res1[0].err)
 	}
@@ -79,19 +79,19 @@ func TestReserveChargesPendingUntilHeartbeat(t *testing.T) {
 		t.Fatalf("reservation %+v not on n1", res1[0])
 	}
 	r.completed(res1[0].id)
-	res2, _ := r.reserve(one, placement.Overcommit{})
+	res2, _ := r.reserve(one)
 	if res2[0].err != nil {
 		t.Fatal(res2[0].err)
 	}
 	// The node has two slots and both are pending: a third create must not
 	// be placed there although no heartbeat has reported either yet.
-	res3, _ := r.reserve(one, placement.Overcommit{})
+	res3, _ := r.reserve(one)
 	if !errors.Is(res3[0].err, placement.ErrNoCapacity) {
 		t.Fatalf("third reserve err = %v, want no capacity", res3[0].err)
 	}
 	// A failed create frees its slot.
 	r.release(res2[0].id)
-	res4, _ := r.reserve(one, placement.Overcommit{})
+	res4, _ := r.reserve(one)
 	if res4[0].err != nil {
 		t.Fatalf("slot not freed by release: %v", res4[0].err)
 	}
@@ -148,7 +148,7 @@ func TestReserveQuota(t *testing.T) {
 			for i := range reqs {
 				reqs[i] = explicitPR("alice", tc.q, tc.cpu)
 			}
-			out, err := r.reserve(reqs, placement.Overcommit{})
+			out, err := r.reserve(reqs)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -209,7 +209,7 @@ func TestNodeDeathAndRestart(t *testing.T) {
 	}
 	// New creates avoid the dead node.
 	for range 10 {
-		out, _ := r.reserve([]placeReq{explicitPR("x", nil, 1)}, placement.Overcommit{})
+		out, _ := r.reserve([]placeReq{explicitPR("x", nil, 1)})
 		if out[0].err != nil || out[0].node != "n2" {
 			t.Fatalf("reserve with n1 dead = %+v", out[0])
 		}
@@ -250,7 +250,7 @@ func TestNodeDeathAndRestart(t *testing.T) {
 func TestPendingExpiresWithoutHeartbeat(t *testing.T) {
 	r, c := testRegistry()
 	r.heartbeat(beat("n1", "b1", 1))
-	out, _ := r.reserve([]placeReq{explicitPR("a", nil, 0)}, placement.Overcommit{})
+	out, _ := r.reserve([]placeReq{explicitPR("a", nil, 0)})
 	if out[0].err != nil {
 		t.Fatal(out[0].err)
 	}
@@ -260,7 +260,7 @@ func TestPendingExpiresWithoutHeartbeat(t *testing.T) {
 	c.advance(r.pendingGrace + time.Second)
 	r.heartbeat(beat("n1", "b1", 1))
 	r.sweep()
-	again, _ := r.reserve([]placeReq{explicitPR("a", nil, 0)}, placement.Overcommit{})
+	again, _ := r.reserve([]placeReq{explicitPR("a", nil, 0)})
 	if again[0].err != nil {
 		t.Fatalf("slot still held after the grace period: %v", again[0].err)
 	}
@@ -269,23 +269,23 @@ func TestPendingExpiresWithoutHeartbeat(t *testing.T) {
 // TestReserveRequestsVsLimits: a create that leaves its resources to the
 // defaults requests nothing of a node but is charged its limits to its
 // tenant, while it is pending as after a heartbeat reports it (whose
-// summaries carry the limits): a node of 2 cores at 4x overcommit takes
+// summaries carry the limits): a node of 2 cores at a CPU request share of 1/4 takes
 // 20 of them, but only 8 that state a core each; the quota refuses the
 // defaulted ones once their limits reach it.
 func TestReserveRequestsVsLimits(t *testing.T) {
 	r, _ := testRegistry()
 	hb := beat("n1", "b1", 100)
 	hb.Capacity[0].MilliCpu = 2000
+	hb.Capacity[0].RequestShareCpu, hb.Capacity[0].RequestShareMemory = 0.25, 1
 	if err := r.heartbeat(hb); err != nil {
 		t.Fatal(err)
 	}
-	oc := placement.Overcommit{CPU: 4, Memory: 1}
 	defaulted := placeReq{tenant: "alice", quota: &iam.Quota{MaxMilliCPU: 20_000}, req: containerReq(0), charge: iam.Usage{Sandboxes: 1, MilliCPU: 1000, MemoryBytes: 1 << 30}}
 	reqs := make([]placeReq, 21)
 	for i := range reqs {
 		reqs[i] = defaulted
 	}
-	out, err := r.reserve(reqs, oc)
+	out, err := r.reserve(reqs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -312,7 +312,7 @@ func TestReserveRequestsVsLimits(t *testing.T) {
 	for i := range explicit {
 		explicit[i] = explicitPR("bob", nil, 1000)
 	}
-	out, err = r.reserve(explicit, oc)
+	out, err = r.reserve(explicit)
 	if err != nil {
 		t.Fatal(err)
 	}

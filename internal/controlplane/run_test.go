@@ -57,8 +57,8 @@ func runReq(image string, argv ...string) *dsecv1.RunRequest {
 func TestRun(t *testing.T) {
 	c := newCluster(t)
 	ctx := context.Background()
-	c.addEdge("n1", placement.Capacity{MilliCPU: 100_000, Sandboxes: 8}, placement.Overcommit{})
-	c.addEdge("n2", placement.Capacity{MilliCPU: 100_000, Sandboxes: 8}, placement.Overcommit{})
+	c.addEdge("n1", placement.Capacity{MilliCPU: 100_000, Sandboxes: 8}, placement.Share{})
+	c.addEdge("n2", placement.Capacity{MilliCPU: 100_000, Sandboxes: 8}, placement.Share{})
 	if _, err := c.importPath(c.admin, "busybox:1", testsuite.BusyboxRootfs(t)); err != nil {
 		t.Fatal(err)
 	}

@@ -175,7 +175,7 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 				continue
 			}
 			pr.req.Exclude = s.reg.nodesExcept(warm)
-			out, err := s.reg.reserve([]placeReq{pr}, s.cfg.Overcommit)
+			out, err := s.reg.reserve([]placeReq{pr})
 			if err == nil && out[0].err == nil {
 				s.reg.tookWarm(out[0].node, key)
 				return out[0], nil
@@ -183,7 +183,7 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 			pr.req.Exclude = nil
 		}
 	}
-	out, err := s.reg.reserve([]placeReq{pr}, s.cfg.Overcommit)
+	out, err := s.reg.reserve([]placeReq{pr})
 	if err != nil {
 		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
 	}
@@ -192,7 +192,7 @@ func (s *Server) place(p iam.Principal, quota *iam.Quota, prep *prepared, exclud
 
 // reserve places one request by load alone (no warm-node preference).
 func (s *Server) reserve(pr placeReq) (reservation, error) {
-	out, err := s.reg.reserve([]placeReq{pr}, s.cfg.Overcommit)
+	out, err := s.reg.reserve([]placeReq{pr})
 	if err != nil {
 		return reservation{}, errf(connect.CodeInternal, "placement: %w", err)
 	}
@@ -331,7 +331,7 @@ func (s *Server) batchCreate(ctx context.Context, p iam.Principal, spec *dsecv1.
 		reqs[i] = prep.placeReq(p, quota, 0)
 	}
 	// One placement call for the whole batch spreads it over the nodes.
-	placed, err := s.reg.reserve(reqs, s.cfg.Overcommit)
+	placed, err := s.reg.reserve(reqs)
 	if err != nil {
 		return nil, errf(connect.CodeInternal, "placement: %w", err)
 	}

@@ -28,7 +28,6 @@ import (
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
-	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/redact"
 	"github.com/dsec-dev/dsec/internal/spec"
 )
@@ -71,9 +70,7 @@ type Config struct {
 	// LostRetention is how long lost sandboxes and dead nodes are still
 	// reported before they are forgotten (default 1h).
 	LostRetention time.Duration
-	// Overcommit is the placement overcommit (zero fields: placement defaults).
-	Overcommit placement.Overcommit
-	Logger     *slog.Logger
+	Logger        *slog.Logger
 	// Registry receives the server's metrics (nil: a private registry). The
 	// caller serves /metrics from its gatherer.
 	Registry prometheus.Registerer

@@ -52,6 +52,9 @@ import (
 const (
 	DefaultHeartbeatInterval = time.Second
 	DefaultMaxSandboxes      = 4096
+	// DefaultMemoryReserve is the least memory (available plus swap free)
+	// a node keeps out of sandboxes' reach: past it, creates are refused.
+	DefaultMemoryReserve = 256 << 20
 	// DefaultRetention is how long a destroyed, lost or failed sandbox is
 	// remembered, so that Get can say what became of it.
 	DefaultRetention = 5 * time.Minute
@@ -80,10 +83,16 @@ type Config struct {
 	// Capacity per backend; a missing entry or zero field defaults to the
 	// machine's cores*1000 milliCPU, MemTotal and DefaultMaxSandboxes.
 	Capacity map[runtime.Kind]placement.Capacity
-	// Overcommit multiplies CPU and memory capacity at admission; it must
-	// match the servers' placement overcommit or placements get refused.
-	// Zero fields take placement.DefaultOvercommit's.
-	Overcommit placement.Overcommit
+	// RequestShare is the fraction of a sandbox's requested CPU and memory
+	// the node charges for it, per backend, on top of what it measures in
+	// use (see nodestate.go); a backend missing from the map takes
+	// placement.DefaultShare (nothing: measured use only). Heartbeats
+	// report it, so servers place by the same rule.
+	RequestShare map[runtime.Kind]placement.Share
+	// MemoryReserve is the memory (available plus swap free) below which
+	// the node takes no more sandboxes; default DefaultMemoryReserve or
+	// 2% of the node's memory, whichever is larger.
+	MemoryReserve int64
 	// AdvertiseURL is the base URL servers reach this edge's EdgeService at.
 	AdvertiseURL string
 	// Servers are the base URLs of every server replica to heartbeat to.
@@ -154,6 +163,8 @@ type Edge struct {
 	ckStore *blobstore.Dir
 	// wake nudges the reaper when a deadline earlier than its timer appears.
 	wake chan struct{}
+	// state is what the node measures about itself (nodestate.go).
+	state sampler
 
 	mu        sync.Mutex
 	closed    bool
@@ -244,14 +255,20 @@ func New(cfg Config) (*Edge, error) {
 	if cfg.MaxLayers <= 0 {
 		cfg.MaxLayers = DefaultMaxLayers
 	}
-	if cfg.Overcommit.CPU == 0 {
-		cfg.Overcommit.CPU = placement.DefaultOvercommit.CPU
+	shares := map[runtime.Kind]placement.Share{}
+	for kind := range cfg.Backends {
+		sh, ok := cfg.RequestShare[kind]
+		if !ok {
+			sh = placement.DefaultShare
+		}
+		if !(sh.CPU >= 0 && sh.CPU <= 1) || !(sh.Memory >= 0 && sh.Memory <= 1) {
+			return nil, fmt.Errorf("edge config RequestShare[%q] %+v: shares must be in [0, 1]", kind, sh)
+		}
+		shares[kind] = sh
 	}
-	if cfg.Overcommit.Memory == 0 {
-		cfg.Overcommit.Memory = placement.DefaultOvercommit.Memory
-	}
-	if cfg.Overcommit.CPU < 1 || cfg.Overcommit.Memory < 1 {
-		return nil, fmt.Errorf("edge config Overcommit %+v: ratios must be at least 1", cfg.Overcommit)
+	cfg.RequestShare = shares
+	if cfg.MemoryReserve < 0 {
+		return nil, fmt.Errorf("edge config MemoryReserve %d: must not be negative", cfg.MemoryReserve)
 	}
 	defaults, err := spec.NodeDefaults(cfg.Defaults)
 	if err != nil {
@@ -292,6 +309,9 @@ func New(cfg Config) (*Edge, error) {
 		return nil, err
 	}
 	cfg.Capacity = caps
+	if cfg.MemoryReserve == 0 {
+		cfg.MemoryReserve = max(DefaultMemoryReserve, machine.MemoryBytes/50)
+	}
 	m, err := newMetrics(cfg.Registry)
 	if err != nil {
 		return nil, err
@@ -341,13 +361,26 @@ func New(cfg Config) (*Edge, error) {
 		stop:             stop,
 		stopCtx:          stopCtx,
 	}
+	e.state.meters = map[runtime.Kind]runtime.UsageReporter{}
+	for kind, b := range cfg.Backends {
+		if m, ok := b.(runtime.UsageReporter); ok {
+			e.state.meters[kind] = m
+		}
+	}
+	e.state.sample()
 	if err := cfg.Registry.Register(poolCollector{e}); err != nil {
+		stop()
+		return nil, fmt.Errorf("register edge metrics: %w", err)
+	}
+	if err := cfg.Registry.Register(stateCollector{e}); err != nil {
+		cfg.Registry.Unregister(poolCollector{e})
 		stop()
 		return nil, fmt.Errorf("register edge metrics: %w", err)
 	}
 	if !cfg.NoTrajectory {
 		if err := e.openTrajectory(); err != nil {
 			cfg.Registry.Unregister(poolCollector{e})
+			cfg.Registry.Unregister(stateCollector{e})
 			stop()
 			return nil, err
 		}
@@ -393,6 +426,7 @@ func (e *Edge) Run(ctx context.Context) error {
 		wg.Go(func() { e.heartbeatLoop(ctx, url) })
 	}
 	wg.Go(func() { e.reapLoop(ctx) })
+	wg.Go(func() { e.sampleLoop(ctx) })
 	if e.traj != nil {
 		wg.Go(func() { e.shipLoop(ctx) })
 	}

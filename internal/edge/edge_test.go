@@ -448,7 +448,7 @@ func TestEdge(t *testing.T) {
 	t.Run("admission", func(t *testing.T) {
 		small := w.startNode(t, "small", func(c *edge.Config) {
 			c.Capacity = map[runtime.Kind]placement.Capacity{runtime.KindContainer: {MilliCPU: 1000, MemoryBytes: 256 << 20, Sandboxes: 2}}
-			c.Overcommit = placement.Overcommit{CPU: 1, Memory: 1}
+			c.RequestShare = map[runtime.Kind]placement.Share{runtime.KindContainer: {CPU: 1, Memory: 1}}
 			// What a spec without resources gets, and is charged.
 			c.Defaults = edgespec.Resources{MilliCPU: 100, MemoryBytes: 64 << 20}
 		})
@@ -641,8 +641,10 @@ func TestHeartbeats(t *testing.T) {
 	sb := n.mustCreate(t, tenant("a"), s)
 
 	for i, rec := range []*recorder{rec1, rec2} {
+		// Measured memory lags by up to a sample interval.
 		beat := rec.waitFor(t, func(b *dsecv1.HeartbeatRequest) bool {
-			return len(b.Sandboxes) == 1 && b.Sandboxes[0].State == edge.StateRunning
+			return len(b.Sandboxes) == 1 && b.Sandboxes[0].State == edge.StateRunning &&
+				len(b.Capacity) == 1 && b.Capacity[0].UsedMemoryBytes > 0
 		})
 		if beat.NodeId != "hb" || beat.Url != n.url || beat.BootId == "" {
 			t.Errorf("server %d: heartbeat identity %q %q %q", i, beat.NodeId, beat.Url, beat.BootId)
@@ -653,10 +655,18 @@ func TestHeartbeats(t *testing.T) {
 		if d := edgespec.FromProto(beat.GetDefaults()); d != edgespec.Builtin {
 			t.Errorf("server %d: heartbeat defaults %+v, want the built-in %+v", i, d, edgespec.Builtin)
 		}
+		// The default share charges measured use only: no CPU, the
+		// sandboxes' measured memory (an idle agent's few MiB), and
+		// the requests are reported beside it.
 		c := beat.Capacity[0]
 		if c.Backend != "container" || c.MilliCpu != 8000 || c.MemoryBytes != 16<<30 || c.Sandboxes != 100 ||
-			c.UsedMilliCpu != 500 || c.UsedMemoryBytes != 64<<20 || c.UsedSandboxes != 1 {
+			c.UsedMilliCpu != 0 || c.UsedMemoryBytes <= 0 || c.UsedMemoryBytes >= 64<<20 || c.UsedSandboxes != 1 ||
+			c.RequestedMilliCpu != 500 || c.RequestedMemoryBytes != 64<<20 || c.RequestShareCpu != 0 || c.RequestShareMemory != 0 {
 			t.Errorf("server %d: capacity %v", i, c)
+		}
+		if st := beat.GetStatus(); st.GetMemoryTotalBytes() <= 0 || st.GetMaxOpenFiles() <= 0 || st.GetOpenFiles() <= 0 ||
+			st.GetThreads() <= 0 || st.GetMaxThreads() <= 0 || st.GetFull() != "" {
+			t.Errorf("server %d: node status %v", i, st)
 		}
 		if len(beat.Layers) != 1 || beat.Layers[0] != w.layer {
 			t.Errorf("server %d: layers %v, want [%s]", i, beat.Layers, w.layer)
@@ -668,6 +678,29 @@ func TestHeartbeats(t *testing.T) {
 		}
 	}
 
+	// The same state as metrics.
+	fams, err := n.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]float64{}
+	for _, f := range fams {
+		for _, m := range f.Metric {
+			key := f.GetName()
+			for _, l := range m.Label {
+				key += "," + l.GetName() + "=" + l.GetValue()
+			}
+			seen[key] = m.GetGauge().GetValue()
+		}
+	}
+	for _, k := range []string{"dsec_edge_node_limit,kind=max,resource=open_files", "dsec_edge_node_memory_bytes,backend=container,kind=sandboxes", "dsec_edge_node_memory_bytes,backend=,kind=available"} {
+		if seen[k] <= 0 {
+			t.Errorf("metric %s = %v, want > 0", k, seen[k])
+		}
+	}
+	if v, ok := seen["dsec_edge_node_full"]; !ok || v != 0 {
+		t.Errorf("dsec_edge_node_full = %v (present %v), want 0", v, ok)
+	}
 	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", edge.StateRunning); v != 1 {
 		t.Errorf("sandboxes{state=running} = %v, want 1", v)
 	}

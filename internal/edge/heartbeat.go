@@ -28,20 +28,23 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 	req.Pools = e.poolSummaries(held)
 	e.mu.Lock()
 	for _, kind := range slices.Sorted(maps.Keys(e.cfg.Capacity)) {
-		c, u, p := e.cfg.Capacity[kind], e.used[kind], e.pooledLocked(kind)
-		u.MilliCPU += p.MilliCPU
-		u.MemoryBytes += p.MemoryBytes
-		u.Sandboxes += p.Sandboxes
+		c, u, r, sh := e.cfg.Capacity[kind], e.chargedLocked(kind), e.requestedLocked(kind), e.cfg.RequestShare[kind]
 		req.Capacity = append(req.Capacity, &dsecv1.BackendCapacity{
-			Backend:         string(kind),
-			MilliCpu:        c.MilliCPU,
-			MemoryBytes:     c.MemoryBytes,
-			Sandboxes:       c.Sandboxes,
-			UsedMilliCpu:    u.MilliCPU,
-			UsedMemoryBytes: u.MemoryBytes,
-			UsedSandboxes:   u.Sandboxes,
+			Backend:              string(kind),
+			MilliCpu:             c.MilliCPU,
+			MemoryBytes:          c.MemoryBytes,
+			Sandboxes:            c.Sandboxes,
+			UsedMilliCpu:         u.MilliCPU,
+			UsedMemoryBytes:      u.MemoryBytes,
+			UsedSandboxes:        u.Sandboxes,
+			RequestShareCpu:      sh.CPU,
+			RequestShareMemory:   sh.Memory,
+			RequestedMilliCpu:    r.MilliCPU,
+			RequestedMemoryBytes: r.MemoryBytes,
 		})
 	}
+	st, since := e.state.get()
+	req.Status = st.proto(st.full(since, e.cfg.MemoryReserve))
 	for d := range e.layers {
 		held[d]++
 	}

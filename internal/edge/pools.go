@@ -219,12 +219,8 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 func (e *Edge) poolRoom(wp *warmPool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	capa := e.cfg.Capacity[wp.kind]
-	used, pooled := e.used[wp.kind], e.pooledLocked(wp.kind)
-	if used.Sandboxes+pooled.Sandboxes+1 > capa.Sandboxes ||
-		float64(used.MilliCPU+pooled.MilliCPU+wp.req.MilliCPU) > float64(capa.MilliCPU)*e.cfg.Overcommit.CPU ||
-		float64(used.MemoryBytes+pooled.MemoryBytes+wp.req.MemoryBytes) > float64(capa.MemoryBytes)*e.cfg.Overcommit.Memory {
-		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("node %q has no room to fill pool %q", e.cfg.NodeID, wp.id))
+	if short := e.shortLocked(wp.kind, wp.req); short != "" {
+		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("node %q has no room to fill pool %q: out of %s", e.cfg.NodeID, wp.id, short))
 	}
 	return nil
 }

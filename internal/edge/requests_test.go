@@ -34,8 +34,8 @@ func pidsLimits(w *world) []string {
 
 // TestRequestsVsLimits: the node charges its capacity with what a spec
 // states (its requests), and gives the sandbox its limits (the server's
-// resolution of the defaults, else the node's own). On 2 cores at 4x
-// overcommit, 20 sandboxes without resources fit (each charged 1 core of
+// resolution of the defaults, else the node's own). On 2 cores at a CPU
+// request share of 1/4, 20 sandboxes without resources fit (each charged 1 core of
 // its default limit, 8 did); cpu=1 ones stop at 8. Heartbeats report the
 // requests as used and the limits per sandbox (the tenant's charge); a
 // pool's node charge is its spec's requests too, its quota charge its
@@ -46,7 +46,7 @@ func TestRequestsVsLimits(t *testing.T) {
 	n := w.startNode(t, "rq", func(c *edge.Config) {
 		c.Servers = []string{url}
 		c.Capacity = map[runtime.Kind]placement.Capacity{runtime.KindContainer: {MilliCPU: 2000, MemoryBytes: 24 << 30, Sandboxes: 64}}
-		c.Overcommit = placement.Overcommit{CPU: 4, Memory: 1}
+		c.RequestShare = map[runtime.Kind]placement.Share{runtime.KindContainer: {CPU: 0.25, Memory: 1}}
 		c.Defaults = edgespec.Resources{Pids: 77}
 	})
 	bare := &dsecv1.SandboxSpec{Image: baseImage}
@@ -116,11 +116,15 @@ func TestRequestsVsLimits(t *testing.T) {
 
 	const live = defaulted + 1 + 8
 	beat := rec.waitFor(t, func(b *dsecv1.HeartbeatRequest) bool {
-		return len(b.Sandboxes) == live && len(b.Pools) > 0 && b.Pools[0].GetReady() == 2
+		return len(b.Sandboxes) == live && len(b.Pools) > 0 && b.Pools[0].GetReady() == 2 &&
+			len(b.Capacity) == 1 && b.Capacity[0].UsedMemoryBytes > 0
 	})
+	// Charged: a quarter of the 8000 milli-CPU requested, the measured
+	// memory (an idle agent's few MiB each: the requests state none).
 	c := beat.Capacity[0]
-	if c.UsedMilliCpu != 8000 || c.UsedMemoryBytes != 0 || c.UsedSandboxes != live+2 {
-		t.Errorf("heartbeat capacity %v, want 8000 milli-CPU, no memory and %d sandboxes used (the requests; the pool's 2 included)", c, live+2)
+	if c.RequestedMilliCpu != 8000 || c.RequestedMemoryBytes != 0 || c.UsedMilliCpu != 2000 || c.UsedMemoryBytes <= 0 ||
+		c.UsedMemoryBytes > (live+2)*(16<<20) || c.UsedSandboxes != live+2 {
+		t.Errorf("heartbeat capacity %v, want 8000 milli-CPU and no memory requested, 2000 milli-CPU and a few MiB a sandbox charged, and %d sandboxes (the pool's 2 included)", c, live+2)
 	}
 	for _, s := range beat.Sandboxes {
 		wantCPU, wantMem := int64(1000), edgespec.Builtin.MemoryBytes

@@ -362,22 +362,7 @@ func (e *Edge) admit(sb *sandbox) error {
 	if _, dup := e.sandboxes[sb.id]; dup {
 		return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
 	}
-	capa, used := e.cfg.Capacity[sb.kind], e.used[sb.kind]
-	// Pooled sandboxes hold capacity too (a sandbox just taken from a pool
-	// no longer counts there).
-	p := e.pooledLocked(sb.kind)
-	used.MilliCPU += p.MilliCPU
-	used.MemoryBytes += p.MemoryBytes
-	used.Sandboxes += p.Sandboxes
-	var short string
-	switch {
-	case used.Sandboxes+1 > capa.Sandboxes:
-		short = fmt.Sprintf("sandboxes (%d of %d in use)", used.Sandboxes, capa.Sandboxes)
-	case float64(used.MilliCPU+sb.req.MilliCPU) > float64(capa.MilliCPU)*e.cfg.Overcommit.CPU:
-		short = fmt.Sprintf("milli_cpu (%d requested, %d of %d in use)", sb.req.MilliCPU, used.MilliCPU, capa.MilliCPU)
-	case float64(used.MemoryBytes+sb.req.MemoryBytes) > float64(capa.MemoryBytes)*e.cfg.Overcommit.Memory:
-		short = fmt.Sprintf("memory_bytes (%d requested, %d of %d in use)", sb.req.MemoryBytes, used.MemoryBytes, capa.MemoryBytes)
-	}
+	short := e.shortLocked(sb.kind, sb.req)
 	if short != "" {
 		e.metrics.failures.WithLabelValues(string(sb.kind), "admission").Inc()
 		return connect.NewError(connect.CodeResourceExhausted,
@@ -385,8 +370,59 @@ func (e *Edge) admit(sb *sandbox) error {
 	}
 	e.sandboxes[sb.id] = sb
 	e.charge(sb)
+	e.state.admitted()
 	e.setState(sb, StateCreating, "")
 	return nil
+}
+
+// shortLocked says what the node is short of for one more sandbox of kind
+// requesting req, or "" when it has room; the caller holds mu. The node is
+// charged what it measures in use plus its share of what live and pooled
+// sandboxes request (see nodestate.go), and its measured state must have
+// room for one more sandbox.
+func (e *Edge) shortLocked(kind runtime.Kind, req placement.Capacity) string {
+	capa, c := e.cfg.Capacity[kind], e.chargedLocked(kind)
+	sh := e.cfg.RequestShare[kind]
+	st, since := e.state.get()
+	cpu, mem := placement.ChargeOf(req.MilliCPU, sh.CPU), placement.ChargeOf(req.MemoryBytes, sh.Memory)
+	switch {
+	case c.Sandboxes+1 > capa.Sandboxes:
+		return fmt.Sprintf("sandboxes (%d of %d in use)", c.Sandboxes, capa.Sandboxes)
+	case req.MemoryBytes > capa.MemoryBytes:
+		return fmt.Sprintf("memory_bytes (%d requested, more than the node's %d)", req.MemoryBytes, capa.MemoryBytes)
+	case cpu > capa.MilliCPU-c.MilliCPU:
+		return fmt.Sprintf("milli_cpu (%d requested at a share of %g, %d of %d charged)", req.MilliCPU, sh.CPU, c.MilliCPU, capa.MilliCPU)
+	case mem > capa.MemoryBytes-c.MemoryBytes:
+		return fmt.Sprintf("memory_bytes (%d requested at a share of %g, %d of %d charged)", req.MemoryBytes, sh.Memory, c.MemoryBytes, capa.MemoryBytes)
+	}
+	return st.full(since, e.cfg.MemoryReserve)
+}
+
+// requestedLocked is what live and pooled sandboxes of kind request, and
+// their count; the caller holds mu.
+func (e *Edge) requestedLocked(kind runtime.Kind) placement.Capacity {
+	u, p := e.used[kind], e.pooledLocked(kind)
+	u.MilliCPU += p.MilliCPU
+	u.MemoryBytes += p.MemoryBytes
+	u.Sandboxes += p.Sandboxes
+	return u
+}
+
+// chargedLocked is what the node is charged for kind: its share of what
+// the backend's sandboxes request, plus, for memory, what they are
+// measured to use; the caller holds mu. CPU is compressible: what
+// sandboxes use of it is weighed (idle sandboxes get a low weight) and
+// steers placement through the node's load, but does not refuse a create
+// (a burst of creates spends CPU setting them up and would refuse itself).
+func (e *Edge) chargedLocked(kind runtime.Kind) placement.Capacity {
+	r, sh := e.requestedLocked(kind), e.cfg.RequestShare[kind]
+	st, _ := e.state.get()
+	u := st.use[kind]
+	return placement.Capacity{
+		MilliCPU:    placement.ChargeOf(r.MilliCPU, sh.CPU),
+		MemoryBytes: u.memoryBytes + placement.ChargeOf(r.MemoryBytes, sh.Memory),
+		Sandboxes:   r.Sandboxes,
+	}
 }
 
 // charge and uncharge keep node usage and held layers; the caller holds mu.

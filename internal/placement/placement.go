@@ -36,18 +36,25 @@ type Capacity struct {
 	Sandboxes int64
 }
 
-// Overcommit multiplies a node's CPU and memory capacity: sandboxes rarely
-// use all they ask for, so a node can promise more than it has. A zero field
-// takes the batch default (see WithOvercommit).
-type Overcommit struct {
+// Share is the fraction of a sandbox's requested CPU and memory that a node
+// is charged for it on top of what its sandboxes are measured to use.
+// Requests are limits, not reservations: an idle agent uses a sliver of its
+// limits while it waits for the model, so a node is full when what its
+// sandboxes use says so, not when the sum of their limits reaches its size.
+// A share of 1 is a reservation (the Kubernetes way), 0 counts measured use
+// only. Fields are literal: 0 is a valid share.
+type Share struct {
 	CPU    float64
 	Memory float64
 }
 
-// DefaultOvercommit is 4x CPU (idle agents mostly wait on the model, as E2B
-// assumes) and 1x memory (memory overcommit ends in OOM kills, which look
-// like task failures to the trainer).
-var DefaultOvercommit = Overcommit{CPU: 4, Memory: 1}
+// DefaultShare is what a node charges per requested unit when it reports no
+// share of its own: nothing. CPU is compressible (weights keep sandboxes with
+// an exec in flight fast) and memory is measured (idle sandboxes give theirs
+// back to swap and reclaim before anyone is OOM-killed), so a node admits
+// what its measured state holds, and its edge refuses a create when that
+// state says it is full.
+var DefaultShare = Share{}
 
 // NodeView is what the control plane knows about one node, rebuilt from its
 // heartbeats.
@@ -60,11 +67,12 @@ type NodeView struct {
 	// a backend missing from the map is not offered. Every field is a hard
 	// limit: zero Sandboxes means no sandbox of that backend fits.
 	Capacity map[runtime.Kind]Capacity
-	// Usage is what is already allocated per backend (requests of live
-	// sandboxes, and their count).
+	// Usage is what the node is already charged per backend: measured use
+	// plus its Share of what live sandboxes request, and their count.
 	Usage map[runtime.Kind]Capacity
-	// Overcommit overrides the batch default for this node, field by field.
-	Overcommit Overcommit
+	// Share is the fraction of a request the node charges per backend; a
+	// backend missing from the map takes the batch default (WithShare).
+	Share map[runtime.Kind]Share
 	// Layers is the set of layer digests the node holds (cached or mounted).
 	Layers map[string]struct{}
 	// Load is the node's measured busy fraction in [0, 1]. Scorers may treat
@@ -116,9 +124,9 @@ var ErrInvalidRequest = errors.New("invalid placement request")
 var ErrInvalidNode = errors.New("invalid node view")
 
 type options struct {
-	scorer     Scorer
-	overcommit Overcommit
-	seed       uint64
+	scorer Scorer
+	share  Share
+	seed   uint64
 }
 
 // Option configures Place.
@@ -133,18 +141,9 @@ func WithLocalityWeight(w float64) Option {
 	return func(o *options) { o.scorer = LeastLoaded{LocalityWeight: w} }
 }
 
-// WithOvercommit sets the ratios for nodes that do not set their own; zero
-// fields keep DefaultOvercommit's.
-func WithOvercommit(oc Overcommit) Option {
-	return func(o *options) {
-		if oc.CPU != 0 {
-			o.overcommit.CPU = oc.CPU
-		}
-		if oc.Memory != 0 {
-			o.overcommit.Memory = oc.Memory
-		}
-	}
-}
+// WithShare sets the share for nodes that do not report one for a backend
+// (default DefaultShare).
+func WithShare(sh Share) Option { return func(o *options) { o.share = sh } }
 
 // WithSeed seeds the random choice between equally scored nodes; the same
 // seed and input give the same decisions.
@@ -156,14 +155,14 @@ func WithSeed(seed uint64) Option { return func(o *options) { o.seed = seed } }
 // returned error is non-nil only when the node views or options are
 // malformed, in which case nothing is placed.
 func Place(nodes []NodeView, reqs []Request, opts ...Option) ([]Decision, error) {
-	o := options{scorer: LeastLoaded{LocalityWeight: DefaultLocalityWeight}, overcommit: DefaultOvercommit}
+	o := options{scorer: LeastLoaded{LocalityWeight: DefaultLocalityWeight}, share: DefaultShare}
 	for _, opt := range opts {
 		opt(&o)
 	}
 	if o.scorer == nil {
 		return nil, errors.New("placement: scorer is nil")
 	}
-	if err := checkOvercommit("default overcommit", o.overcommit); err != nil {
+	if err := checkShare("default share", o.share); err != nil {
 		return nil, err
 	}
 	p, err := newPlanner(nodes, reqs, &o)
@@ -181,10 +180,42 @@ func Place(nodes []NodeView, reqs []Request, opts ...Option) ([]Decision, error)
 // inner loop touches no maps.
 type slot struct {
 	node                  int
-	capCPU, capMem, capSB int64 // after overcommit
+	capCPU, capMem, capSB int64
 	useCPU, useMem, useSB int64
 	invCPU, invMem, invSB float64 // 1/cap, 0 when cap is 0
+	shCPU, shMem          float64 // the node's Share for the backend
 	start                 float64 // utilization before this batch
+}
+
+// charge is what the slot's node is charged for r: its share of r's
+// requests, rounded up so that a share above 0 never charges nothing.
+func (sl *slot) charge(r *Request) (cpu, mem int64) {
+	return ChargeOf(r.MilliCPU, sl.shCPU), ChargeOf(r.MemoryBytes, sl.shMem)
+}
+
+// ChargeOf is what a node charges for v requested at share: rounded up, so
+// that a share above 0 never charges nothing. Edges and servers charge by
+// it too, so all three agree to the unit.
+func ChargeOf(v int64, share float64) int64 {
+	if v == 0 || share == 0 {
+		return 0
+	}
+	if share == 1 {
+		return v
+	}
+	c := math.Ceil(float64(v) * share)
+	if c >= math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(c)
+}
+
+// fits reports whether r fits the slot: its charge within what is left,
+// a sandbox slot free, and its memory limit no larger than the node (a
+// sandbox that could never get all it may use anywhere is refused rather
+// than placed where it would be OOM-killed short of its limit).
+func (sl *slot) fits(r *Request, cpu, mem int64) bool {
+	return cpu <= sl.capCPU-sl.useCPU && mem <= sl.capMem-sl.useMem && sl.useSB < sl.capSB && r.MemoryBytes <= sl.capMem
 }
 
 // utilization is the fullest of the slot's resources after adding
@@ -235,9 +266,9 @@ type planner struct {
 	excluded []uint32       // per node: stamp of the request excluding it
 }
 
-func checkOvercommit(what string, oc Overcommit) error {
-	if !(oc.CPU >= 0) || !(oc.Memory >= 0) || math.IsInf(oc.CPU, 0) || math.IsInf(oc.Memory, 0) {
-		return fmt.Errorf("%w: %s %+v must be finite and non-negative", ErrInvalidNode, what, oc)
+func checkShare(what string, sh Share) error {
+	if !(sh.CPU >= 0) || !(sh.Memory >= 0) || math.IsInf(sh.CPU, 0) || math.IsInf(sh.Memory, 0) {
+		return fmt.Errorf("%w: %s %+v must be finite and non-negative", ErrInvalidNode, what, sh)
 	}
 	return nil
 }
@@ -247,17 +278,6 @@ func checkCapacity(node string, kind runtime.Kind, field string, c Capacity) err
 		return fmt.Errorf("%w: node %q %s[%s] %+v has a negative field", ErrInvalidNode, node, field, kind, c)
 	}
 	return nil
-}
-
-func effective(capacity int64, ratio float64) int64 {
-	if ratio == 1 {
-		return capacity
-	}
-	v := float64(capacity) * ratio
-	if v >= math.MaxInt64 {
-		return math.MaxInt64
-	}
-	return int64(v)
 }
 
 func inverse(v int64) float64 {
@@ -275,7 +295,7 @@ func newPlanner(nodes []NodeView, reqs []Request, o *options) (*planner, error) 
 		rng:    rand.New(rand.NewPCG(o.seed, o.seed^0x9e3779b97f4a7c15)),
 		info:   make([]reqInfo, len(reqs)),
 	}
-	if err := p.buildPools(nodes, o.overcommit); err != nil {
+	if err := p.buildPools(nodes, o.share); err != nil {
 		return nil, err
 	}
 	p.internLayers()
@@ -288,7 +308,7 @@ func newPlanner(nodes []NodeView, reqs []Request, o *options) (*planner, error) 
 	return p, nil
 }
 
-func (p *planner) buildPools(nodes []NodeView, def Overcommit) error {
+func (p *planner) buildPools(nodes []NodeView, def Share) error {
 	p.index = make(map[string]int, len(nodes))
 	kinds := make(map[runtime.Kind]int)
 	for n := range nodes {
@@ -303,16 +323,6 @@ func (p *planner) buildPools(nodes []NodeView, def Overcommit) error {
 		if math.IsNaN(nv.Load) || math.IsInf(nv.Load, 0) {
 			return fmt.Errorf("%w: node %q load %v is not finite", ErrInvalidNode, nv.ID, nv.Load)
 		}
-		if err := checkOvercommit(fmt.Sprintf("node %q overcommit", nv.ID), nv.Overcommit); err != nil {
-			return err
-		}
-		oc := nv.Overcommit
-		if oc.CPU == 0 {
-			oc.CPU = def.CPU
-		}
-		if oc.Memory == 0 {
-			oc.Memory = def.Memory
-		}
 		eligible := nv.Healthy && !nv.Draining
 		for kind, c := range nv.Capacity {
 			if err := checkCapacity(nv.ID, kind, "Capacity", c); err != nil {
@@ -320,6 +330,13 @@ func (p *planner) buildPools(nodes []NodeView, def Overcommit) error {
 			}
 			u := nv.Usage[kind]
 			if err := checkCapacity(nv.ID, kind, "Usage", u); err != nil {
+				return err
+			}
+			sh, ok := nv.Share[kind]
+			if !ok {
+				sh = def
+			}
+			if err := checkShare(fmt.Sprintf("node %q share[%s]", nv.ID, kind), sh); err != nil {
 				return err
 			}
 			pi, ok := kinds[kind]
@@ -335,9 +352,11 @@ func (p *planner) buildPools(nodes []NodeView, def Overcommit) error {
 			}
 			s := slot{
 				node:   n,
-				capCPU: effective(c.MilliCPU, oc.CPU),
-				capMem: effective(c.MemoryBytes, oc.Memory),
+				capCPU: c.MilliCPU,
+				capMem: c.MemoryBytes,
 				capSB:  c.Sandboxes,
+				shCPU:  sh.CPU,
+				shMem:  sh.Memory,
 				useCPU: u.MilliCPU,
 				useMem: u.MemoryBytes,
 				useSB:  u.Sandboxes,
@@ -462,10 +481,11 @@ func (p *planner) place(i int) Decision {
 		if p.excluded != nil && p.excluded[sl.node] == stamp {
 			continue
 		}
-		if r.MilliCPU > sl.capCPU-sl.useCPU || r.MemoryBytes > sl.capMem-sl.useMem || sl.useSB >= sl.capSB {
+		cpu, mem := sl.charge(r)
+		if !sl.fits(r, cpu, mem) {
 			continue
 		}
-		util := sl.utilization(r.MilliCPU, r.MemoryBytes, 1)
+		util := sl.utilization(cpu, mem, 1)
 		loc := 0.0
 		if info.total > 0 {
 			row := p.held[sl.node*p.words:]
@@ -494,8 +514,9 @@ func (p *planner) place(i int) Decision {
 		return Decision{Node: -1, Err: p.diagnose(pl, r, stamp)}
 	}
 	sl := &pl.slots[best]
-	sl.useCPU += r.MilliCPU
-	sl.useMem += r.MemoryBytes
+	cpu, mem := sl.charge(r)
+	sl.useCPU += cpu
+	sl.useMem += mem
 	sl.useSB++
 	return Decision{NodeID: p.nodes[sl.node].ID, Node: sl.node}
 }
@@ -515,8 +536,9 @@ func (p *planner) diagnose(pl *pool, r *Request, stamp uint32) error {
 			continue
 		}
 		e.Eligible++
-		cpu = cpu || r.MilliCPU <= sl.capCPU-sl.useCPU
-		mem = mem || r.MemoryBytes <= sl.capMem-sl.useMem
+		c, m := sl.charge(r)
+		cpu = cpu || c <= sl.capCPU-sl.useCPU
+		mem = mem || (m <= sl.capMem-sl.useMem && r.MemoryBytes <= sl.capMem)
 		sb = sb || sl.useSB < sl.capSB
 	}
 	if e.Eligible == 0 {

@@ -15,8 +15,9 @@ import (
 
 const gib = int64(1) << 30
 
-// noOvercommit makes capacities literal so table rows read directly.
-var noOvercommit = WithOvercommit(Overcommit{CPU: 1, Memory: 1})
+// noOvercommit charges requests whole (a reservation) so table rows read
+// directly.
+var noOvercommit = WithShare(Share{CPU: 1, Memory: 1})
 
 func node(id string, c Capacity) NodeView {
 	return NodeView{ID: id, Healthy: true, Capacity: map[runtime.Kind]Capacity{runtime.KindContainer: c}}
@@ -121,7 +122,9 @@ func TestFitByResource(t *testing.T) {
 	}
 }
 
-func TestOvercommit(t *testing.T) {
+// TestShare: a node is charged its measured use (Usage) plus its share of
+// what sandboxes request; a memory limit above the node never fits.
+func TestShare(t *testing.T) {
 	c := Capacity{MilliCPU: 1000, MemoryBytes: gib, Sandboxes: 100}
 	tests := []struct {
 		name string
@@ -130,19 +133,20 @@ func TestOvercommit(t *testing.T) {
 		req  Request
 		fits bool
 	}{
-		{name: "default cpu 4x fits", node: node("n", c), req: ctr(4000, 0), fits: true},
-		{name: "default cpu 4x exceeded", node: node("n", c), req: ctr(4001, 0)},
-		{name: "default memory 1x fits", node: node("n", c), req: ctr(0, gib), fits: true},
-		{name: "default memory 1x exceeded", node: node("n", c), req: ctr(0, gib+1)},
-		{name: "usage counts against overcommitted cpu", node: node("n", c).used(Capacity{MilliCPU: 3000}), req: ctr(1000, 0), fits: true},
-		{name: "usage counts against overcommitted cpu, exceeded", node: node("n", c).used(Capacity{MilliCPU: 3000}), req: ctr(1001, 0)},
-		{name: "global cpu ratio", node: node("n", c), opts: []Option{WithOvercommit(Overcommit{CPU: 8})}, req: ctr(8000, gib), fits: true},
-		{name: "global cpu ratio keeps memory default", node: node("n", c), opts: []Option{WithOvercommit(Overcommit{CPU: 8})}, req: ctr(0, gib+1)},
-		{name: "node cpu ratio beats global", node: withOvercommit(node("n", c), Overcommit{CPU: 2}), opts: []Option{WithOvercommit(Overcommit{CPU: 8})}, req: ctr(2001, 0)},
-		{name: "node cpu ratio", node: withOvercommit(node("n", c), Overcommit{CPU: 2}), req: ctr(2000, 0), fits: true},
-		{name: "node memory ratio", node: withOvercommit(node("n", c), Overcommit{Memory: 1.5}), req: ctr(0, gib*3/2), fits: true},
-		{name: "node memory ratio exceeded", node: withOvercommit(node("n", c), Overcommit{Memory: 1.5}), req: ctr(0, gib*3/2+1)},
-		{name: "sandboxes never overcommitted", node: node("n", c).used(Capacity{Sandboxes: 100}), opts: []Option{WithOvercommit(Overcommit{CPU: 8, Memory: 8})}, req: ctr(0, 0)},
+		{name: "default share: cpu beyond the node fits", node: node("n", c), req: ctr(64000, 0), fits: true},
+		{name: "default share: memory up to the node fits", node: node("n", c).used(Capacity{MemoryBytes: gib / 2}), req: ctr(0, gib), fits: true},
+		{name: "memory limit above the node never fits", node: node("n", c), req: ctr(0, gib+1)},
+		{name: "measured use fills the node", node: node("n", c).used(Capacity{MemoryBytes: gib}), opts: []Option{WithShare(Share{Memory: 0.01})}, req: ctr(0, gib)},
+		{name: "measured cpu counts", node: node("n", c).used(Capacity{MilliCPU: 1000}), opts: []Option{WithShare(Share{CPU: 0.5})}, req: ctr(1, 0)},
+		{name: "half cpu share fits", node: node("n", c), opts: []Option{WithShare(Share{CPU: 0.5})}, req: ctr(2000, 0), fits: true},
+		{name: "half cpu share exceeded", node: node("n", c), opts: []Option{WithShare(Share{CPU: 0.5})}, req: ctr(2001, 0)},
+		{name: "usage counts against the share", node: node("n", c).used(Capacity{MilliCPU: 500}), opts: []Option{WithShare(Share{CPU: 0.25})}, req: ctr(2000, 0), fits: true},
+		{name: "usage counts against the share, exceeded", node: node("n", c).used(Capacity{MilliCPU: 500}), opts: []Option{WithShare(Share{CPU: 0.25})}, req: ctr(2004, 0)},
+		{name: "node share beats default", node: withShare(node("n", c), Share{CPU: 1}), opts: []Option{WithShare(Share{CPU: 0.1})}, req: ctr(1001, 0)},
+		{name: "node memory share", node: withShare(node("n", c), Share{Memory: 0.5}).used(Capacity{MemoryBytes: gib / 2}), req: ctr(0, gib), fits: true},
+		{name: "node memory share exceeded", node: withShare(node("n", c), Share{Memory: 0.5}).used(Capacity{MemoryBytes: gib/2 + 1}), req: ctr(0, gib)},
+		{name: "tiny share still charges", node: node("n", c).used(Capacity{MilliCPU: 1000}), opts: []Option{WithShare(Share{CPU: 1e-9})}, req: ctr(1, 0)},
+		{name: "sandboxes never overcommitted", node: node("n", c).used(Capacity{Sandboxes: 100}), req: ctr(0, 0)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -154,8 +158,32 @@ func TestOvercommit(t *testing.T) {
 	}
 }
 
-func withOvercommit(n NodeView, oc Overcommit) NodeView {
-	n.Overcommit = oc
+// TestShareSpreadsIdleBurst: with the default share (measured use only) a
+// burst of large-limit requests fills nodes by sandbox slots and spreads.
+func TestShareSpreadsIdleBurst(t *testing.T) {
+	c := Capacity{MilliCPU: 2000, MemoryBytes: 24 * gib, Sandboxes: 4000}
+	nodes := []NodeView{node("a", c), node("b", c)}
+	reqs := make([]Request, 6000)
+	for i := range reqs {
+		reqs[i] = ctr(4000, 8*gib)
+	}
+	count := map[string]int{}
+	for _, d := range mustPlace(t, nodes, reqs, WithSeed(3)) {
+		if d.Err != nil {
+			t.Fatal(d.Err)
+		}
+		count[d.NodeID]++
+	}
+	if count["a"] != 3000 || count["b"] != 3000 {
+		t.Fatalf("placements %v, want 3000 on each node", count)
+	}
+}
+
+func withShare(n NodeView, sh Share) NodeView {
+	if n.Share == nil {
+		n.Share = map[runtime.Kind]Share{}
+	}
+	n.Share[runtime.KindContainer] = sh
 	return n
 }
 
@@ -502,8 +530,9 @@ func TestInvalidNodes(t *testing.T) {
 		{name: "negative capacity", nodes: []NodeView{neg}},
 		{name: "negative usage", nodes: []NodeView{negUse}},
 		{name: "NaN load", nodes: []NodeView{withLoad(node("a", c), math.NaN())}},
-		{name: "negative node overcommit", nodes: []NodeView{withOvercommit(node("a", c), Overcommit{CPU: -2})}},
-		{name: "infinite default overcommit", nodes: []NodeView{node("a", c)}, opts: []Option{WithOvercommit(Overcommit{Memory: math.Inf(1)})}},
+		{name: "negative node share", nodes: []NodeView{withShare(node("a", c), Share{CPU: -2})}},
+		{name: "NaN node share", nodes: []NodeView{withShare(node("a", c), Share{Memory: math.NaN()})}},
+		{name: "infinite default share", nodes: []NodeView{node("a", c)}, opts: []Option{WithShare(Share{Memory: math.Inf(1)})}},
 		{name: "nil scorer", nodes: []NodeView{node("a", c)}, opts: []Option{WithScorer(nil)}},
 	}
 	for _, tt := range tests {
@@ -573,7 +602,7 @@ func TestRandomBatchesAgainstReplay(t *testing.T) {
 				Capacity: map[runtime.Kind]Capacity{}, Usage: map[runtime.Kind]Capacity{}, Load: rng.Float64() / 2,
 				Layers: map[string]struct{}{}}
 			if rng.IntN(3) == 0 {
-				n.Overcommit = Overcommit{CPU: float64(1 + rng.IntN(4))}
+				n.Share = map[runtime.Kind]Share{runtime.KindContainer: {CPU: float64(rng.IntN(5)) / 4, Memory: float64(rng.IntN(3)) / 2}}
 			}
 			for _, k := range kinds {
 				if rng.IntN(4) == 0 {
@@ -610,23 +639,21 @@ func TestRandomBatchesAgainstReplay(t *testing.T) {
 				use[n.ID+"/"+string(k)] = u
 			}
 		}
-		limit := func(n NodeView, k runtime.Kind) Capacity {
-			c := n.Capacity[k]
-			cpu, mem := n.Overcommit.CPU, n.Overcommit.Memory
-			if cpu == 0 {
-				cpu = DefaultOvercommit.CPU
+		// charged is what a node is charged for r: the share of its
+		// requests, rounded up.
+		charged := func(n NodeView, r Request) Capacity {
+			sh, ok := n.Share[r.Kind]
+			if !ok {
+				sh = DefaultShare
 			}
-			if mem == 0 {
-				mem = DefaultOvercommit.Memory
-			}
-			return Capacity{MilliCPU: int64(float64(c.MilliCPU) * cpu), MemoryBytes: int64(float64(c.MemoryBytes) * mem), Sandboxes: c.Sandboxes}
+			return Capacity{MilliCPU: int64(math.Ceil(float64(r.MilliCPU) * sh.CPU)), MemoryBytes: int64(math.Ceil(float64(r.MemoryBytes) * sh.Memory)), Sandboxes: 1}
 		}
 		fits := func(n NodeView, r Request) bool {
 			if _, ok := n.Capacity[r.Kind]; !ok || !n.Healthy || n.Draining || slices.Contains(r.Exclude, n.ID) {
 				return false
 			}
-			u, l := use[n.ID+"/"+string(r.Kind)], limit(n, r.Kind)
-			return u.MilliCPU+r.MilliCPU <= l.MilliCPU && u.MemoryBytes+r.MemoryBytes <= l.MemoryBytes && u.Sandboxes+1 <= l.Sandboxes
+			u, l, ch := use[n.ID+"/"+string(r.Kind)], n.Capacity[r.Kind], charged(n, r)
+			return u.MilliCPU+ch.MilliCPU <= l.MilliCPU && u.MemoryBytes+ch.MemoryBytes <= l.MemoryBytes && u.Sandboxes+1 <= l.Sandboxes && r.MemoryBytes <= l.MemoryBytes
 		}
 		placed := 0
 		for i, d := range ds {
@@ -647,8 +674,8 @@ func TestRandomBatchesAgainstReplay(t *testing.T) {
 				t.Fatalf("seed %d request %d placed on %s where it does not fit", seed, i, n.ID)
 			}
 			key := n.ID + "/" + string(r.Kind)
-			u := use[key]
-			use[key] = Capacity{MilliCPU: u.MilliCPU + r.MilliCPU, MemoryBytes: u.MemoryBytes + r.MemoryBytes, Sandboxes: u.Sandboxes + 1}
+			u, ch := use[key], charged(n, r)
+			use[key] = Capacity{MilliCPU: u.MilliCPU + ch.MilliCPU, MemoryBytes: u.MemoryBytes + ch.MemoryBytes, Sandboxes: u.Sandboxes + 1}
 			placed++
 		}
 		totalPlaced += placed

@@ -14,7 +14,7 @@ type Candidate struct {
 	Node  *NodeView
 	Index int
 	// Utilization is the fraction of the binding resource (the fullest of
-	// CPU, memory and sandbox slots, after overcommit) that would be in use
+	// CPU, memory and sandbox slots, as charged) that would be in use
 	// once the request is placed, in [0, 1].
 	Utilization float64
 	// Added is the part of Utilization this batch put there (earlier

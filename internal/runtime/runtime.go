@@ -212,6 +212,25 @@ type Forker interface {
 	ForkExec(ctx context.Context, server ForkServer, req ExecRequest) (ExecResult, error)
 }
 
+// Usage is what a backend's sandboxes use together, as the kernel
+// accounts it.
+type Usage struct {
+	// CPUNanos is the CPU time they have used since the backend started
+	// accounting (monotonic; callers take differences).
+	CPUNanos uint64
+	// MemoryBytes is the memory charged to them that the kernel cannot
+	// drop at once: RAM in use less inactive file pages.
+	MemoryBytes int64
+	// SwapBytes is what of theirs is in swap.
+	SwapBytes int64
+}
+
+// UsageReporter is implemented by backends that can say what their
+// sandboxes use, so that a node is placed by use rather than by limits.
+type UsageReporter interface {
+	Usage() (Usage, error)
+}
+
 // Backend creates sandboxes of one kind.
 type Backend interface {
 	Kind() Kind

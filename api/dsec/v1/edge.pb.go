@@ -1108,17 +1108,27 @@ type BackendCapacity struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Backend kind, e.g. "container".
 	Backend string `protobuf:"bytes,1,opt,name=backend,proto3" json:"backend,omitempty"`
-	// What the node offers (before the server's overcommit).
+	// What the node offers.
 	MilliCpu    int64 `protobuf:"varint,2,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
 	MemoryBytes int64 `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
 	Sandboxes   int64 `protobuf:"varint,4,opt,name=sandboxes,proto3" json:"sandboxes,omitempty"`
-	// What live sandboxes and pools have requested (the resources their
-	// specs state explicitly; what is left to defaults requests nothing).
+	// What the node is charged for placement: what it measures in use
+	// (node-wide: its busy CPU, memory it cannot reclaim) plus its request
+	// share of what live sandboxes and pools request; and their count.
 	UsedMilliCpu    int64 `protobuf:"varint,5,opt,name=used_milli_cpu,json=usedMilliCpu,proto3" json:"used_milli_cpu,omitempty"`
 	UsedMemoryBytes int64 `protobuf:"varint,6,opt,name=used_memory_bytes,json=usedMemoryBytes,proto3" json:"used_memory_bytes,omitempty"`
 	UsedSandboxes   int64 `protobuf:"varint,7,opt,name=used_sandboxes,json=usedSandboxes,proto3" json:"used_sandboxes,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The fraction of a sandbox's requests the node charges (0: measured use
+	// only, 1: a reservation). Servers charge creates they place here by it
+	// until a heartbeat counts them.
+	RequestShareCpu    float64 `protobuf:"fixed64,8,opt,name=request_share_cpu,json=requestShareCpu,proto3" json:"request_share_cpu,omitempty"`
+	RequestShareMemory float64 `protobuf:"fixed64,9,opt,name=request_share_memory,json=requestShareMemory,proto3" json:"request_share_memory,omitempty"`
+	// What live sandboxes and pools request (the resources their specs
+	// state explicitly; what is left to defaults requests nothing).
+	RequestedMilliCpu    int64 `protobuf:"varint,10,opt,name=requested_milli_cpu,json=requestedMilliCpu,proto3" json:"requested_milli_cpu,omitempty"`
+	RequestedMemoryBytes int64 `protobuf:"varint,11,opt,name=requested_memory_bytes,json=requestedMemoryBytes,proto3" json:"requested_memory_bytes,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *BackendCapacity) Reset() {
@@ -1200,6 +1210,190 @@ func (x *BackendCapacity) GetUsedSandboxes() int64 {
 	return 0
 }
 
+func (x *BackendCapacity) GetRequestShareCpu() float64 {
+	if x != nil {
+		return x.RequestShareCpu
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetRequestShareMemory() float64 {
+	if x != nil {
+		return x.RequestShareMemory
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetRequestedMilliCpu() int64 {
+	if x != nil {
+		return x.RequestedMilliCpu
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetRequestedMemoryBytes() int64 {
+	if x != nil {
+		return x.RequestedMemoryBytes
+	}
+	return 0
+}
+
+// NodeStatus is what a node measures about itself: what placement and its
+// own admission judge it by, and what `dsec node ls` shows.
+type NodeStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Busy CPU over the last heartbeat interval, all of the node's.
+	MilliCpu int64 `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	// Memory in use that the node cannot reclaim (MemTotal - MemAvailable).
+	MemoryUsedBytes      int64 `protobuf:"varint,2,opt,name=memory_used_bytes,json=memoryUsedBytes,proto3" json:"memory_used_bytes,omitempty"`
+	MemoryTotalBytes     int64 `protobuf:"varint,3,opt,name=memory_total_bytes,json=memoryTotalBytes,proto3" json:"memory_total_bytes,omitempty"`
+	MemoryAvailableBytes int64 `protobuf:"varint,4,opt,name=memory_available_bytes,json=memoryAvailableBytes,proto3" json:"memory_available_bytes,omitempty"`
+	SwapTotalBytes       int64 `protobuf:"varint,5,opt,name=swap_total_bytes,json=swapTotalBytes,proto3" json:"swap_total_bytes,omitempty"`
+	SwapFreeBytes        int64 `protobuf:"varint,6,opt,name=swap_free_bytes,json=swapFreeBytes,proto3" json:"swap_free_bytes,omitempty"`
+	// PSI avg10 percentages; -1 where the kernel has none.
+	PsiMemorySome float64 `protobuf:"fixed64,7,opt,name=psi_memory_some,json=psiMemorySome,proto3" json:"psi_memory_some,omitempty"`
+	PsiMemoryFull float64 `protobuf:"fixed64,8,opt,name=psi_memory_full,json=psiMemoryFull,proto3" json:"psi_memory_full,omitempty"`
+	PsiCpuSome    float64 `protobuf:"fixed64,9,opt,name=psi_cpu_some,json=psiCpuSome,proto3" json:"psi_cpu_some,omitempty"`
+	// The edge process's descriptors and its open-file limit.
+	OpenFiles    int64 `protobuf:"varint,10,opt,name=open_files,json=openFiles,proto3" json:"open_files,omitempty"`
+	MaxOpenFiles int64 `protobuf:"varint,11,opt,name=max_open_files,json=maxOpenFiles,proto3" json:"max_open_files,omitempty"`
+	// Threads in the system and the most the kernel allows.
+	Threads    int64 `protobuf:"varint,12,opt,name=threads,proto3" json:"threads,omitempty"`
+	MaxThreads int64 `protobuf:"varint,13,opt,name=max_threads,json=maxThreads,proto3" json:"max_threads,omitempty"`
+	// Empty while the node takes sandboxes; else what it is short of.
+	Full          string `protobuf:"bytes,14,opt,name=full,proto3" json:"full,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeStatus) Reset() {
+	*x = NodeStatus{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeStatus) ProtoMessage() {}
+
+func (x *NodeStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
+func (*NodeStatus) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *NodeStatus) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetMemoryUsedBytes() int64 {
+	if x != nil {
+		return x.MemoryUsedBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetMemoryTotalBytes() int64 {
+	if x != nil {
+		return x.MemoryTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetMemoryAvailableBytes() int64 {
+	if x != nil {
+		return x.MemoryAvailableBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetSwapTotalBytes() int64 {
+	if x != nil {
+		return x.SwapTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetSwapFreeBytes() int64 {
+	if x != nil {
+		return x.SwapFreeBytes
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetPsiMemorySome() float64 {
+	if x != nil {
+		return x.PsiMemorySome
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetPsiMemoryFull() float64 {
+	if x != nil {
+		return x.PsiMemoryFull
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetPsiCpuSome() float64 {
+	if x != nil {
+		return x.PsiCpuSome
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetOpenFiles() int64 {
+	if x != nil {
+		return x.OpenFiles
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetMaxOpenFiles() int64 {
+	if x != nil {
+		return x.MaxOpenFiles
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetThreads() int64 {
+	if x != nil {
+		return x.Threads
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetMaxThreads() int64 {
+	if x != nil {
+		return x.MaxThreads
+	}
+	return 0
+}
+
+func (x *NodeStatus) GetFull() string {
+	if x != nil {
+		return x.Full
+	}
+	return ""
+}
+
 type SandboxSummary struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1217,7 +1411,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1229,7 +1423,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1242,7 +1436,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -1314,14 +1508,16 @@ type HeartbeatRequest struct {
 	// The resources this node gives a sandbox for what its spec leaves 0
 	// (dsec edge --default-*); every field set. Servers fill them into the
 	// specs they place, so that quotas charge what a sandbox really gets.
-	Defaults      *Resources `protobuf:"bytes,10,opt,name=defaults,proto3" json:"defaults,omitempty"`
+	Defaults *Resources `protobuf:"bytes,10,opt,name=defaults,proto3" json:"defaults,omitempty"`
+	// What the node measures about itself.
+	Status        *NodeStatus `protobuf:"bytes,11,opt,name=status,proto3" json:"status,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1333,7 +1529,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1346,7 +1542,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -1419,6 +1615,13 @@ func (x *HeartbeatRequest) GetDefaults() *Resources {
 	return nil
 }
 
+func (x *HeartbeatRequest) GetStatus() *NodeStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
 type PoolSummary struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1439,7 +1642,7 @@ type PoolSummary struct {
 
 func (x *PoolSummary) Reset() {
 	*x = PoolSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1451,7 +1654,7 @@ func (x *PoolSummary) String() string {
 func (*PoolSummary) ProtoMessage() {}
 
 func (x *PoolSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1464,7 +1667,7 @@ func (x *PoolSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolSummary.ProtoReflect.Descriptor instead.
 func (*PoolSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *PoolSummary) GetId() string {
@@ -1533,7 +1736,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[23]
+	mi := &file_dsec_v1_edge_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1545,7 +1748,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[23]
+	mi := &file_dsec_v1_edge_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1558,7 +1761,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -1644,7 +1847,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x12EdgeRunCodeRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x121\n" +
 	"\arequest\x18\x02 \x01(\v2\x17.dsec.v1.RunCodeRequestR\arequest\x12\x14\n" +
-	"\x05image\x18\x03 \x01(\tR\x05image\"\x82\x02\n" +
+	"\x05image\x18\x03 \x01(\tR\x05image\"\xc6\x03\n" +
 	"\x0fBackendCapacity\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
 	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
@@ -1652,7 +1855,32 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\tsandboxes\x18\x04 \x01(\x03R\tsandboxes\x12$\n" +
 	"\x0eused_milli_cpu\x18\x05 \x01(\x03R\fusedMilliCpu\x12*\n" +
 	"\x11used_memory_bytes\x18\x06 \x01(\x03R\x0fusedMemoryBytes\x12%\n" +
-	"\x0eused_sandboxes\x18\a \x01(\x03R\rusedSandboxes\"\xa0\x02\n" +
+	"\x0eused_sandboxes\x18\a \x01(\x03R\rusedSandboxes\x12*\n" +
+	"\x11request_share_cpu\x18\b \x01(\x01R\x0frequestShareCpu\x120\n" +
+	"\x14request_share_memory\x18\t \x01(\x01R\x12requestShareMemory\x12.\n" +
+	"\x13requested_milli_cpu\x18\n" +
+	" \x01(\x03R\x11requestedMilliCpu\x124\n" +
+	"\x16requested_memory_bytes\x18\v \x01(\x03R\x14requestedMemoryBytes\"\x91\x04\n" +
+	"\n" +
+	"NodeStatus\x12\x1b\n" +
+	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12*\n" +
+	"\x11memory_used_bytes\x18\x02 \x01(\x03R\x0fmemoryUsedBytes\x12,\n" +
+	"\x12memory_total_bytes\x18\x03 \x01(\x03R\x10memoryTotalBytes\x124\n" +
+	"\x16memory_available_bytes\x18\x04 \x01(\x03R\x14memoryAvailableBytes\x12(\n" +
+	"\x10swap_total_bytes\x18\x05 \x01(\x03R\x0eswapTotalBytes\x12&\n" +
+	"\x0fswap_free_bytes\x18\x06 \x01(\x03R\rswapFreeBytes\x12&\n" +
+	"\x0fpsi_memory_some\x18\a \x01(\x01R\rpsiMemorySome\x12&\n" +
+	"\x0fpsi_memory_full\x18\b \x01(\x01R\rpsiMemoryFull\x12 \n" +
+	"\fpsi_cpu_some\x18\t \x01(\x01R\n" +
+	"psiCpuSome\x12\x1d\n" +
+	"\n" +
+	"open_files\x18\n" +
+	" \x01(\x03R\topenFiles\x12$\n" +
+	"\x0emax_open_files\x18\v \x01(\x03R\fmaxOpenFiles\x12\x18\n" +
+	"\athreads\x18\f \x01(\x03R\athreads\x12\x1f\n" +
+	"\vmax_threads\x18\r \x01(\x03R\n" +
+	"maxThreads\x12\x12\n" +
+	"\x04full\x18\x0e \x01(\tR\x04full\"\xa0\x02\n" +
 	"\x0eSandboxSummary\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x14\n" +
@@ -1663,7 +1891,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\abackend\x18\a \x01(\tR\abackend\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe3\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x90\x03\n" +
 	"\x10HeartbeatRequest\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x124\n" +
@@ -1675,7 +1903,8 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x05pools\x18\b \x03(\v2\x14.dsec.v1.PoolSummaryR\x05pools\x12\x16\n" +
 	"\x06queued\x18\t \x01(\x05R\x06queued\x12.\n" +
 	"\bdefaults\x18\n" +
-	" \x01(\v2\x12.dsec.v1.ResourcesR\bdefaults\"\xcb\x01\n" +
+	" \x01(\v2\x12.dsec.v1.ResourcesR\bdefaults\x12+\n" +
+	"\x06status\x18\v \x01(\v2\x13.dsec.v1.NodeStatusR\x06status\"\xcb\x01\n" +
 	"\vPoolSummary\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x10\n" +
@@ -1731,7 +1960,7 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_dsec_v1_edge_proto_goTypes = []any{
 	(*Caller)(nil),                      // 0: dsec.v1.Caller
 	(*EdgeCreateRequest)(nil),           // 1: dsec.v1.EdgeCreateRequest
@@ -1753,153 +1982,155 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	(*EdgeDeletePoolRequest)(nil),       // 17: dsec.v1.EdgeDeletePoolRequest
 	(*EdgeRunCodeRequest)(nil),          // 18: dsec.v1.EdgeRunCodeRequest
 	(*BackendCapacity)(nil),             // 19: dsec.v1.BackendCapacity
-	(*SandboxSummary)(nil),              // 20: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),            // 21: dsec.v1.HeartbeatRequest
-	(*PoolSummary)(nil),                 // 22: dsec.v1.PoolSummary
-	(*HeartbeatResponse)(nil),           // 23: dsec.v1.HeartbeatResponse
-	nil,                                 // 24: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                                 // 25: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),                 // 26: dsec.v1.SandboxSpec
-	(*Resources)(nil),                   // 27: dsec.v1.Resources
-	(*ExecRequest)(nil),                 // 28: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),            // 29: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),             // 30: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),         // 31: dsec.v1.SubmitRewardRequest
-	(*SnapshotRequest)(nil),             // 32: dsec.v1.SnapshotRequest
-	(*CheckpointRequest)(nil),           // 33: dsec.v1.CheckpointRequest
-	(*RollbackRequest)(nil),             // 34: dsec.v1.RollbackRequest
-	(*DeleteCheckpointRequest)(nil),     // 35: dsec.v1.DeleteCheckpointRequest
-	(*GetTrajectoryRequest)(nil),        // 36: dsec.v1.GetTrajectoryRequest
-	(*BatchExecRequest)(nil),            // 37: dsec.v1.BatchExecRequest
-	(*BatchRollbackRequest)(nil),        // 38: dsec.v1.BatchRollbackRequest
-	(*CreatePoolRequest)(nil),           // 39: dsec.v1.CreatePoolRequest
-	(*RunCodeRequest)(nil),              // 40: dsec.v1.RunCodeRequest
-	(*CreateSandboxResponse)(nil),       // 41: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 42: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 43: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 44: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 45: dsec.v1.ExecStreamResponse
-	(*RunResponse)(nil),                 // 46: dsec.v1.RunResponse
-	(*WriteFileResponse)(nil),           // 47: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 48: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 49: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 50: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 51: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 52: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 53: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 54: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 55: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 56: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 57: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 58: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 59: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 60: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 61: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 62: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 63: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 64: dsec.v1.RunCodeResponse
+	(*NodeStatus)(nil),                  // 20: dsec.v1.NodeStatus
+	(*SandboxSummary)(nil),              // 21: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),            // 22: dsec.v1.HeartbeatRequest
+	(*PoolSummary)(nil),                 // 23: dsec.v1.PoolSummary
+	(*HeartbeatResponse)(nil),           // 24: dsec.v1.HeartbeatResponse
+	nil,                                 // 25: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                                 // 26: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),                 // 27: dsec.v1.SandboxSpec
+	(*Resources)(nil),                   // 28: dsec.v1.Resources
+	(*ExecRequest)(nil),                 // 29: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 30: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 31: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 32: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 33: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 34: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 35: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 36: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 37: dsec.v1.GetTrajectoryRequest
+	(*BatchExecRequest)(nil),            // 38: dsec.v1.BatchExecRequest
+	(*BatchRollbackRequest)(nil),        // 39: dsec.v1.BatchRollbackRequest
+	(*CreatePoolRequest)(nil),           // 40: dsec.v1.CreatePoolRequest
+	(*RunCodeRequest)(nil),              // 41: dsec.v1.RunCodeRequest
+	(*CreateSandboxResponse)(nil),       // 42: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 43: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 44: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 45: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 46: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 47: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 48: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 49: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 50: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 51: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 52: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 53: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 54: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 55: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 56: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 57: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 58: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 59: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 60: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 61: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 62: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 63: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 64: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 65: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	26, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
-	27, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
+	27, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	28, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
 	0,  // 3: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 4: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	24, // 5: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	25, // 5: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
 	0,  // 6: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	28, // 7: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	29, // 7: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
 	0,  // 8: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
-	26, // 9: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	28, // 10: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
-	27, // 11: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
+	27, // 9: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	29, // 10: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
+	28, // 11: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
 	0,  // 12: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	29, // 13: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	30, // 13: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
 	0,  // 14: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	30, // 15: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	31, // 15: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
 	0,  // 16: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	31, // 17: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	32, // 17: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
 	0,  // 18: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
-	32, // 19: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	33, // 19: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
 	0,  // 20: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	33, // 21: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	34, // 21: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
 	0,  // 22: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
-	34, // 23: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	35, // 23: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
 	0,  // 24: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	35, // 25: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	36, // 25: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
 	0,  // 26: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	36, // 27: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	37, // 27: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
 	0,  // 28: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
-	37, // 29: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
+	38, // 29: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
 	0,  // 30: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
-	38, // 31: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
+	39, // 31: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
 	0,  // 32: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
-	39, // 33: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
-	27, // 34: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
+	40, // 33: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
+	28, // 34: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
 	0,  // 35: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 36: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
-	40, // 37: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
-	25, // 38: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	41, // 37: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
+	26, // 38: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
 	19, // 39: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	20, // 40: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	22, // 41: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	27, // 42: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
-	1,  // 43: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 44: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 45: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 46: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 47: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 48: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	6,  // 49: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	7,  // 50: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 51: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	8,  // 52: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	13, // 53: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	9,  // 54: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	10, // 55: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	11, // 56: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	12, // 57: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 58: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 59: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 60: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 61: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	14, // 62: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	15, // 63: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	16, // 64: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	3,  // 65: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	17, // 66: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	18, // 67: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	21, // 68: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	41, // 69: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	42, // 70: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	43, // 71: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	44, // 72: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	45, // 73: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	46, // 74: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	47, // 75: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	48, // 76: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	49, // 77: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	50, // 78: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	51, // 79: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	52, // 80: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	53, // 81: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	54, // 82: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	55, // 83: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	56, // 84: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	57, // 85: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	58, // 86: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	58, // 87: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	59, // 88: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	60, // 89: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	61, // 90: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	62, // 91: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	63, // 92: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	64, // 93: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	23, // 94: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	69, // [69:95] is the sub-list for method output_type
-	43, // [43:69] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	21, // 40: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	23, // 41: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	28, // 42: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	20, // 43: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
+	1,  // 44: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 45: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 46: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 47: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 48: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 49: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	6,  // 50: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	7,  // 51: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 52: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	8,  // 53: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	13, // 54: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	9,  // 55: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	10, // 56: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	11, // 57: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	12, // 58: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 59: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 60: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 61: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 62: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	14, // 63: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	15, // 64: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	16, // 65: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	3,  // 66: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	17, // 67: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	18, // 68: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	22, // 69: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	42, // 70: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	43, // 71: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	44, // 72: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	45, // 73: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	46, // 74: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	47, // 75: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	48, // 76: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	49, // 77: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	50, // 78: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	51, // 79: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	52, // 80: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	53, // 81: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	54, // 82: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	55, // 83: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	56, // 84: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	57, // 85: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	58, // 86: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	59, // 87: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	59, // 88: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	60, // 89: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	61, // 90: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	62, // 91: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	63, // 92: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	64, // 93: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	65, // 94: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	24, // 95: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	70, // [70:96] is the sub-list for method output_type
+	44, // [44:70] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -1914,7 +2145,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   26,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   2,
 		},
