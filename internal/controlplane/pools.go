@@ -75,7 +75,7 @@ func (ps *poolService) Create(ctx context.Context, req *connect.Request[dsecv1.C
 	cctx, cancel := callContext(ctx, edgeCallTimeout)
 	defer cancel()
 	resp, err := s.edges.get(res.url).CreatePoolOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeCreatePoolRequest{
-		Caller: callerOf(p), PoolId: res.id, Request: edgeReq, Limits: prep.limits.Proto(),
+		Caller: callerOf(p), PoolId: res.id, Request: edgeReq, Limits: prep.limits.Proto(), Resolved: prep.resolved,
 	}))
 	if err != nil {
 		s.reg.release(res.id)

@@ -86,7 +86,7 @@ func (s *Server) runOnEdge(ctx context.Context, p iam.Principal, prep *prepared,
 	cctx, cancel := runContext(ctx, ex)
 	defer cancel()
 	stream, err := s.edges.get(res.url).RunOnEdge(cctx, connect.NewRequest(&dsecv1.EdgeRunRequest{
-		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge, Exec: ex, Limits: prep.limits.Proto(),
+		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge, Exec: ex, Limits: prep.limits.Proto(), Resolved: prep.resolved,
 	}))
 	if err != nil {
 		return "", err

@@ -14,6 +14,7 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -34,6 +35,9 @@ type prepared struct {
 	req    placement.Request
 	// key matches warm pools of the same spec (edge.PoolKey, on limits).
 	key string
+	// resolved are the spec's images as read once here: what placement
+	// and key were computed from, and what the edge mounts.
+	resolved *dsecv1.ResolvedImages
 }
 
 // charge is what one sandbox of prep charges its tenant's quota.
@@ -85,19 +89,14 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.Sandbo
 	requests, limits := spec.Resolve(user, tenantDefaults, s.reg.defaults(s.cfg.Defaults))
 
 	edge := proto.Clone(user).(*dsecv1.SandboxSpec)
-	seen := map[string]bool{}
-	var layers []placement.LayerRef
+	var ms []image.Manifest
+	var manifests []string
 	resolve := func(field, ref string) (string, error) {
-		internal, m, _, err := s.resolveImage(ctx, p, field, ref)
+		internal, m, digest, err := s.resolveImage(ctx, p, field, ref)
 		if err != nil {
 			return "", err
 		}
-		for _, l := range m.Layers {
-			if !seen[l.Digest] {
-				seen[l.Digest] = true
-				layers = append(layers, placement.LayerRef{Digest: l.Digest, Bytes: l.Size})
-			}
-		}
+		ms, manifests = append(ms, m), append(manifests, digest)
 		return internal, nil
 	}
 	if edge.Image, err = resolve("spec.image", user.Image); err != nil {
@@ -113,15 +112,26 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.Sandbo
 			return nil, err
 		}
 	}
-	digests := make([]string, len(layers))
-	for i, l := range layers {
+	composed, err := image.Compose(ms, manifests)
+	if err != nil {
+		return nil, errf(connect.CodeInvalidArgument, "spec.image: %w", err)
+	}
+	resolved := &dsecv1.ResolvedImages{
+		Env: composed.Config.Env, Workdir: composed.Config.WorkingDir, User: composed.Config.User, Manifests: composed.Manifests,
+	}
+	layers := make([]placement.LayerRef, len(composed.Layers))
+	digests := make([]string, len(composed.Layers))
+	for i, l := range composed.Layers {
+		layers[i] = placement.LayerRef{Digest: l.Digest, Bytes: l.Size}
 		digests[i] = l.Digest
+		resolved.Layers = append(resolved.Layers, &dsecv1.ResolvedLayer{Digest: l.Digest, Size: l.Size})
 	}
 	return &prepared{
-		key:    poolKeyOf(user.Backend, digests, limits.Proto(), user.Env),
-		user:   user,
-		edge:   edge,
-		limits: limits,
+		key:      poolKeyOf(user.Backend, digests, limits.Proto(), user.Env),
+		user:     user,
+		edge:     edge,
+		limits:   limits,
+		resolved: resolved,
 		req: placement.Request{
 			Kind: runtime.Kind(user.Backend), MilliCPU: requests.MilliCPU, MemoryBytes: requests.MemoryBytes,
 			Layers: layers, Tenant: p.Tenant, Labels: user.Labels,
@@ -268,7 +278,7 @@ func (s *Server) createOnEdge(ctx context.Context, p iam.Principal, prep *prepar
 	ctx, cancel := callContext(ctx, createTimeout)
 	defer cancel()
 	resp, err := s.edges.get(res.url).CreateOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeCreateRequest{
-		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge, Limits: prep.limits.Proto(),
+		Caller: callerOf(p), SandboxId: res.id, Spec: prep.edge, Limits: prep.limits.Proto(), Resolved: prep.resolved,
 	}))
 	if err != nil {
 		return nil, err

@@ -60,7 +60,7 @@ type fnPool struct {
 // use.
 func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) {
 	spec := &dsecv1.SandboxSpec{Backend: string(runtime.KindContainer), Image: imageRef}
-	rspec, digests, err := e.resolveSpec(ctx, e.cfg.NodeID+"-fn", spec)
+	rspec, digests, err := e.resolveSpec(ctx, e.cfg.NodeID+"-fn", spec, nil)
 	if err != nil {
 		return nil, err
 	}

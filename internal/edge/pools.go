@@ -145,7 +145,7 @@ func dropRuntime(ctx context.Context, wp *warmPool, rs runtime.Sandbox) error {
 	return err
 }
 
-func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string, req *dsecv1.CreatePoolRequest, limits *dsecv1.Resources) (*dsecv1.Pool, error) {
+func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string, req *dsecv1.CreatePoolRequest, limits *dsecv1.Resources, sent *dsecv1.ResolvedImages) (*dsecv1.Pool, error) {
 	if caller == nil {
 		return nil, invalid("caller is required")
 	}
@@ -171,7 +171,7 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 		return nil, err
 	}
 	kind := runtime.Kind(spec.Backend)
-	rspec, digests, err := e.resolveSpec(ctx, id, spec)
+	rspec, digests, err := e.resolveSpec(ctx, id, spec, sent)
 	if err != nil {
 		return nil, err
 	}
@@ -319,7 +319,7 @@ func (e *Edge) poolSummaries(held map[string]int) []*dsecv1.PoolSummary {
 }
 
 func (s *service) CreatePoolOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeCreatePoolRequest]) (*connect.Response[dsecv1.CreatePoolResponse], error) {
-	p, err := s.e.createPool(ctx, req.Msg.Caller, req.Msg.PoolId, req.Msg.Request, req.Msg.Limits)
+	p, err := s.e.createPool(ctx, req.Msg.Caller, req.Msg.PoolId, req.Msg.Request, req.Msg.Limits, req.Msg.Resolved)
 	if err != nil {
 		return nil, err
 	}

@@ -34,7 +34,7 @@ func (s *service) RunOnEdge(ctx context.Context, req *connect.Request[dsecv1.Edg
 	if m.Exec.Seq != 0 {
 		return invalid("exec.seq %d: a Run's sandbox is new, its command is not numbered", m.Exec.Seq)
 	}
-	created, err := s.e.create(ctx, m.Caller, m.SandboxId, m.Spec, m.Limits)
+	created, err := s.e.create(ctx, m.Caller, m.SandboxId, m.Spec, m.Limits, m.Resolved)
 	if err != nil {
 		return err
 	}

@@ -184,10 +184,12 @@ func checkDuration(field string, d *durationpb.Duration) error {
 	return nil
 }
 
-// resolveSpec resolves a validated spec's images into the runtime spec of
-// sandbox id and its layer digests, bottom first.
-func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxSpec) (runtime.Spec, []string, error) {
-	resolved, err := e.images.Resolve(ctx, spec.Image, spec.Workspace, spec.Toolkits...)
+// resolveSpec turns a validated spec into the runtime spec of sandbox id
+// and its layer digests, bottom first: from the images a server resolved
+// (sent), checking only that this node reaches each layer, else by
+// resolving the spec's images here (callers other than a server).
+func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxSpec, sent *dsecv1.ResolvedImages) (runtime.Spec, []string, error) {
+	resolved, err := e.resolved(ctx, spec, sent)
 	if err != nil {
 		e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
 		switch {
@@ -225,9 +227,31 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 	}, digests, nil
 }
 
+// resolved returns the images of spec: those a server sent, else the
+// spec's own resolved here.
+func (e *Edge) resolved(ctx context.Context, spec *dsecv1.SandboxSpec, sent *dsecv1.ResolvedImages) (image.Resolved, error) {
+	if sent == nil {
+		return e.images.Resolve(ctx, spec.Image, spec.Workspace, spec.Toolkits...)
+	}
+	if len(sent.GetLayers()) == 0 {
+		return image.Resolved{}, fmt.Errorf("resolved: no layers: %w", image.ErrInvalidRef)
+	}
+	r := image.Resolved{
+		Config:    image.Config{Env: sent.GetEnv(), WorkingDir: sent.GetWorkdir(), User: sent.GetUser()},
+		Manifests: sent.GetManifests(),
+	}
+	for i, l := range sent.GetLayers() {
+		if err := blobstore.ValidateDigest(l.GetDigest()); err != nil {
+			return image.Resolved{}, fmt.Errorf("resolved.layers[%d]: %w: %w", i, err, image.ErrInvalidRef)
+		}
+		r.Layers = append(r.Layers, blobstore.Descriptor{Digest: l.GetDigest(), Size: l.GetSize()})
+	}
+	return r, nil
+}
+
 // create validates, resolves images, admits and builds one sandbox; limits
-// are the server's (see validateSpec).
-func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec, limits *dsecv1.Resources) (*dsecv1.Sandbox, error) {
+// are the server's (see validateSpec), and so are the resolved images.
+func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in *dsecv1.SandboxSpec, limits *dsecv1.Resources, sent *dsecv1.ResolvedImages) (*dsecv1.Sandbox, error) {
 	if caller == nil {
 		return nil, invalid("caller is required")
 	}
@@ -237,7 +261,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		return nil, err
 	}
 	kind := runtime.Kind(spec.Backend)
-	rspec, digests, err := e.resolveSpec(ctx, id, spec)
+	rspec, digests, err := e.resolveSpec(ctx, id, spec, sent)
 	if err != nil {
 		return nil, err
 	}

@@ -35,7 +35,7 @@ type service struct{ e *Edge }
 var _ dsecv1connect.EdgeServiceHandler = (*service)(nil)
 
 func (s *service) CreateOnEdge(ctx context.Context, req *connect.Request[dsecv1.EdgeCreateRequest]) (*connect.Response[dsecv1.CreateSandboxResponse], error) {
-	sb, err := s.e.create(ctx, req.Msg.Caller, req.Msg.SandboxId, req.Msg.Spec, req.Msg.Limits)
+	sb, err := s.e.create(ctx, req.Msg.Caller, req.Msg.SandboxId, req.Msg.Spec, req.Msg.Limits, req.Msg.Resolved)
 	if err != nil {
 		return nil, err
 	}

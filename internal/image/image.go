@@ -288,21 +288,38 @@ func (s *Store) Resolve(ctx context.Context, base, workspace string, toolkits ..
 		refs = append(refs, workspace)
 	}
 	refs = append(refs, toolkits...)
-	var res Resolved
-	var all []blobstore.Descriptor
+	ms := make([]Manifest, len(refs))
+	digests := make([]string, len(refs))
 	for i, ref := range refs {
 		m, digest, err := s.Get(ctx, ref)
 		if err != nil {
 			return Resolved{}, fmt.Errorf("resolve: %w", err)
 		}
-		if i == 0 {
-			res.Config = m.Config
-		}
-		res.Manifests = append(res.Manifests, digest)
+		ms[i], digests[i] = m, digest
+	}
+	res, err := Compose(ms, digests)
+	if err != nil {
+		return Resolved{}, fmt.Errorf("resolve: images %q: %w", refs, err)
+	}
+	return res, nil
+}
+
+// Compose is Resolve over manifests already read (base first, then the
+// workspace's if any, then each toolkit's), with their digests: the
+// server reads each image once, checking the caller may use it, and
+// composes from what it read, so that placement, pool keys and the layers
+// the edge mounts are the same whatever a tag does meanwhile.
+func Compose(ms []Manifest, digests []string) (Resolved, error) {
+	if len(ms) == 0 || len(ms) != len(digests) {
+		return Resolved{}, fmt.Errorf("compose: %d manifests, %d digests: %w", len(ms), len(digests), ErrInvalidRef)
+	}
+	res := Resolved{Config: ms[0].Config, Manifests: append([]string(nil), digests...)}
+	var all []blobstore.Descriptor
+	for _, m := range ms {
 		all = append(all, m.Layers...)
 	}
 	if len(all) == 0 {
-		return Resolved{}, fmt.Errorf("resolve: images %q have no layers", refs)
+		return Resolved{}, errors.New("the images have no layers")
 	}
 	seen := map[string]bool{}
 	for i := len(all) - 1; i >= 0; i-- {

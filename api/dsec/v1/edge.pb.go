@@ -92,7 +92,10 @@ type EdgeCreateRequest struct {
 	// explicit ones, its requests: the node charges its capacity with
 	// those. A field 0 here (or no message: a caller other than a server)
 	// takes this node's default.
-	Limits        *Resources `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	Limits *Resources `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	// The images the server resolved for placement (no message: a caller
+	// other than a server; the edge resolves spec's images itself).
+	Resolved      *ResolvedImages `protobuf:"bytes,5,opt,name=resolved,proto3" json:"resolved,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -155,6 +158,149 @@ func (x *EdgeCreateRequest) GetLimits() *Resources {
 	return nil
 }
 
+func (x *EdgeCreateRequest) GetResolved() *ResolvedImages {
+	if x != nil {
+		return x.Resolved
+	}
+	return nil
+}
+
+// ResolvedImages is a spec's images as a server resolved them, once, for
+// placement and pool keys: the layers to mount, bottom first (the base
+// image's, the workspace's, the toolkits', each kept at its topmost
+// position), and the base image's config. An edge given them mounts
+// exactly these layers and reads no tag, so a tag moved between placement
+// and create cannot make the two disagree; it checks only that it can
+// reach each layer.
+type ResolvedImages struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Layers  []*ResolvedLayer       `protobuf:"bytes,1,rep,name=layers,proto3" json:"layers,omitempty"`
+	Env     []string               `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
+	Workdir string                 `protobuf:"bytes,3,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	User    string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// The digests of the images' manifests, in spec order (provenance).
+	Manifests     []string `protobuf:"bytes,5,rep,name=manifests,proto3" json:"manifests,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolvedImages) Reset() {
+	*x = ResolvedImages{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolvedImages) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolvedImages) ProtoMessage() {}
+
+func (x *ResolvedImages) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolvedImages.ProtoReflect.Descriptor instead.
+func (*ResolvedImages) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *ResolvedImages) GetLayers() []*ResolvedLayer {
+	if x != nil {
+		return x.Layers
+	}
+	return nil
+}
+
+func (x *ResolvedImages) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *ResolvedImages) GetWorkdir() string {
+	if x != nil {
+		return x.Workdir
+	}
+	return ""
+}
+
+func (x *ResolvedImages) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *ResolvedImages) GetManifests() []string {
+	if x != nil {
+		return x.Manifests
+	}
+	return nil
+}
+
+type ResolvedLayer struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Digest        string                 `protobuf:"bytes,1,opt,name=digest,proto3" json:"digest,omitempty"`
+	Size          int64                  `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolvedLayer) Reset() {
+	*x = ResolvedLayer{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolvedLayer) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolvedLayer) ProtoMessage() {}
+
+func (x *ResolvedLayer) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolvedLayer.ProtoReflect.Descriptor instead.
+func (*ResolvedLayer) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ResolvedLayer) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *ResolvedLayer) GetSize() int64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
 type EdgeSandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -165,7 +311,7 @@ type EdgeSandboxRequest struct {
 
 func (x *EdgeSandboxRequest) Reset() {
 	*x = EdgeSandboxRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[2]
+	mi := &file_dsec_v1_edge_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -177,7 +323,7 @@ func (x *EdgeSandboxRequest) String() string {
 func (*EdgeSandboxRequest) ProtoMessage() {}
 
 func (x *EdgeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[2]
+	mi := &file_dsec_v1_edge_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -190,7 +336,7 @@ func (x *EdgeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{2}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *EdgeSandboxRequest) GetCaller() *Caller {
@@ -217,7 +363,7 @@ type EdgeListRequest struct {
 
 func (x *EdgeListRequest) Reset() {
 	*x = EdgeListRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[3]
+	mi := &file_dsec_v1_edge_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -229,7 +375,7 @@ func (x *EdgeListRequest) String() string {
 func (*EdgeListRequest) ProtoMessage() {}
 
 func (x *EdgeListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[3]
+	mi := &file_dsec_v1_edge_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -242,7 +388,7 @@ func (x *EdgeListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeListRequest.ProtoReflect.Descriptor instead.
 func (*EdgeListRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *EdgeListRequest) GetCaller() *Caller {
@@ -269,7 +415,7 @@ type EdgeExecRequest struct {
 
 func (x *EdgeExecRequest) Reset() {
 	*x = EdgeExecRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[4]
+	mi := &file_dsec_v1_edge_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -281,7 +427,7 @@ func (x *EdgeExecRequest) String() string {
 func (*EdgeExecRequest) ProtoMessage() {}
 
 func (x *EdgeExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[4]
+	mi := &file_dsec_v1_edge_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -294,7 +440,7 @@ func (x *EdgeExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeExecRequest.ProtoReflect.Descriptor instead.
 func (*EdgeExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *EdgeExecRequest) GetCaller() *Caller {
@@ -319,15 +465,16 @@ type EdgeRunRequest struct {
 	Spec      *SandboxSpec `protobuf:"bytes,3,opt,name=spec,proto3" json:"spec,omitempty"`
 	// The command (its sandbox_id is ignored).
 	Exec *ExecRequest `protobuf:"bytes,4,opt,name=exec,proto3" json:"exec,omitempty"`
-	// As EdgeCreateRequest.limits.
-	Limits        *Resources `protobuf:"bytes,5,opt,name=limits,proto3" json:"limits,omitempty"`
+	// As EdgeCreateRequest.limits and .resolved.
+	Limits        *Resources      `protobuf:"bytes,5,opt,name=limits,proto3" json:"limits,omitempty"`
+	Resolved      *ResolvedImages `protobuf:"bytes,6,opt,name=resolved,proto3" json:"resolved,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *EdgeRunRequest) Reset() {
 	*x = EdgeRunRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[5]
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -339,7 +486,7 @@ func (x *EdgeRunRequest) String() string {
 func (*EdgeRunRequest) ProtoMessage() {}
 
 func (x *EdgeRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[5]
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -352,7 +499,7 @@ func (x *EdgeRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRunRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRunRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *EdgeRunRequest) GetCaller() *Caller {
@@ -390,6 +537,13 @@ func (x *EdgeRunRequest) GetLimits() *Resources {
 	return nil
 }
 
+func (x *EdgeRunRequest) GetResolved() *ResolvedImages {
+	if x != nil {
+		return x.Resolved
+	}
+	return nil
+}
+
 type EdgeWriteFileRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -400,7 +554,7 @@ type EdgeWriteFileRequest struct {
 
 func (x *EdgeWriteFileRequest) Reset() {
 	*x = EdgeWriteFileRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -412,7 +566,7 @@ func (x *EdgeWriteFileRequest) String() string {
 func (*EdgeWriteFileRequest) ProtoMessage() {}
 
 func (x *EdgeWriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -425,7 +579,7 @@ func (x *EdgeWriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeWriteFileRequest.ProtoReflect.Descriptor instead.
 func (*EdgeWriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *EdgeWriteFileRequest) GetCaller() *Caller {
@@ -452,7 +606,7 @@ type EdgeReadFileRequest struct {
 
 func (x *EdgeReadFileRequest) Reset() {
 	*x = EdgeReadFileRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -464,7 +618,7 @@ func (x *EdgeReadFileRequest) String() string {
 func (*EdgeReadFileRequest) ProtoMessage() {}
 
 func (x *EdgeReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -477,7 +631,7 @@ func (x *EdgeReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeReadFileRequest.ProtoReflect.Descriptor instead.
 func (*EdgeReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *EdgeReadFileRequest) GetCaller() *Caller {
@@ -504,7 +658,7 @@ type EdgeSubmitRewardRequest struct {
 
 func (x *EdgeSubmitRewardRequest) Reset() {
 	*x = EdgeSubmitRewardRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -516,7 +670,7 @@ func (x *EdgeSubmitRewardRequest) String() string {
 func (*EdgeSubmitRewardRequest) ProtoMessage() {}
 
 func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -529,7 +683,7 @@ func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSubmitRewardRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSubmitRewardRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *EdgeSubmitRewardRequest) GetCaller() *Caller {
@@ -559,7 +713,7 @@ type EdgeSnapshotRequest struct {
 
 func (x *EdgeSnapshotRequest) Reset() {
 	*x = EdgeSnapshotRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -571,7 +725,7 @@ func (x *EdgeSnapshotRequest) String() string {
 func (*EdgeSnapshotRequest) ProtoMessage() {}
 
 func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -584,7 +738,7 @@ func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *EdgeSnapshotRequest) GetCaller() *Caller {
@@ -618,7 +772,7 @@ type EdgeCheckpointRequest struct {
 
 func (x *EdgeCheckpointRequest) Reset() {
 	*x = EdgeCheckpointRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -630,7 +784,7 @@ func (x *EdgeCheckpointRequest) String() string {
 func (*EdgeCheckpointRequest) ProtoMessage() {}
 
 func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -643,7 +797,7 @@ func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*EdgeCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EdgeCheckpointRequest) GetCaller() *Caller {
@@ -670,7 +824,7 @@ type EdgeRollbackRequest struct {
 
 func (x *EdgeRollbackRequest) Reset() {
 	*x = EdgeRollbackRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -682,7 +836,7 @@ func (x *EdgeRollbackRequest) String() string {
 func (*EdgeRollbackRequest) ProtoMessage() {}
 
 func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -695,7 +849,7 @@ func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRollbackRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *EdgeRollbackRequest) GetCaller() *Caller {
@@ -722,7 +876,7 @@ type EdgeDeleteCheckpointRequest struct {
 
 func (x *EdgeDeleteCheckpointRequest) Reset() {
 	*x = EdgeDeleteCheckpointRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -734,7 +888,7 @@ func (x *EdgeDeleteCheckpointRequest) String() string {
 func (*EdgeDeleteCheckpointRequest) ProtoMessage() {}
 
 func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -747,7 +901,7 @@ func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeDeleteCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*EdgeDeleteCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *EdgeDeleteCheckpointRequest) GetCaller() *Caller {
@@ -774,7 +928,7 @@ type EdgeGetTrajectoryRequest struct {
 
 func (x *EdgeGetTrajectoryRequest) Reset() {
 	*x = EdgeGetTrajectoryRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -786,7 +940,7 @@ func (x *EdgeGetTrajectoryRequest) String() string {
 func (*EdgeGetTrajectoryRequest) ProtoMessage() {}
 
 func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -799,7 +953,7 @@ func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeGetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*EdgeGetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *EdgeGetTrajectoryRequest) GetCaller() *Caller {
@@ -826,7 +980,7 @@ type EdgeBatchExecRequest struct {
 
 func (x *EdgeBatchExecRequest) Reset() {
 	*x = EdgeBatchExecRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -838,7 +992,7 @@ func (x *EdgeBatchExecRequest) String() string {
 func (*EdgeBatchExecRequest) ProtoMessage() {}
 
 func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -851,7 +1005,7 @@ func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeBatchExecRequest.ProtoReflect.Descriptor instead.
 func (*EdgeBatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *EdgeBatchExecRequest) GetCaller() *Caller {
@@ -878,7 +1032,7 @@ type EdgeBatchRollbackRequest struct {
 
 func (x *EdgeBatchRollbackRequest) Reset() {
 	*x = EdgeBatchRollbackRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -890,7 +1044,7 @@ func (x *EdgeBatchRollbackRequest) String() string {
 func (*EdgeBatchRollbackRequest) ProtoMessage() {}
 
 func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -903,7 +1057,7 @@ func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeBatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*EdgeBatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EdgeBatchRollbackRequest) GetCaller() *Caller {
@@ -926,15 +1080,16 @@ type EdgeCreatePoolRequest struct {
 	// Chosen by the server; names this edge's node.
 	PoolId  string             `protobuf:"bytes,2,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
 	Request *CreatePoolRequest `protobuf:"bytes,3,opt,name=request,proto3" json:"request,omitempty"`
-	// As EdgeCreateRequest.limits, for request.spec.
-	Limits        *Resources `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	// As EdgeCreateRequest.limits and .resolved, for request.spec.
+	Limits        *Resources      `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	Resolved      *ResolvedImages `protobuf:"bytes,5,opt,name=resolved,proto3" json:"resolved,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *EdgeCreatePoolRequest) Reset() {
 	*x = EdgeCreatePoolRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -946,7 +1101,7 @@ func (x *EdgeCreatePoolRequest) String() string {
 func (*EdgeCreatePoolRequest) ProtoMessage() {}
 
 func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -959,7 +1114,7 @@ func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeCreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*EdgeCreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *EdgeCreatePoolRequest) GetCaller() *Caller {
@@ -990,6 +1145,13 @@ func (x *EdgeCreatePoolRequest) GetLimits() *Resources {
 	return nil
 }
 
+func (x *EdgeCreatePoolRequest) GetResolved() *ResolvedImages {
+	if x != nil {
+		return x.Resolved
+	}
+	return nil
+}
+
 type EdgeDeletePoolRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -1000,7 +1162,7 @@ type EdgeDeletePoolRequest struct {
 
 func (x *EdgeDeletePoolRequest) Reset() {
 	*x = EdgeDeletePoolRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1012,7 +1174,7 @@ func (x *EdgeDeletePoolRequest) String() string {
 func (*EdgeDeletePoolRequest) ProtoMessage() {}
 
 func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1025,7 +1187,7 @@ func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeDeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*EdgeDeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *EdgeDeletePoolRequest) GetCaller() *Caller {
@@ -1055,7 +1217,7 @@ type EdgeRunCodeRequest struct {
 
 func (x *EdgeRunCodeRequest) Reset() {
 	*x = EdgeRunCodeRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[18]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1067,7 +1229,7 @@ func (x *EdgeRunCodeRequest) String() string {
 func (*EdgeRunCodeRequest) ProtoMessage() {}
 
 func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[18]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1080,7 +1242,7 @@ func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRunCodeRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *EdgeRunCodeRequest) GetCaller() *Caller {
@@ -1133,7 +1295,7 @@ type BackendCapacity struct {
 
 func (x *BackendCapacity) Reset() {
 	*x = BackendCapacity{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[19]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1145,7 +1307,7 @@ func (x *BackendCapacity) String() string {
 func (*BackendCapacity) ProtoMessage() {}
 
 func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[19]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1158,7 +1320,7 @@ func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackendCapacity.ProtoReflect.Descriptor instead.
 func (*BackendCapacity) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *BackendCapacity) GetBackend() string {
@@ -1268,7 +1430,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1280,7 +1442,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1293,7 +1455,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *NodeStatus) GetMilliCpu() int64 {
@@ -1411,7 +1573,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1423,7 +1585,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1436,7 +1598,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -1517,7 +1679,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1529,7 +1691,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1542,7 +1704,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -1642,7 +1804,7 @@ type PoolSummary struct {
 
 func (x *PoolSummary) Reset() {
 	*x = PoolSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[23]
+	mi := &file_dsec_v1_edge_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1654,7 +1816,7 @@ func (x *PoolSummary) String() string {
 func (*PoolSummary) ProtoMessage() {}
 
 func (x *PoolSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[23]
+	mi := &file_dsec_v1_edge_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1667,7 +1829,7 @@ func (x *PoolSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolSummary.ProtoReflect.Descriptor instead.
 func (*PoolSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *PoolSummary) GetId() string {
@@ -1736,7 +1898,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[24]
+	mi := &file_dsec_v1_edge_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1748,7 +1910,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[24]
+	mi := &file_dsec_v1_edge_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1761,7 +1923,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -1778,13 +1940,23 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x12dsec/v1/edge.proto\x12\adsec.v1\x1a\x12dsec/v1/dsec.proto\"6\n" +
 	"\x06Caller\x12\x16\n" +
 	"\x06tenant\x18\x01 \x01(\tR\x06tenant\x12\x14\n" +
-	"\x05admin\x18\x02 \x01(\bR\x05admin\"\xb1\x01\n" +
+	"\x05admin\x18\x02 \x01(\bR\x05admin\"\xe6\x01\n" +
 	"\x11EdgeCreateRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x02 \x01(\tR\tsandboxId\x12(\n" +
 	"\x04spec\x18\x03 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12*\n" +
-	"\x06limits\x18\x04 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\"\\\n" +
+	"\x06limits\x18\x04 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\x123\n" +
+	"\bresolved\x18\x05 \x01(\v2\x17.dsec.v1.ResolvedImagesR\bresolved\"\x9e\x01\n" +
+	"\x0eResolvedImages\x12.\n" +
+	"\x06layers\x18\x01 \x03(\v2\x16.dsec.v1.ResolvedLayerR\x06layers\x12\x10\n" +
+	"\x03env\x18\x02 \x03(\tR\x03env\x12\x18\n" +
+	"\aworkdir\x18\x03 \x01(\tR\aworkdir\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12\x1c\n" +
+	"\tmanifests\x18\x05 \x03(\tR\tmanifests\";\n" +
+	"\rResolvedLayer\x12\x16\n" +
+	"\x06digest\x18\x01 \x01(\tR\x06digest\x12\x12\n" +
+	"\x04size\x18\x02 \x01(\x03R\x04size\"\\\n" +
 	"\x12EdgeSandboxRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
 	"\n" +
@@ -1797,14 +1969,15 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"j\n" +
 	"\x0fEdgeExecRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12.\n" +
-	"\arequest\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\arequest\"\xd8\x01\n" +
+	"\arequest\x18\x02 \x01(\v2\x14.dsec.v1.ExecRequestR\arequest\"\x8d\x02\n" +
 	"\x0eEdgeRunRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x02 \x01(\tR\tsandboxId\x12(\n" +
 	"\x04spec\x18\x03 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12(\n" +
 	"\x04exec\x18\x04 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\x12*\n" +
-	"\x06limits\x18\x05 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\"t\n" +
+	"\x06limits\x18\x05 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\x123\n" +
+	"\bresolved\x18\x06 \x01(\v2\x17.dsec.v1.ResolvedImagesR\bresolved\"t\n" +
 	"\x14EdgeWriteFileRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x123\n" +
 	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.WriteFileRequestR\arequest\"r\n" +
@@ -1835,12 +2008,13 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\arequest\x18\x02 \x01(\v2\x19.dsec.v1.BatchExecRequestR\arequest\"|\n" +
 	"\x18EdgeBatchRollbackRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x127\n" +
-	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.BatchRollbackRequestR\arequest\"\xbb\x01\n" +
+	"\arequest\x18\x02 \x01(\v2\x1d.dsec.v1.BatchRollbackRequestR\arequest\"\xf0\x01\n" +
 	"\x15EdgeCreatePoolRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x17\n" +
 	"\apool_id\x18\x02 \x01(\tR\x06poolId\x124\n" +
 	"\arequest\x18\x03 \x01(\v2\x1a.dsec.v1.CreatePoolRequestR\arequest\x12*\n" +
-	"\x06limits\x18\x04 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\"Y\n" +
+	"\x06limits\x18\x04 \x01(\v2\x12.dsec.v1.ResourcesR\x06limits\x123\n" +
+	"\bresolved\x18\x05 \x01(\v2\x17.dsec.v1.ResolvedImagesR\bresolved\"Y\n" +
 	"\x15EdgeDeletePoolRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12\x17\n" +
 	"\apool_id\x18\x02 \x01(\tR\x06poolId\"\x86\x01\n" +
@@ -1960,177 +2134,183 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_dsec_v1_edge_proto_goTypes = []any{
 	(*Caller)(nil),                      // 0: dsec.v1.Caller
 	(*EdgeCreateRequest)(nil),           // 1: dsec.v1.EdgeCreateRequest
-	(*EdgeSandboxRequest)(nil),          // 2: dsec.v1.EdgeSandboxRequest
-	(*EdgeListRequest)(nil),             // 3: dsec.v1.EdgeListRequest
-	(*EdgeExecRequest)(nil),             // 4: dsec.v1.EdgeExecRequest
-	(*EdgeRunRequest)(nil),              // 5: dsec.v1.EdgeRunRequest
-	(*EdgeWriteFileRequest)(nil),        // 6: dsec.v1.EdgeWriteFileRequest
-	(*EdgeReadFileRequest)(nil),         // 7: dsec.v1.EdgeReadFileRequest
-	(*EdgeSubmitRewardRequest)(nil),     // 8: dsec.v1.EdgeSubmitRewardRequest
-	(*EdgeSnapshotRequest)(nil),         // 9: dsec.v1.EdgeSnapshotRequest
-	(*EdgeCheckpointRequest)(nil),       // 10: dsec.v1.EdgeCheckpointRequest
-	(*EdgeRollbackRequest)(nil),         // 11: dsec.v1.EdgeRollbackRequest
-	(*EdgeDeleteCheckpointRequest)(nil), // 12: dsec.v1.EdgeDeleteCheckpointRequest
-	(*EdgeGetTrajectoryRequest)(nil),    // 13: dsec.v1.EdgeGetTrajectoryRequest
-	(*EdgeBatchExecRequest)(nil),        // 14: dsec.v1.EdgeBatchExecRequest
-	(*EdgeBatchRollbackRequest)(nil),    // 15: dsec.v1.EdgeBatchRollbackRequest
-	(*EdgeCreatePoolRequest)(nil),       // 16: dsec.v1.EdgeCreatePoolRequest
-	(*EdgeDeletePoolRequest)(nil),       // 17: dsec.v1.EdgeDeletePoolRequest
-	(*EdgeRunCodeRequest)(nil),          // 18: dsec.v1.EdgeRunCodeRequest
-	(*BackendCapacity)(nil),             // 19: dsec.v1.BackendCapacity
-	(*NodeStatus)(nil),                  // 20: dsec.v1.NodeStatus
-	(*SandboxSummary)(nil),              // 21: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),            // 22: dsec.v1.HeartbeatRequest
-	(*PoolSummary)(nil),                 // 23: dsec.v1.PoolSummary
-	(*HeartbeatResponse)(nil),           // 24: dsec.v1.HeartbeatResponse
-	nil,                                 // 25: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                                 // 26: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),                 // 27: dsec.v1.SandboxSpec
-	(*Resources)(nil),                   // 28: dsec.v1.Resources
-	(*ExecRequest)(nil),                 // 29: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),            // 30: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),             // 31: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),         // 32: dsec.v1.SubmitRewardRequest
-	(*SnapshotRequest)(nil),             // 33: dsec.v1.SnapshotRequest
-	(*CheckpointRequest)(nil),           // 34: dsec.v1.CheckpointRequest
-	(*RollbackRequest)(nil),             // 35: dsec.v1.RollbackRequest
-	(*DeleteCheckpointRequest)(nil),     // 36: dsec.v1.DeleteCheckpointRequest
-	(*GetTrajectoryRequest)(nil),        // 37: dsec.v1.GetTrajectoryRequest
-	(*BatchExecRequest)(nil),            // 38: dsec.v1.BatchExecRequest
-	(*BatchRollbackRequest)(nil),        // 39: dsec.v1.BatchRollbackRequest
-	(*CreatePoolRequest)(nil),           // 40: dsec.v1.CreatePoolRequest
-	(*RunCodeRequest)(nil),              // 41: dsec.v1.RunCodeRequest
-	(*CreateSandboxResponse)(nil),       // 42: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 43: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 44: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 45: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 46: dsec.v1.ExecStreamResponse
-	(*RunResponse)(nil),                 // 47: dsec.v1.RunResponse
-	(*WriteFileResponse)(nil),           // 48: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 49: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 50: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 51: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 52: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 53: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 54: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 55: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 56: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 57: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 58: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 59: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 60: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 61: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 62: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 63: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 64: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 65: dsec.v1.RunCodeResponse
+	(*ResolvedImages)(nil),              // 2: dsec.v1.ResolvedImages
+	(*ResolvedLayer)(nil),               // 3: dsec.v1.ResolvedLayer
+	(*EdgeSandboxRequest)(nil),          // 4: dsec.v1.EdgeSandboxRequest
+	(*EdgeListRequest)(nil),             // 5: dsec.v1.EdgeListRequest
+	(*EdgeExecRequest)(nil),             // 6: dsec.v1.EdgeExecRequest
+	(*EdgeRunRequest)(nil),              // 7: dsec.v1.EdgeRunRequest
+	(*EdgeWriteFileRequest)(nil),        // 8: dsec.v1.EdgeWriteFileRequest
+	(*EdgeReadFileRequest)(nil),         // 9: dsec.v1.EdgeReadFileRequest
+	(*EdgeSubmitRewardRequest)(nil),     // 10: dsec.v1.EdgeSubmitRewardRequest
+	(*EdgeSnapshotRequest)(nil),         // 11: dsec.v1.EdgeSnapshotRequest
+	(*EdgeCheckpointRequest)(nil),       // 12: dsec.v1.EdgeCheckpointRequest
+	(*EdgeRollbackRequest)(nil),         // 13: dsec.v1.EdgeRollbackRequest
+	(*EdgeDeleteCheckpointRequest)(nil), // 14: dsec.v1.EdgeDeleteCheckpointRequest
+	(*EdgeGetTrajectoryRequest)(nil),    // 15: dsec.v1.EdgeGetTrajectoryRequest
+	(*EdgeBatchExecRequest)(nil),        // 16: dsec.v1.EdgeBatchExecRequest
+	(*EdgeBatchRollbackRequest)(nil),    // 17: dsec.v1.EdgeBatchRollbackRequest
+	(*EdgeCreatePoolRequest)(nil),       // 18: dsec.v1.EdgeCreatePoolRequest
+	(*EdgeDeletePoolRequest)(nil),       // 19: dsec.v1.EdgeDeletePoolRequest
+	(*EdgeRunCodeRequest)(nil),          // 20: dsec.v1.EdgeRunCodeRequest
+	(*BackendCapacity)(nil),             // 21: dsec.v1.BackendCapacity
+	(*NodeStatus)(nil),                  // 22: dsec.v1.NodeStatus
+	(*SandboxSummary)(nil),              // 23: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),            // 24: dsec.v1.HeartbeatRequest
+	(*PoolSummary)(nil),                 // 25: dsec.v1.PoolSummary
+	(*HeartbeatResponse)(nil),           // 26: dsec.v1.HeartbeatResponse
+	nil,                                 // 27: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                                 // 28: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),                 // 29: dsec.v1.SandboxSpec
+	(*Resources)(nil),                   // 30: dsec.v1.Resources
+	(*ExecRequest)(nil),                 // 31: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 32: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 33: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 34: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 35: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 36: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 37: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 38: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 39: dsec.v1.GetTrajectoryRequest
+	(*BatchExecRequest)(nil),            // 40: dsec.v1.BatchExecRequest
+	(*BatchRollbackRequest)(nil),        // 41: dsec.v1.BatchRollbackRequest
+	(*CreatePoolRequest)(nil),           // 42: dsec.v1.CreatePoolRequest
+	(*RunCodeRequest)(nil),              // 43: dsec.v1.RunCodeRequest
+	(*CreateSandboxResponse)(nil),       // 44: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 45: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 46: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 47: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 48: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 49: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 50: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 51: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 52: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 53: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 54: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 55: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 56: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 57: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 58: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 59: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 60: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 61: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 62: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 63: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 64: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 65: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 66: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 67: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	27, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
-	28, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
-	0,  // 3: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
-	0,  // 4: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	25, // 5: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
-	0,  // 6: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	29, // 7: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
-	0,  // 8: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
-	27, // 9: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	29, // 10: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
-	28, // 11: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
-	0,  // 12: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	30, // 13: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
-	0,  // 14: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	31, // 15: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
-	0,  // 16: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	32, // 17: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
-	0,  // 18: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
-	33, // 19: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
-	0,  // 20: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	34, // 21: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
-	0,  // 22: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
-	35, // 23: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
-	0,  // 24: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	36, // 25: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
-	0,  // 26: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	37, // 27: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
-	0,  // 28: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
-	38, // 29: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
-	0,  // 30: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
-	39, // 31: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
-	0,  // 32: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
-	40, // 33: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
-	28, // 34: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
-	0,  // 35: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
-	0,  // 36: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
-	41, // 37: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
-	26, // 38: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	19, // 39: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	21, // 40: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	23, // 41: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	28, // 42: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
-	20, // 43: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
-	1,  // 44: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 45: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 46: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 47: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 48: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 49: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	6,  // 50: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	7,  // 51: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 52: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	8,  // 53: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	13, // 54: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	9,  // 55: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	10, // 56: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	11, // 57: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	12, // 58: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 59: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 60: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 61: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 62: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	14, // 63: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	15, // 64: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	16, // 65: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	3,  // 66: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	17, // 67: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	18, // 68: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	22, // 69: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	42, // 70: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	43, // 71: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	44, // 72: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	45, // 73: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	46, // 74: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	47, // 75: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	48, // 76: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	49, // 77: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	50, // 78: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	51, // 79: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	52, // 80: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	53, // 81: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	54, // 82: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	55, // 83: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	56, // 84: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	57, // 85: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	58, // 86: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	59, // 87: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	59, // 88: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	60, // 89: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	61, // 90: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	62, // 91: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	63, // 92: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	64, // 93: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	65, // 94: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	24, // 95: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	70, // [70:96] is the sub-list for method output_type
-	44, // [44:70] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	29, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	30, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
+	2,  // 3: dsec.v1.EdgeCreateRequest.resolved:type_name -> dsec.v1.ResolvedImages
+	3,  // 4: dsec.v1.ResolvedImages.layers:type_name -> dsec.v1.ResolvedLayer
+	0,  // 5: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 6: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
+	27, // 7: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	0,  // 8: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
+	31, // 9: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	0,  // 10: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
+	29, // 11: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	31, // 12: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
+	30, // 13: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
+	2,  // 14: dsec.v1.EdgeRunRequest.resolved:type_name -> dsec.v1.ResolvedImages
+	0,  // 15: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
+	32, // 16: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	0,  // 17: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
+	33, // 18: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	0,  // 19: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
+	34, // 20: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	0,  // 21: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
+	35, // 22: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	0,  // 23: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	36, // 24: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	0,  // 25: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
+	37, // 26: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	0,  // 27: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	38, // 28: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	0,  // 29: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
+	39, // 30: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	0,  // 31: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
+	40, // 32: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
+	0,  // 33: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
+	41, // 34: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
+	0,  // 35: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
+	42, // 36: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
+	30, // 37: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
+	2,  // 38: dsec.v1.EdgeCreatePoolRequest.resolved:type_name -> dsec.v1.ResolvedImages
+	0,  // 39: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 40: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
+	43, // 41: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
+	28, // 42: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	21, // 43: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	23, // 44: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	25, // 45: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	30, // 46: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	22, // 47: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
+	1,  // 48: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	4,  // 49: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	5,  // 50: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	6,  // 51: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	6,  // 52: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	7,  // 53: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	8,  // 54: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	9,  // 55: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	4,  // 56: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	10, // 57: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	15, // 58: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	11, // 59: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	12, // 60: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	13, // 61: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	14, // 62: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	4,  // 63: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	4,  // 64: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	5,  // 65: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	5,  // 66: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	16, // 67: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	17, // 68: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	18, // 69: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	5,  // 70: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	19, // 71: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	20, // 72: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	24, // 73: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	44, // 74: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	45, // 75: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	46, // 76: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	47, // 77: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	48, // 78: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	49, // 79: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	50, // 80: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	51, // 81: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	52, // 82: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	53, // 83: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	54, // 84: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	55, // 85: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	56, // 86: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	57, // 87: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	58, // 88: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	59, // 89: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	60, // 90: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	61, // 91: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	61, // 92: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	62, // 93: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	63, // 94: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	64, // 95: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	65, // 96: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	66, // 97: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	67, // 98: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	26, // 99: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	74, // [74:100] is the sub-list for method output_type
+	48, // [48:74] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -2145,7 +2325,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   27,
+			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   2,
 		},
