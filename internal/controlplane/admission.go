@@ -46,7 +46,26 @@ func (s *Server) queueFull(what string) error {
 // placeOrWait places one sandbox of prep after a first attempt failed with
 // first, waiting for room when first says the nodes are full.
 func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, first error) (reservation, error) {
-	if !queueable(first) {
+	return s.waitForRoom(ctx, p, quota, prep, first, nil)
+}
+
+// refusedOrWait places one sandbox of prep after every node placement
+// offered refused it (refused: the placement error with those nodes
+// excluded): the nodes' measured state said they were full since their
+// last heartbeats, so it waits for the next sign of room before placing
+// again, as a create that found every node full does.
+func (s *Server) refusedOrWait(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, refused error) (reservation, error) {
+	var ce *placement.CapacityError
+	if !errors.As(refused, &ce) || ce.Offered == 0 {
+		return reservation{}, toConnect(refused)
+	}
+	return s.waitForRoom(ctx, p, quota, prep, refused, s.reg.roomSignal())
+}
+
+// waitForRoom is placeOrWait's loop; room, when not nil, is waited for
+// before the first try.
+func (s *Server) waitForRoom(ctx context.Context, p iam.Principal, quota *iam.Quota, prep *prepared, first error, room <-chan struct{}) (reservation, error) {
+	if room == nil && !queueable(first) {
 		return reservation{}, toConnect(first)
 	}
 	if err := s.reg.everFits(prep.req); err != nil {
@@ -66,6 +85,13 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 		defer cancel()
 	}
 	last := first
+	if room != nil {
+		select {
+		case <-room:
+		case <-ctx.Done():
+			return reservation{}, s.waitedTooLong(ctx, start, last)
+		}
+	}
 	for {
 		// Take the signal before trying, so room that appears during the
 		// attempt wakes the wait below.
@@ -82,13 +108,19 @@ func (s *Server) placeOrWait(ctx context.Context, p iam.Principal, quota *iam.Qu
 		select {
 		case <-room:
 		case <-ctx.Done():
-			code := connect.CodeResourceExhausted
-			if errors.Is(ctx.Err(), context.Canceled) {
-				code = connect.CodeCanceled
-			}
-			return reservation{}, connect.NewError(code, fmt.Errorf("waited %s in the admission queue for room: %w", time.Since(start).Round(time.Millisecond), last))
+			return reservation{}, s.waitedTooLong(ctx, start, last)
 		}
 	}
+}
+
+// waitedTooLong is the answer to a create whose wait for room ended
+// with ctx.
+func (s *Server) waitedTooLong(ctx context.Context, start time.Time, last error) error {
+	code := connect.CodeResourceExhausted
+	if errors.Is(ctx.Err(), context.Canceled) {
+		code = connect.CodeCanceled
+	}
+	return connect.NewError(code, fmt.Errorf("waited %s in the admission queue for room: %w", time.Since(start).Round(time.Millisecond), last))
 }
 
 // everFits refuses at once a request that no live node could hold even

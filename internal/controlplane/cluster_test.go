@@ -58,6 +58,9 @@ type cluster struct {
 	// memoryReserve is the edges' Config.MemoryReserve, for the edges
 	// added after it is set (0: the default).
 	memoryReserve int64
+	// wrap, when set, wraps the handler of the edges added after it is
+	// set (to stand for a node whose state changed since its heartbeat).
+	wrap func(http.Handler) http.Handler
 }
 
 type testEdge struct {
@@ -147,7 +150,11 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, share placemen
 		t.Fatal(err)
 	}
 	mux := http.NewServeMux()
-	hs := httptest.NewUnstartedServer(mux)
+	var h http.Handler = mux
+	if c.wrap != nil {
+		h = c.wrap(mux)
+	}
+	hs := httptest.NewUnstartedServer(h)
 	hs.Start()
 	e, err := edge.New(edge.Config{
 		NodeID:            id,
@@ -650,14 +657,51 @@ func TestCluster(t *testing.T) {
 	})
 
 	var onN2 *dsecv1.Sandbox
-	t.Run("edge refusal is retried elsewhere", func(t *testing.T) {
-		// n3's measured state says it is full (it keeps more memory in
-		// reserve than the machine has), which only its own admission
-		// checks: the server places on it what it then refuses, which
-		// exercises optimistic placement's retry. It goes at the end.
+	t.Run("a node that says it is full gets nothing", func(t *testing.T) {
+		// n4 keeps more memory in reserve than the machine has: its
+		// heartbeats say it is full, so the server places nothing there
+		// (no refusal, no retry), and a create only it could hold waits
+		// in the admission queue until its deadline.
 		c.memoryReserve = 1 << 50
-		c.addEdge("n3", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{})
+		c.addEdge("n4", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{})
 		c.memoryReserve = 0
+		defer c.edges["n4"].stop()
+		c.waitFor("n4 reported full", func() bool {
+			c.srv.reg.mu.Lock()
+			defer c.srv.reg.mu.Unlock()
+			return c.srv.reg.nodes["n4"].status.GetFull() != ""
+		})
+
+		before := c.metric("dsec_server_placement_retries_total", nil)
+		// The server's own bound on the wait, so that it answers (a
+		// caller's deadline would race its answer).
+		c.srv.cfg.QueueTimeout = time.Second
+		defer func() { c.srv.cfg.QueueTimeout = DefaultQueueTimeout }()
+		_, err := c.clients.sb.Create(context.Background(), req(c.admin, &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 3_000_000, MemoryBytes: 2 << 30}}}))
+		wantCode(t, err, connect.CodeResourceExhausted, "admission queue")
+		if got := c.metric("dsec_server_placement_retries_total", nil) - before; got != 0 {
+			t.Fatalf("placement retries went up by %v, want 0: a full node is not tried", got)
+		}
+	})
+
+	t.Run("edge refusal is retried elsewhere", func(t *testing.T) {
+		// n3 refuses every create, as a node whose measured state
+		// filled up since its last heartbeat does: the server places
+		// on it what it then refuses, which exercises optimistic
+		// placement's retry. It goes at the end.
+		c.wrap = func(h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if strings.HasSuffix(r.URL.Path, "/CreateOnEdge") {
+					w.Header().Set("Content-Type", "application/json")
+					w.WriteHeader(http.StatusTooManyRequests)
+					w.Write([]byte(`{"code":"resource_exhausted","message":"node \"n3\" has no room: out of memory (under pressure)"}`))
+					return
+				}
+				h.ServeHTTP(w, r)
+			})
+		}
+		c.addEdge("n3", placement.Capacity{MilliCPU: 1_000_000, Sandboxes: slots}, placement.Share{})
+		c.wrap = nil
 		defer c.edges["n3"].stop()
 		retries := c.metric("dsec_server_placement_retries_total", nil)
 		// n2 and n3 fit 1,500 cores in the server's view (n1 reserves
@@ -671,17 +715,20 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("sandbox placed on %s, want n2", sb.GetNode())
 		}
 		onN2 = sb
-		// 3,000 cores with 2 GiB fit only n3 in the server's view (n1
-		// reserves cores, n2 holds 1 GiB), and n3 refuses: one retry,
-		// then no node is left.
-		before := c.metric("dsec_server_placement_retries_total", nil)
-		_, err = c.create(c.admin, &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 3_000_000, MemoryBytes: 2 << 30}})
-		wantCode(t, err, connect.CodeResourceExhausted, "memory")
-		if got := c.metric("dsec_server_placement_retries_total", nil) - before; got != 1 {
-			t.Fatalf("placement retries went up by %v, want 1", got)
+		if got := c.metric("dsec_server_placement_retries_total", nil) - retries; got > 1 {
+			t.Fatalf("first create retried %v times", got)
 		}
-		if before-retries > 1 {
-			t.Fatalf("first create retried %v times", before-retries)
+		// 3,000 cores with 2 GiB fit only n3 in the server's view (n1
+		// reserves cores, n2 holds 1 GiB), and n3 refuses: the create
+		// waits for room (heartbeats) and places again, until its
+		// deadline.
+		before := c.metric("dsec_server_placement_retries_total", nil)
+		c.srv.cfg.QueueTimeout = 2 * time.Second
+		defer func() { c.srv.cfg.QueueTimeout = DefaultQueueTimeout }()
+		_, err = c.clients.sb.Create(context.Background(), req(c.admin, &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox:1", Resources: &dsecv1.Resources{MilliCpu: 3_000_000, MemoryBytes: 2 << 30}}}))
+		wantCode(t, err, connect.CodeResourceExhausted, "n3")
+		if got := c.metric("dsec_server_placement_retries_total", nil) - before; got < 1 || got > maxCreateAttempts {
+			t.Fatalf("placement retries went up by %v, want 1 to %d", got, maxCreateAttempts)
 		}
 	})
 
@@ -746,13 +793,13 @@ func TestCluster(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		// The scrape sees two dead nodes (n2, and n3 stopped after the
-		// refusal case) and the lost sandbox.
+		// The scrape sees three dead nodes (n2, and n3 and n4 stopped
+		// after their cases) and the lost sandbox.
 		if got := c.metric("dsec_server_sandboxes", map[string]string{"state": "lost"}); got < 1 {
 			t.Fatalf("dsec_server_sandboxes{state=lost} = %v, want at least 1", got)
 		}
-		if got := c.metric("dsec_server_nodes", map[string]string{"alive": "false"}); got != 2 {
-			t.Fatalf("dsec_server_nodes{alive=false} = %v, want 2", got)
+		if got := c.metric("dsec_server_nodes", map[string]string{"alive": "false"}); got != 3 {
+			t.Fatalf("dsec_server_nodes{alive=false} = %v, want 3", got)
 		}
 	})
 }

@@ -458,6 +458,7 @@ func (r *registry) viewsLocked(now time.Time) []placement.NodeView {
 		}
 		views = append(views, placement.NodeView{
 			ID: n.id, Healthy: true, Capacity: n.capacity, Usage: usage, Share: n.share, Layers: n.layers, Load: min(n.load, 1),
+			Full: n.status.GetFull(),
 		})
 	}
 	return views

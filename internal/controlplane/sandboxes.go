@@ -250,9 +250,14 @@ func (s *Server) onSomeEdge(ctx context.Context, p iam.Principal, quota *iam.Quo
 		s.metrics.retries.Inc()
 		exclude = append(exclude, res.node)
 		if res, err = s.place(p, quota, prep, exclude); err != nil {
-			// No waiting here: a node refusing what the server's view
-			// says fits may refuse it forever (another overcommit).
-			return toConnect(err)
+			// Every node refused or is full: wait for room as a
+			// create the first placement found no room for does.
+			// Edges and servers charge by the same rule, so a refusal
+			// comes from a node's measured state, which changes.
+			if res, err = s.refusedOrWait(ctx, p, quota, prep, err); err != nil {
+				return err
+			}
+			exclude = nil
 		}
 	}
 }

@@ -31,6 +31,10 @@ type CapacityError struct {
 	// not draining and not excluded; Excluded those skipped because the
 	// request excluded them.
 	Offered, Eligible, Excluded int
+	// Full counts eligible nodes that said they are full (NodeView.Full),
+	// and FullReason is the first one's node and reason.
+	Full       int
+	FullReason string
 	// Short lists the resources no eligible node has enough of. It is
 	// empty when every resource is free somewhere but never all on one
 	// node, or when no node is eligible.
@@ -45,6 +49,8 @@ func (e *CapacityError) Error() string {
 		return fmt.Sprintf("no node left for backend %s: the request excludes all %d healthy nodes offering it", e.Kind, e.Excluded)
 	case e.Eligible == 0:
 		return fmt.Sprintf("no healthy, non-draining node offers backend %s (%d offer it)", e.Kind, e.Offered)
+	case e.Full == e.Eligible:
+		return fmt.Sprintf("every node offering backend %s is full (%d; %s)", e.Kind, e.Full, e.FullReason)
 	case len(e.Short) > 0:
 		parts := make([]string, len(e.Short))
 		for i, r := range e.Short {

@@ -75,6 +75,10 @@ type NodeView struct {
 	Share map[runtime.Kind]Share
 	// Layers is the set of layer digests the node holds (cached or mounted).
 	Layers map[string]struct{}
+	// Full, when not empty, says what the node's own measured state is
+	// short of (memory pressure, descriptors, ...): it takes no sandbox
+	// until a later view says otherwise, whatever its accounts say.
+	Full string
 	// Load is the node's measured busy fraction in [0, 1]. Scorers may treat
 	// a node hotter than its allocations suggest as that busy.
 	Load float64
@@ -185,6 +189,7 @@ type slot struct {
 	invCPU, invMem, invSB float64 // 1/cap, 0 when cap is 0
 	shCPU, shMem          float64 // the node's Share for the backend
 	start                 float64 // utilization before this batch
+	full                  bool    // the node says it is full (NodeView.Full)
 }
 
 // charge is what the slot's node is charged for r: its share of r's
@@ -215,7 +220,7 @@ func ChargeOf(v int64, share float64) int64 {
 // sandbox that could never get all it may use anywhere is refused rather
 // than placed where it would be OOM-killed short of its limit).
 func (sl *slot) fits(r *Request, cpu, mem int64) bool {
-	return cpu <= sl.capCPU-sl.useCPU && mem <= sl.capMem-sl.useMem && sl.useSB < sl.capSB && r.MemoryBytes <= sl.capMem
+	return !sl.full && cpu <= sl.capCPU-sl.useCPU && mem <= sl.capMem-sl.useMem && sl.useSB < sl.capSB && r.MemoryBytes <= sl.capMem
 }
 
 // utilization is the fullest of the slot's resources after adding
@@ -357,6 +362,7 @@ func (p *planner) buildPools(nodes []NodeView, def Share) error {
 				capSB:  c.Sandboxes,
 				shCPU:  sh.CPU,
 				shMem:  sh.Memory,
+				full:   nv.Full != "",
 				useCPU: u.MilliCPU,
 				useMem: u.MemoryBytes,
 				useSB:  u.Sandboxes,
@@ -536,12 +542,19 @@ func (p *planner) diagnose(pl *pool, r *Request, stamp uint32) error {
 			continue
 		}
 		e.Eligible++
+		if sl.full {
+			e.Full++
+			if e.FullReason == "" {
+				e.FullReason = p.nodes[sl.node].ID + ": " + p.nodes[sl.node].Full
+			}
+			continue
+		}
 		c, m := sl.charge(r)
 		cpu = cpu || c <= sl.capCPU-sl.useCPU
 		mem = mem || (m <= sl.capMem-sl.useMem && r.MemoryBytes <= sl.capMem)
 		sb = sb || sl.useSB < sl.capSB
 	}
-	if e.Eligible == 0 {
+	if e.Eligible == 0 || e.Full == e.Eligible {
 		return e
 	}
 	if !cpu {

@@ -179,6 +179,24 @@ func TestShareSpreadsIdleBurst(t *testing.T) {
 	}
 }
 
+// TestFullNodes: a node whose own measured state says it is full takes
+// nothing, whatever its accounts say, and the error says so when every
+// eligible node is.
+func TestFullNodes(t *testing.T) {
+	c := Capacity{MilliCPU: 2000, MemoryBytes: 24 * gib, Sandboxes: 100}
+	full := node("a", c)
+	full.Full = "memory (under pressure)"
+	d := mustPlace(t, []NodeView{full, node("b", c)}, []Request{ctr(0, 0)})[0]
+	if d.Err != nil || d.NodeID != "b" {
+		t.Fatalf("placed on %q (%v), want b", d.NodeID, d.Err)
+	}
+	d = mustPlace(t, []NodeView{full}, []Request{ctr(0, 0)})[0]
+	var ce *CapacityError
+	if !errors.As(d.Err, &ce) || ce.Full != 1 || ce.Eligible != 1 || !strings.Contains(d.Err.Error(), "a: memory (under pressure)") {
+		t.Fatalf("error %v, want every node full naming a's reason", d.Err)
+	}
+}
+
 func withShare(n NodeView, sh Share) NodeView {
 	if n.Share == nil {
 		n.Share = map[runtime.Kind]Share{}
