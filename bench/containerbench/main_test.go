@@ -277,8 +277,13 @@ func TestHarnessDSecPool(t *testing.T) {
 		t.Fatalf("pool phases %+v, want seq, C=2, C=%d", r.Pool, c2)
 	}
 	seq := r.Pool[0]
-	if seq.Phase != "seq" || seq.Hits != n+warmup || seq.Misses != 0 || seq.Resets != n+warmup || seq.ResetMedianMs <= 0 {
-		t.Errorf("sequential pool figures %+v: want %d takes served warm and as many resets", seq, n+warmup)
+	// A hand-back is destroyed instead of reset when the pool's refill
+	// has already made its ready target (a slow, loaded machine: seen
+	// with other suites running), so resets and destroys together
+	// account for every take.
+	if seq.Phase != "seq" || seq.Hits != n+warmup || seq.Misses != 0 || seq.Resets < 1 || seq.Resets+seq.Destroyed != n+warmup ||
+		seq.ResetFailures != 0 || seq.ResetMedianMs <= 0 {
+		t.Errorf("sequential pool figures %+v: want %d takes served warm, each hand-back reset or destroyed", seq, n+warmup)
 	}
 	for _, p := range r.Pool[1:] {
 		// Every hand-back is reset, or destroyed at once when the pool
