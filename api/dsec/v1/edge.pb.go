@@ -1402,9 +1402,12 @@ type SandboxSummary struct {
 	Labels map[string]string      `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The sandbox's limits (defaults included): what its tenant's quota
 	// is charged.
-	MilliCpu      int64  `protobuf:"varint,5,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
-	MemoryBytes   int64  `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
-	Backend       string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	MilliCpu    int64  `protobuf:"varint,5,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes int64  `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Backend     string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	// What it uses as last measured (all but measured_at; unset until
+	// measured).
+	Usage         *SandboxUsage `protobuf:"bytes,8,opt,name=usage,proto3" json:"usage,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1486,6 +1489,13 @@ func (x *SandboxSummary) GetBackend() string {
 		return x.Backend
 	}
 	return ""
+}
+
+func (x *SandboxSummary) GetUsage() *SandboxUsage {
+	if x != nil {
+		return x.Usage
+	}
+	return nil
 }
 
 type HeartbeatRequest struct {
@@ -1880,7 +1890,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\athreads\x18\f \x01(\x03R\athreads\x12\x1f\n" +
 	"\vmax_threads\x18\r \x01(\x03R\n" +
 	"maxThreads\x12\x12\n" +
-	"\x04full\x18\x0e \x01(\tR\x04full\"\xa0\x02\n" +
+	"\x04full\x18\x0e \x01(\tR\x04full\"\xcd\x02\n" +
 	"\x0eSandboxSummary\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x14\n" +
@@ -1888,7 +1898,8 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x06labels\x18\x04 \x03(\v2#.dsec.v1.SandboxSummary.LabelsEntryR\x06labels\x12\x1b\n" +
 	"\tmilli_cpu\x18\x05 \x01(\x03R\bmilliCpu\x12!\n" +
 	"\fmemory_bytes\x18\x06 \x01(\x03R\vmemoryBytes\x12\x18\n" +
-	"\abackend\x18\a \x01(\tR\abackend\x1a9\n" +
+	"\abackend\x18\a \x01(\tR\abackend\x12+\n" +
+	"\x05usage\x18\b \x01(\v2\x15.dsec.v1.SandboxUsageR\x05usage\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x90\x03\n" +
@@ -2004,30 +2015,31 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	(*BatchRollbackRequest)(nil),        // 39: dsec.v1.BatchRollbackRequest
 	(*CreatePoolRequest)(nil),           // 40: dsec.v1.CreatePoolRequest
 	(*RunCodeRequest)(nil),              // 41: dsec.v1.RunCodeRequest
-	(*CreateSandboxResponse)(nil),       // 42: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 43: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 44: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 45: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 46: dsec.v1.ExecStreamResponse
-	(*RunResponse)(nil),                 // 47: dsec.v1.RunResponse
-	(*WriteFileResponse)(nil),           // 48: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 49: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 50: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 51: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 52: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 53: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 54: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 55: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 56: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 57: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 58: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 59: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 60: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 61: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 62: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 63: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 64: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 65: dsec.v1.RunCodeResponse
+	(*SandboxUsage)(nil),                // 42: dsec.v1.SandboxUsage
+	(*CreateSandboxResponse)(nil),       // 43: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 44: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 45: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 46: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 47: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 48: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 49: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 50: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 51: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 52: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 53: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 54: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 55: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 56: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 57: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 58: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 59: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 60: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 61: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 62: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 63: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 64: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 65: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 66: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
@@ -2069,68 +2081,69 @@ var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 36: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
 	41, // 37: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
 	26, // 38: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	19, // 39: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	21, // 40: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	23, // 41: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	28, // 42: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
-	20, // 43: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
-	1,  // 44: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	2,  // 45: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 46: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	4,  // 47: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	4,  // 48: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	5,  // 49: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	6,  // 50: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	7,  // 51: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	2,  // 52: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	8,  // 53: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	13, // 54: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	9,  // 55: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	10, // 56: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	11, // 57: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	12, // 58: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	2,  // 59: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	2,  // 60: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	3,  // 61: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	3,  // 62: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	14, // 63: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	15, // 64: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	16, // 65: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	3,  // 66: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	17, // 67: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	18, // 68: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	22, // 69: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	42, // 70: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	43, // 71: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	44, // 72: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	45, // 73: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	46, // 74: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	47, // 75: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	48, // 76: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	49, // 77: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	50, // 78: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	51, // 79: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	52, // 80: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	53, // 81: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	54, // 82: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	55, // 83: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	56, // 84: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	57, // 85: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	58, // 86: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	59, // 87: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	59, // 88: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	60, // 89: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	61, // 90: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	62, // 91: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	63, // 92: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	64, // 93: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	65, // 94: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	24, // 95: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	70, // [70:96] is the sub-list for method output_type
-	44, // [44:70] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	42, // 39: dsec.v1.SandboxSummary.usage:type_name -> dsec.v1.SandboxUsage
+	19, // 40: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	21, // 41: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	23, // 42: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	28, // 43: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	20, // 44: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
+	1,  // 45: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	2,  // 46: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 47: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	4,  // 48: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	4,  // 49: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	5,  // 50: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	6,  // 51: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	7,  // 52: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	2,  // 53: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	8,  // 54: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	13, // 55: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	9,  // 56: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	10, // 57: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	11, // 58: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	12, // 59: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	2,  // 60: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	2,  // 61: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	3,  // 62: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	3,  // 63: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	14, // 64: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	15, // 65: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	16, // 66: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	3,  // 67: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	17, // 68: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	18, // 69: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	22, // 70: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	43, // 71: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	44, // 72: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	45, // 73: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	46, // 74: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	47, // 75: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	48, // 76: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	49, // 77: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	50, // 78: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	51, // 79: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	52, // 80: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	53, // 81: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	54, // 82: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	55, // 83: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	56, // 84: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	57, // 85: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	58, // 86: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	59, // 87: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	60, // 88: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	60, // 89: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	61, // 90: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	62, // 91: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	63, // 92: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	64, // 93: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	65, // 94: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	66, // 95: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	24, // 96: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	71, // [71:97] is the sub-list for method output_type
+	45, // [45:71] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }

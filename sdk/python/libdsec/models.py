@@ -206,6 +206,14 @@ class SandboxInfo:
     # keeps no trajectory). This is the server's view; a Sandbox handle
     # keeps its own counter (Sandbox.next_seq).
     next_seq: int = 0
+    # What the sandbox uses as its node last measured it (every few
+    # seconds): ``cpu`` in cores averaged over ``usage_window_s`` seconds
+    # (None while the node has measured it once only: cpu is then 0),
+    # ``mem_mb`` its memory less inactive file pages, ``swap_mb``. Empty
+    # until measured, and for backends that cannot say.
+    usage: Dict[str, float] = field(default_factory=dict)
+    usage_window_s: Optional[float] = None
+    usage_at: Optional[datetime] = None
 
     @property
     def labels(self) -> Dict[str, str]:
@@ -213,6 +221,7 @@ class SandboxInfo:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "SandboxInfo":
+        u = d.get("usage")
         return cls(
             id=d.get("id", ""),
             node=d.get("node", ""),
@@ -224,7 +233,18 @@ class SandboxInfo:
             layers=list(d.get("layers") or []),
             reason=d.get("reason", ""),
             next_seq=int(d.get("nextSeq", 0)),
+            usage=_usage_dict(u) if u is not None else {},
+            usage_window_s=parse_duration(u["window"]) if u and u.get("window") else None,
+            usage_at=parse_timestamp(u.get("measuredAt")) if u else None,
         )
+
+
+def _usage_dict(u: Mapping[str, Any]) -> Dict[str, float]:
+    return {
+        "cpu": int(u.get("milliCpu", 0)) / 1000,
+        "mem_mb": int(u.get("memoryBytes", 0)) / _MIB,
+        "swap_mb": int(u.get("swapBytes", 0)) / _MIB,
+    }
 
 
 @dataclass(frozen=True)
