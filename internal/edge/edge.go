@@ -106,7 +106,7 @@ type Config struct {
 	// UsageInterval is how often every running sandbox's own usage is
 	// read (what Get and List report; its CPU is averaged over it),
 	// default DefaultUsageInterval; longer when a pass costs more than
-	// 2% of a core (see sandboxusage.go).
+	// 2% of a core of CPU time (see sandboxusage.go).
 	UsageInterval time.Duration
 	// Retention, default DefaultRetention.
 	Retention time.Duration
@@ -171,9 +171,10 @@ type Edge struct {
 	wake chan struct{}
 	// state is what the node measures about itself (nodestate.go).
 	state sampler
-	// usagePass is how long the last pass reading every sandbox's usage
-	// took, in nanoseconds (sandboxusage.go).
-	usagePass atomic.Int64
+	// usagePass and usagePassCPU are how long the last pass reading every
+	// sandbox's usage took and the CPU time it spent, in nanoseconds
+	// (sandboxusage.go).
+	usagePass, usagePassCPU atomic.Int64
 
 	mu        sync.Mutex
 	closed    bool

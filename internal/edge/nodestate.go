@@ -427,7 +427,7 @@ var (
 	nodeFullDesc = prometheus.NewDesc("dsec_edge_node_full",
 		"1 while the node's measured state refuses creates.", nil, nil)
 	usagePassDesc = prometheus.NewDesc("dsec_edge_sandbox_usage_pass_seconds",
-		"How long the last pass reading every running sandbox's own usage took (it repeats at --usage-interval, or 50 times this, whichever is longer).", nil, nil)
+		"The last pass reading every running sandbox's own usage: kind=wall (how long it took), cpu (the CPU time it spent; passes repeat at --usage-interval or 50 times this, whichever is longer).", []string{"kind"}, nil)
 )
 
 // stateCollector reports the node's latest measured state at each scrape.
@@ -470,5 +470,6 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		full = 1
 	}
 	g(nodeFullDesc, full)
-	g(usagePassDesc, time.Duration(c.e.usagePass.Load()).Seconds())
+	g(usagePassDesc, time.Duration(c.e.usagePass.Load()).Seconds(), "wall")
+	g(usagePassDesc, time.Duration(c.e.usagePassCPU.Load()).Seconds(), "cpu")
 }

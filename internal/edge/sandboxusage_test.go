@@ -105,13 +105,15 @@ func TestSandboxUsage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pass := -1.0
+	pass := map[string]float64{}
 	for _, f := range fams {
 		if f.GetName() == "dsec_edge_sandbox_usage_pass_seconds" {
-			pass = f.GetMetric()[0].GetGauge().GetValue()
+			for _, m := range f.GetMetric() {
+				pass[m.GetLabel()[0].GetValue()] = m.GetGauge().GetValue()
+			}
 		}
 	}
-	if pass <= 0 {
-		t.Errorf("dsec_edge_sandbox_usage_pass_seconds = %v, want > 0", pass)
+	if pass["wall"] <= 0 || pass["cpu"] < 0 || len(pass) != 2 {
+		t.Errorf("dsec_edge_sandbox_usage_pass_seconds = %v, want a wall time > 0 and a CPU time", pass)
 	}
 }
