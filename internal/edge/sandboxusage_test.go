@@ -17,7 +17,7 @@ import (
 // TestSandboxUsage: Get, List and heartbeats carry each sandbox's own use.
 // A sandbox spinning in a shell loop shows CPU (over a window), one
 // holding 48 MiB in its /dev/shm shows that memory and the idle one does
-// not.
+// not; the heartbeat's capacity carries the backend's measured use.
 func TestSandboxUsage(t *testing.T) {
 	w := newWorld(t)
 	rec, url := startRecorder(t)
@@ -87,11 +87,12 @@ func TestSandboxUsage(t *testing.T) {
 		t.Errorf("get: usage %v, %v", sb.GetUsage(), err)
 	}
 
-	// Heartbeats carry it too (without its time).
+	// Heartbeats carry it too (without its time), and the backend's
+	// measured use beside its capacity.
 	beat := rec.waitFor(t, func(b *dsecv1.HeartbeatRequest) bool {
 		for _, s := range b.Sandboxes {
 			if s.Id == holder.Id && s.GetUsage().GetMemoryBytes() >= 48<<20 {
-				return true
+				return len(b.Capacity) == 1 && b.Capacity[0].MeasuredMemoryBytes >= 48<<20
 			}
 		}
 		return false

@@ -5777,6 +5777,596 @@ func (x *ListTenantsResponse) GetTenants() []*Tenant {
 	return nil
 }
 
+type ListNodesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListNodesRequest) Reset() {
+	*x = ListNodesRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListNodesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListNodesRequest) ProtoMessage() {}
+
+func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
+func (*ListNodesRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+}
+
+type ListNodesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Sorted by id.
+	Nodes         []*Node `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListNodesResponse) Reset() {
+	*x = ListNodesResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListNodesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListNodesResponse) ProtoMessage() {}
+
+func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
+func (*ListNodesResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+}
+
+func (x *ListNodesResponse) GetNodes() []*Node {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
+type Node struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Whether it heartbeated within the server's node timeout. The other
+	// fields of a dead node are those of its last heartbeat, but its
+	// sandboxes, which count as lost.
+	Alive           bool                   `protobuf:"varint,2,opt,name=alive,proto3" json:"alive,omitempty"`
+	LastHeartbeatAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=last_heartbeat_at,json=lastHeartbeatAt,proto3" json:"last_heartbeat_at,omitempty"`
+	// Where servers reach its edge.
+	Url string `protobuf:"bytes,4,opt,name=url,proto3" json:"url,omitempty"`
+	// Per backend it offers: capacity, charge and requests.
+	Backends []*NodeBackend `protobuf:"bytes,5,rep,name=backends,proto3" json:"backends,omitempty"`
+	// What the node measures about itself.
+	Measured *NodeMeasurement `protobuf:"bytes,6,opt,name=measured,proto3" json:"measured,omitempty"`
+	// Empty while the node takes creates; else what it is short of (its
+	// measured state refuses creates, naming why).
+	Full string `protobuf:"bytes,7,opt,name=full,proto3" json:"full,omitempty"`
+	// Its sandboxes (destroyed ones aside) by backend and state; those of a
+	// dead node, and of an earlier run of its edge, are "lost".
+	Sandboxes []*SandboxCount `protobuf:"bytes,8,rep,name=sandboxes,proto3" json:"sandboxes,omitempty"`
+	// 1-minute load average per core.
+	Load float64 `protobuf:"fixed64,9,opt,name=load,proto3" json:"load,omitempty"`
+	// Creates and fncalls waiting on the node for room.
+	Queued int32 `protobuf:"varint,10,opt,name=queued,proto3" json:"queued,omitempty"`
+	// Warm pools on the node (tenants' and its own recycling pools).
+	Pools         int32 `protobuf:"varint,11,opt,name=pools,proto3" json:"pools,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Node) Reset() {
+	*x = Node{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Node) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Node) ProtoMessage() {}
+
+func (x *Node) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Node.ProtoReflect.Descriptor instead.
+func (*Node) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+}
+
+func (x *Node) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Node) GetAlive() bool {
+	if x != nil {
+		return x.Alive
+	}
+	return false
+}
+
+func (x *Node) GetLastHeartbeatAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastHeartbeatAt
+	}
+	return nil
+}
+
+func (x *Node) GetUrl() string {
+	if x != nil {
+		return x.Url
+	}
+	return ""
+}
+
+func (x *Node) GetBackends() []*NodeBackend {
+	if x != nil {
+		return x.Backends
+	}
+	return nil
+}
+
+func (x *Node) GetMeasured() *NodeMeasurement {
+	if x != nil {
+		return x.Measured
+	}
+	return nil
+}
+
+func (x *Node) GetFull() string {
+	if x != nil {
+		return x.Full
+	}
+	return ""
+}
+
+func (x *Node) GetSandboxes() []*SandboxCount {
+	if x != nil {
+		return x.Sandboxes
+	}
+	return nil
+}
+
+func (x *Node) GetLoad() float64 {
+	if x != nil {
+		return x.Load
+	}
+	return 0
+}
+
+func (x *Node) GetQueued() int32 {
+	if x != nil {
+		return x.Queued
+	}
+	return 0
+}
+
+func (x *Node) GetPools() int32 {
+	if x != nil {
+		return x.Pools
+	}
+	return 0
+}
+
+// NodeBackend is what a node offers of one backend and what it is charged.
+// Placement fits a sandbox's requests (at the node's request share) into
+// capacity less charged; see docs/architecture.md, "Placement by use".
+type NodeBackend struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Backend kind, e.g. "container".
+	Backend string `protobuf:"bytes,1,opt,name=backend,proto3" json:"backend,omitempty"`
+	// What the node offers.
+	MilliCpu    int64 `protobuf:"varint,2,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes int64 `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Sandboxes   int64 `protobuf:"varint,4,opt,name=sandboxes,proto3" json:"sandboxes,omitempty"`
+	// What placement charges the node: what it measures in use (memory)
+	// plus its request share of what its sandboxes request, and its live
+	// and pooled sandboxes; creates this server placed that no heartbeat
+	// counts yet included.
+	ChargedMilliCpu    int64 `protobuf:"varint,5,opt,name=charged_milli_cpu,json=chargedMilliCpu,proto3" json:"charged_milli_cpu,omitempty"`
+	ChargedMemoryBytes int64 `protobuf:"varint,6,opt,name=charged_memory_bytes,json=chargedMemoryBytes,proto3" json:"charged_memory_bytes,omitempty"`
+	ChargedSandboxes   int64 `protobuf:"varint,7,opt,name=charged_sandboxes,json=chargedSandboxes,proto3" json:"charged_sandboxes,omitempty"`
+	// What its live and pooled sandboxes request (the resources their
+	// specs state; what is left to defaults requests nothing).
+	RequestedMilliCpu    int64 `protobuf:"varint,8,opt,name=requested_milli_cpu,json=requestedMilliCpu,proto3" json:"requested_milli_cpu,omitempty"`
+	RequestedMemoryBytes int64 `protobuf:"varint,9,opt,name=requested_memory_bytes,json=requestedMemoryBytes,proto3" json:"requested_memory_bytes,omitempty"`
+	// The fraction of a request the node charges (0: measured use only, 1:
+	// a reservation).
+	RequestShareCpu    float64 `protobuf:"fixed64,10,opt,name=request_share_cpu,json=requestShareCpu,proto3" json:"request_share_cpu,omitempty"`
+	RequestShareMemory float64 `protobuf:"fixed64,11,opt,name=request_share_memory,json=requestShareMemory,proto3" json:"request_share_memory,omitempty"`
+	// What the backend's sandboxes, pooled ones included, are measured to
+	// use together: CPU over the node's last sample interval, memory less
+	// inactive file pages, swap.
+	UsedMilliCpu    int64 `protobuf:"varint,12,opt,name=used_milli_cpu,json=usedMilliCpu,proto3" json:"used_milli_cpu,omitempty"`
+	UsedMemoryBytes int64 `protobuf:"varint,13,opt,name=used_memory_bytes,json=usedMemoryBytes,proto3" json:"used_memory_bytes,omitempty"`
+	UsedSwapBytes   int64 `protobuf:"varint,14,opt,name=used_swap_bytes,json=usedSwapBytes,proto3" json:"used_swap_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *NodeBackend) Reset() {
+	*x = NodeBackend{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeBackend) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeBackend) ProtoMessage() {}
+
+func (x *NodeBackend) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
+func (*NodeBackend) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+}
+
+func (x *NodeBackend) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+func (x *NodeBackend) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetSandboxes() int64 {
+	if x != nil {
+		return x.Sandboxes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetChargedMilliCpu() int64 {
+	if x != nil {
+		return x.ChargedMilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetChargedMemoryBytes() int64 {
+	if x != nil {
+		return x.ChargedMemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetChargedSandboxes() int64 {
+	if x != nil {
+		return x.ChargedSandboxes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestedMilliCpu() int64 {
+	if x != nil {
+		return x.RequestedMilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestedMemoryBytes() int64 {
+	if x != nil {
+		return x.RequestedMemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestShareCpu() float64 {
+	if x != nil {
+		return x.RequestShareCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestShareMemory() float64 {
+	if x != nil {
+		return x.RequestShareMemory
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetUsedMilliCpu() int64 {
+	if x != nil {
+		return x.UsedMilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetUsedMemoryBytes() int64 {
+	if x != nil {
+		return x.UsedMemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetUsedSwapBytes() int64 {
+	if x != nil {
+		return x.UsedSwapBytes
+	}
+	return 0
+}
+
+// NodeMeasurement is what a node measures about itself: what its own
+// admission judges it by.
+type NodeMeasurement struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Busy CPU over the node's last sample interval, all of it.
+	MilliCpu         int64 `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryTotalBytes int64 `protobuf:"varint,2,opt,name=memory_total_bytes,json=memoryTotalBytes,proto3" json:"memory_total_bytes,omitempty"`
+	// Memory the node cannot reclaim (MemTotal - MemAvailable).
+	MemoryUsedBytes      int64 `protobuf:"varint,3,opt,name=memory_used_bytes,json=memoryUsedBytes,proto3" json:"memory_used_bytes,omitempty"`
+	MemoryAvailableBytes int64 `protobuf:"varint,4,opt,name=memory_available_bytes,json=memoryAvailableBytes,proto3" json:"memory_available_bytes,omitempty"`
+	SwapTotalBytes       int64 `protobuf:"varint,5,opt,name=swap_total_bytes,json=swapTotalBytes,proto3" json:"swap_total_bytes,omitempty"`
+	SwapUsedBytes        int64 `protobuf:"varint,6,opt,name=swap_used_bytes,json=swapUsedBytes,proto3" json:"swap_used_bytes,omitempty"`
+	// PSI avg10 percentages (the share of the last 10 s some task, or every
+	// task, stalled); -1 where the kernel has none.
+	PsiMemorySome float64 `protobuf:"fixed64,7,opt,name=psi_memory_some,json=psiMemorySome,proto3" json:"psi_memory_some,omitempty"`
+	PsiMemoryFull float64 `protobuf:"fixed64,8,opt,name=psi_memory_full,json=psiMemoryFull,proto3" json:"psi_memory_full,omitempty"`
+	PsiCpuSome    float64 `protobuf:"fixed64,9,opt,name=psi_cpu_some,json=psiCpuSome,proto3" json:"psi_cpu_some,omitempty"`
+	// The edge process's descriptors and its open-file limit.
+	OpenFiles    int64 `protobuf:"varint,10,opt,name=open_files,json=openFiles,proto3" json:"open_files,omitempty"`
+	MaxOpenFiles int64 `protobuf:"varint,11,opt,name=max_open_files,json=maxOpenFiles,proto3" json:"max_open_files,omitempty"`
+	// Threads in the system and the most the kernel allows.
+	Threads       int64 `protobuf:"varint,12,opt,name=threads,proto3" json:"threads,omitempty"`
+	MaxThreads    int64 `protobuf:"varint,13,opt,name=max_threads,json=maxThreads,proto3" json:"max_threads,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeMeasurement) Reset() {
+	*x = NodeMeasurement{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeMeasurement) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeMeasurement) ProtoMessage() {}
+
+func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
+func (*NodeMeasurement) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+}
+
+func (x *NodeMeasurement) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMemoryTotalBytes() int64 {
+	if x != nil {
+		return x.MemoryTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMemoryUsedBytes() int64 {
+	if x != nil {
+		return x.MemoryUsedBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMemoryAvailableBytes() int64 {
+	if x != nil {
+		return x.MemoryAvailableBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetSwapTotalBytes() int64 {
+	if x != nil {
+		return x.SwapTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetSwapUsedBytes() int64 {
+	if x != nil {
+		return x.SwapUsedBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetPsiMemorySome() float64 {
+	if x != nil {
+		return x.PsiMemorySome
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetPsiMemoryFull() float64 {
+	if x != nil {
+		return x.PsiMemoryFull
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetPsiCpuSome() float64 {
+	if x != nil {
+		return x.PsiCpuSome
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetOpenFiles() int64 {
+	if x != nil {
+		return x.OpenFiles
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMaxOpenFiles() int64 {
+	if x != nil {
+		return x.MaxOpenFiles
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetThreads() int64 {
+	if x != nil {
+		return x.Threads
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMaxThreads() int64 {
+	if x != nil {
+		return x.MaxThreads
+	}
+	return 0
+}
+
+type SandboxCount struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Backend       string                 `protobuf:"bytes,1,opt,name=backend,proto3" json:"backend,omitempty"`
+	State         string                 `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	Count         int64                  `protobuf:"varint,3,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SandboxCount) Reset() {
+	*x = SandboxCount{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SandboxCount) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SandboxCount) ProtoMessage() {}
+
+func (x *SandboxCount) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
+func (*SandboxCount) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+}
+
+func (x *SandboxCount) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+func (x *SandboxCount) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *SandboxCount) GetCount() int64 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
 var File_dsec_v1_dsec_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_dsec_proto_rawDesc = "" +
@@ -6228,7 +6818,61 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06tenant\x18\x01 \x01(\v2\x0f.dsec.v1.TenantR\x06tenant\"\x14\n" +
 	"\x12ListTenantsRequest\"@\n" +
 	"\x13ListTenantsResponse\x12)\n" +
-	"\atenants\x18\x01 \x03(\v2\x0f.dsec.v1.TenantR\atenants2\xc5\r\n" +
+	"\atenants\x18\x01 \x03(\v2\x0f.dsec.v1.TenantR\atenants\"\x12\n" +
+	"\x10ListNodesRequest\"8\n" +
+	"\x11ListNodesResponse\x12#\n" +
+	"\x05nodes\x18\x01 \x03(\v2\r.dsec.v1.NodeR\x05nodes\"\xf9\x02\n" +
+	"\x04Node\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
+	"\x05alive\x18\x02 \x01(\bR\x05alive\x12F\n" +
+	"\x11last_heartbeat_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x0flastHeartbeatAt\x12\x10\n" +
+	"\x03url\x18\x04 \x01(\tR\x03url\x120\n" +
+	"\bbackends\x18\x05 \x03(\v2\x14.dsec.v1.NodeBackendR\bbackends\x124\n" +
+	"\bmeasured\x18\x06 \x01(\v2\x18.dsec.v1.NodeMeasurementR\bmeasured\x12\x12\n" +
+	"\x04full\x18\a \x01(\tR\x04full\x123\n" +
+	"\tsandboxes\x18\b \x03(\v2\x15.dsec.v1.SandboxCountR\tsandboxes\x12\x12\n" +
+	"\x04load\x18\t \x01(\x01R\x04load\x12\x16\n" +
+	"\x06queued\x18\n" +
+	" \x01(\x05R\x06queued\x12\x14\n" +
+	"\x05pools\x18\v \x01(\x05R\x05pools\"\xce\x04\n" +
+	"\vNodeBackend\x12\x18\n" +
+	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
+	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
+	"\fmemory_bytes\x18\x03 \x01(\x03R\vmemoryBytes\x12\x1c\n" +
+	"\tsandboxes\x18\x04 \x01(\x03R\tsandboxes\x12*\n" +
+	"\x11charged_milli_cpu\x18\x05 \x01(\x03R\x0fchargedMilliCpu\x120\n" +
+	"\x14charged_memory_bytes\x18\x06 \x01(\x03R\x12chargedMemoryBytes\x12+\n" +
+	"\x11charged_sandboxes\x18\a \x01(\x03R\x10chargedSandboxes\x12.\n" +
+	"\x13requested_milli_cpu\x18\b \x01(\x03R\x11requestedMilliCpu\x124\n" +
+	"\x16requested_memory_bytes\x18\t \x01(\x03R\x14requestedMemoryBytes\x12*\n" +
+	"\x11request_share_cpu\x18\n" +
+	" \x01(\x01R\x0frequestShareCpu\x120\n" +
+	"\x14request_share_memory\x18\v \x01(\x01R\x12requestShareMemory\x12$\n" +
+	"\x0eused_milli_cpu\x18\f \x01(\x03R\fusedMilliCpu\x12*\n" +
+	"\x11used_memory_bytes\x18\r \x01(\x03R\x0fusedMemoryBytes\x12&\n" +
+	"\x0fused_swap_bytes\x18\x0e \x01(\x03R\rusedSwapBytes\"\x82\x04\n" +
+	"\x0fNodeMeasurement\x12\x1b\n" +
+	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12,\n" +
+	"\x12memory_total_bytes\x18\x02 \x01(\x03R\x10memoryTotalBytes\x12*\n" +
+	"\x11memory_used_bytes\x18\x03 \x01(\x03R\x0fmemoryUsedBytes\x124\n" +
+	"\x16memory_available_bytes\x18\x04 \x01(\x03R\x14memoryAvailableBytes\x12(\n" +
+	"\x10swap_total_bytes\x18\x05 \x01(\x03R\x0eswapTotalBytes\x12&\n" +
+	"\x0fswap_used_bytes\x18\x06 \x01(\x03R\rswapUsedBytes\x12&\n" +
+	"\x0fpsi_memory_some\x18\a \x01(\x01R\rpsiMemorySome\x12&\n" +
+	"\x0fpsi_memory_full\x18\b \x01(\x01R\rpsiMemoryFull\x12 \n" +
+	"\fpsi_cpu_some\x18\t \x01(\x01R\n" +
+	"psiCpuSome\x12\x1d\n" +
+	"\n" +
+	"open_files\x18\n" +
+	" \x01(\x03R\topenFiles\x12$\n" +
+	"\x0emax_open_files\x18\v \x01(\x03R\fmaxOpenFiles\x12\x18\n" +
+	"\athreads\x18\f \x01(\x03R\athreads\x12\x1f\n" +
+	"\vmax_threads\x18\r \x01(\x03R\n" +
+	"maxThreads\"T\n" +
+	"\fSandboxCount\x12\x18\n" +
+	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12\x14\n" +
+	"\x05count\x18\x03 \x01(\x03R\x05count2\xc5\r\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -6274,7 +6918,9 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06Create\x12\x1c.dsec.v1.CreateTenantRequest\x1a\x1d.dsec.v1.CreateTenantResponse\x12E\n" +
 	"\x06Update\x12\x1c.dsec.v1.UpdateTenantRequest\x1a\x1d.dsec.v1.UpdateTenantResponse\x12<\n" +
 	"\x03Get\x12\x19.dsec.v1.GetTenantRequest\x1a\x1a.dsec.v1.GetTenantResponse\x12A\n" +
-	"\x04List\x12\x1b.dsec.v1.ListTenantsRequest\x1a\x1c.dsec.v1.ListTenantsResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\x04List\x12\x1b.dsec.v1.ListTenantsRequest\x1a\x1c.dsec.v1.ListTenantsResponse2T\n" +
+	"\x0eClusterService\x12B\n" +
+	"\tListNodes\x12\x19.dsec.v1.ListNodesRequest\x1a\x1a.dsec.v1.ListNodesResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_dsec_proto_rawDescOnce sync.Once
@@ -6288,7 +6934,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 99)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 105)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -6383,26 +7029,32 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*GetTenantResponse)(nil),             // 90: dsec.v1.GetTenantResponse
 	(*ListTenantsRequest)(nil),            // 91: dsec.v1.ListTenantsRequest
 	(*ListTenantsResponse)(nil),           // 92: dsec.v1.ListTenantsResponse
-	nil,                                   // 93: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 94: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 95: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 96: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 97: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 98: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 99: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 100: google.protobuf.Timestamp
+	(*ListNodesRequest)(nil),              // 93: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 94: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 95: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 96: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 97: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 98: dsec.v1.SandboxCount
+	nil,                                   // 99: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 100: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 101: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 102: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 103: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 104: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 105: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 106: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	93,  // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	99,  // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	99,  // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	99,  // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	105, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	105, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,   // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	100, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	100, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	106, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	106, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,   // 7: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
-	100, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
-	99,  // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	106, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	105, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
 	1,   // 10: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,   // 11: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,   // 12: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -6410,22 +7062,22 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	7,   // 14: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	8,   // 15: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,   // 16: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	94,  // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	100, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,   // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	99,  // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	99,  // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	105, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	105, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	15,  // 21: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	15,  // 22: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
 	1,   // 23: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
 	14,  // 24: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
 	15,  // 25: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	95,  // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	101, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	7,   // 27: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	31,  // 28: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
 	58,  // 29: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
 	2,   // 30: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
 	2,   // 31: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	96,  // 32: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	102, // 32: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
 	7,   // 33: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
 	46,  // 34: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
 	1,   // 35: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -6439,118 +7091,125 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	7,   // 43: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
 	54,  // 44: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
 	31,  // 45: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	100, // 46: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	106, // 46: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	60,  // 47: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
 	58,  // 48: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
 	58,  // 49: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
 	58,  // 50: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
 	58,  // 51: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	99,  // 52: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	105, // 52: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
 	1,   // 53: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	99,  // 54: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	105, // 54: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
 	1,   // 55: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	99,  // 56: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	105, // 56: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
 	72,  // 57: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
 	72,  // 58: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	99,  // 59: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	99,  // 60: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	97,  // 61: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	105, // 59: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	105, // 60: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	103, // 61: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
 	80,  // 62: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
 	80,  // 63: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	98,  // 64: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	104, // 64: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
 	82,  // 65: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
 	0,   // 66: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
 	83,  // 67: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	100, // 68: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	106, // 68: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
 	82,  // 69: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
 	0,   // 70: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
 	84,  // 71: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
 	84,  // 72: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
 	84,  // 73: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
 	84,  // 74: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	4,   // 75: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	6,   // 76: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	10,  // 77: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	12,  // 78: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	14,  // 79: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	14,  // 80: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	18,  // 81: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	20,  // 82: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	22,  // 83: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	28,  // 84: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	30,  // 85: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	24,  // 86: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	26,  // 87: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	33,  // 88: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	35,  // 89: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	37,  // 90: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	39,  // 91: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	41,  // 92: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	43,  // 93: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	45,  // 94: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	45,  // 95: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	48,  // 96: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	50,  // 97: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	53,  // 98: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	56,  // 99: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	59,  // 100: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	62,  // 101: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	64,  // 102: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	66,  // 103: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	68,  // 104: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	70,  // 105: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	73,  // 106: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	75,  // 107: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	77,  // 108: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	79,  // 109: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	85,  // 110: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	87,  // 111: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	89,  // 112: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	91,  // 113: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	5,   // 114: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	9,   // 115: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	11,  // 116: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	13,  // 117: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	16,  // 118: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	17,  // 119: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	19,  // 120: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	21,  // 121: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	23,  // 122: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	29,  // 123: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	32,  // 124: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	25,  // 125: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	27,  // 126: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	34,  // 127: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	36,  // 128: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	38,  // 129: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	40,  // 130: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	42,  // 131: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	44,  // 132: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	47,  // 133: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	47,  // 134: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	49,  // 135: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	52,  // 136: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	55,  // 137: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	57,  // 138: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	61,  // 139: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	63,  // 140: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	65,  // 141: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	67,  // 142: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	69,  // 143: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	71,  // 144: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	74,  // 145: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	76,  // 146: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	78,  // 147: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	81,  // 148: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	86,  // 149: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	88,  // 150: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	90,  // 151: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	92,  // 152: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	114, // [114:153] is the sub-list for method output_type
-	75,  // [75:114] is the sub-list for method input_type
-	75,  // [75:75] is the sub-list for extension type_name
-	75,  // [75:75] is the sub-list for extension extendee
-	0,   // [0:75] is the sub-list for field type_name
+	95,  // 75: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	106, // 76: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	96,  // 77: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	97,  // 78: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	98,  // 79: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	4,   // 80: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	6,   // 81: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	10,  // 82: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	12,  // 83: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	14,  // 84: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	14,  // 85: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	18,  // 86: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	20,  // 87: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	22,  // 88: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	28,  // 89: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	30,  // 90: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	24,  // 91: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	26,  // 92: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	33,  // 93: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	35,  // 94: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	37,  // 95: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	39,  // 96: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	41,  // 97: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	43,  // 98: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	45,  // 99: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	45,  // 100: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	48,  // 101: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	50,  // 102: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	53,  // 103: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	56,  // 104: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	59,  // 105: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	62,  // 106: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	64,  // 107: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	66,  // 108: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	68,  // 109: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	70,  // 110: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	73,  // 111: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	75,  // 112: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	77,  // 113: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	79,  // 114: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	85,  // 115: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	87,  // 116: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	89,  // 117: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	91,  // 118: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	93,  // 119: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	5,   // 120: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	9,   // 121: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	11,  // 122: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	13,  // 123: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	16,  // 124: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	17,  // 125: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	19,  // 126: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	21,  // 127: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	23,  // 128: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	29,  // 129: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	32,  // 130: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	25,  // 131: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	27,  // 132: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	34,  // 133: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	36,  // 134: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	38,  // 135: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	40,  // 136: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	42,  // 137: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	44,  // 138: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	47,  // 139: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	47,  // 140: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	49,  // 141: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	52,  // 142: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	55,  // 143: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	57,  // 144: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	61,  // 145: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	63,  // 146: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	65,  // 147: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	67,  // 148: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	69,  // 149: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	71,  // 150: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	74,  // 151: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	76,  // 152: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	78,  // 153: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	81,  // 154: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	86,  // 155: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	88,  // 156: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	90,  // 157: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	92,  // 158: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	94,  // 159: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	120, // [120:160] is the sub-list for method output_type
+	80,  // [80:120] is the sub-list for method input_type
+	80,  // [80:80] is the sub-list for extension type_name
+	80,  // [80:80] is the sub-list for extension extendee
+	0,   // [0:80] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -6579,9 +7238,9 @@ func file_dsec_v1_dsec_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   99,
+			NumMessages:   105,
 			NumExtensions: 0,
-			NumServices:   5,
+			NumServices:   6,
 		},
 		GoTypes:           file_dsec_v1_dsec_proto_goTypes,
 		DependencyIndexes: file_dsec_v1_dsec_proto_depIdxs,

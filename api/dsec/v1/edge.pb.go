@@ -1127,8 +1127,14 @@ type BackendCapacity struct {
 	// state explicitly; what is left to defaults requests nothing).
 	RequestedMilliCpu    int64 `protobuf:"varint,10,opt,name=requested_milli_cpu,json=requestedMilliCpu,proto3" json:"requested_milli_cpu,omitempty"`
 	RequestedMemoryBytes int64 `protobuf:"varint,11,opt,name=requested_memory_bytes,json=requestedMemoryBytes,proto3" json:"requested_memory_bytes,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// What the backend's sandboxes, pooled ones included, are measured to
+	// use together (runtime.UsageReporter): CPU over the last sample
+	// interval, memory less inactive file pages, swap.
+	MeasuredMilliCpu    int64 `protobuf:"varint,12,opt,name=measured_milli_cpu,json=measuredMilliCpu,proto3" json:"measured_milli_cpu,omitempty"`
+	MeasuredMemoryBytes int64 `protobuf:"varint,13,opt,name=measured_memory_bytes,json=measuredMemoryBytes,proto3" json:"measured_memory_bytes,omitempty"`
+	MeasuredSwapBytes   int64 `protobuf:"varint,14,opt,name=measured_swap_bytes,json=measuredSwapBytes,proto3" json:"measured_swap_bytes,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *BackendCapacity) Reset() {
@@ -1234,6 +1240,27 @@ func (x *BackendCapacity) GetRequestedMilliCpu() int64 {
 func (x *BackendCapacity) GetRequestedMemoryBytes() int64 {
 	if x != nil {
 		return x.RequestedMemoryBytes
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetMeasuredMilliCpu() int64 {
+	if x != nil {
+		return x.MeasuredMilliCpu
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetMeasuredMemoryBytes() int64 {
+	if x != nil {
+		return x.MeasuredMemoryBytes
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetMeasuredSwapBytes() int64 {
+	if x != nil {
+		return x.MeasuredSwapBytes
 	}
 	return 0
 }
@@ -1857,7 +1884,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x12EdgeRunCodeRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x121\n" +
 	"\arequest\x18\x02 \x01(\v2\x17.dsec.v1.RunCodeRequestR\arequest\x12\x14\n" +
-	"\x05image\x18\x03 \x01(\tR\x05image\"\xc6\x03\n" +
+	"\x05image\x18\x03 \x01(\tR\x05image\"\xd8\x04\n" +
 	"\x0fBackendCapacity\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
 	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
@@ -1870,7 +1897,10 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x14request_share_memory\x18\t \x01(\x01R\x12requestShareMemory\x12.\n" +
 	"\x13requested_milli_cpu\x18\n" +
 	" \x01(\x03R\x11requestedMilliCpu\x124\n" +
-	"\x16requested_memory_bytes\x18\v \x01(\x03R\x14requestedMemoryBytes\"\x91\x04\n" +
+	"\x16requested_memory_bytes\x18\v \x01(\x03R\x14requestedMemoryBytes\x12,\n" +
+	"\x12measured_milli_cpu\x18\f \x01(\x03R\x10measuredMilliCpu\x122\n" +
+	"\x15measured_memory_bytes\x18\r \x01(\x03R\x13measuredMemoryBytes\x12.\n" +
+	"\x13measured_swap_bytes\x18\x0e \x01(\x03R\x11measuredSwapBytes\"\x91\x04\n" +
 	"\n" +
 	"NodeStatus\x12\x1b\n" +
 	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12*\n" +
