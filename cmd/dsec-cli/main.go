@@ -1,5 +1,5 @@
 // Command dsec-cli is DSec's full client CLI (tenant, image, sandbox, run,
-// fn, pool, job, gc, trajectory, replay) over the public API. Users run it
+// fn, pool, job, gc, trajectory, replay, node) over the public API. Users run it
 // as `dsec`: the front binary dsec (cmd/dsec) serves the common form of
 // `dsec run` itself, in a few milliseconds, and replaces itself with
 // dsec-cli for everything else, so this binary is the source of truth for
@@ -87,6 +87,7 @@ hash chain, "replay" when a step diverged.`,
 		newReplayCmd(g),
 		newGCCmd(g),
 		newPoolCmd(g), newFnCmd(g),
+		newNodeCmd(g),
 	)
 	return root
 }

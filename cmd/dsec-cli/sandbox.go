@@ -407,6 +407,17 @@ type sandboxJSON struct {
 	CreatedAt    time.Time         `json:"created_at"`
 	LastActiveAt time.Time         `json:"last_active_at"`
 	Layers       []string          `json:"layers,omitempty"`
+	// Usage is what it uses as its node last measured it (absent until
+	// measured).
+	Usage *usageJSON `json:"usage,omitempty"`
+}
+
+type usageJSON struct {
+	MilliCPU    int64      `json:"milli_cpu"`
+	MemoryBytes int64      `json:"memory_bytes"`
+	SwapBytes   int64      `json:"swap_bytes"`
+	Window      string     `json:"window,omitempty"`
+	MeasuredAt  *time.Time `json:"measured_at,omitempty"`
 }
 
 func toJSON(sb *dsec.Sandbox) sandboxJSON {
@@ -423,7 +434,34 @@ func toJSON(sb *dsec.Sandbox) sandboxJSON {
 	if sb.Spec.IdleTimeout > 0 {
 		j.IdleTimeout = sb.Spec.IdleTimeout.String()
 	}
+	if u := sb.Usage; u != nil {
+		j.Usage = &usageJSON{MilliCPU: u.MilliCPU, MemoryBytes: u.MemoryBytes, SwapBytes: u.SwapBytes}
+		if u.Window > 0 {
+			j.Usage.Window = u.Window.String()
+		}
+		if !u.MeasuredAt.IsZero() {
+			at := u.MeasuredAt
+			j.Usage.MeasuredAt = &at
+		}
+	}
 	return j
+}
+
+// usedCPU and usedMemory are a sandbox's measured use as ls shows it:
+// cores busy over the node's last window, memory it holds; "-" until
+// measured (CPU needs two measurements, a few seconds apart).
+func usedCPU(u *dsec.SandboxUsage) string {
+	if u == nil || u.Window == 0 {
+		return "-"
+	}
+	return strconv.FormatFloat(float64(u.MilliCPU)/1000, 'f', 2, 64)
+}
+
+func usedMemory(u *dsec.SandboxUsage) string {
+	if u == nil {
+		return "-"
+	}
+	return humanBytes(u.MemoryBytes)
 }
 
 func formatLabels(m map[string]string) string {
@@ -464,9 +502,10 @@ func newSandboxLsCmd(g *globals) *cobra.Command {
 				return writeJSON(out, js)
 			}
 			tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "ID\tNODE\tSTATE\tIMAGE\tCREATED\tLABELS")
+			fmt.Fprintln(tw, "ID\tNODE\tSTATE\tIMAGE\tCPU\tMEM\tCREATED\tLABELS")
 			for _, sb := range list {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", sb.ID, sb.Node, sb.State, sb.Spec.Image, ago(sb.CreatedAt), formatLabels(sb.Spec.Labels))
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", sb.ID, sb.Node, sb.State, sb.Spec.Image,
+					usedCPU(sb.Usage), usedMemory(sb.Usage), ago(sb.CreatedAt), formatLabels(sb.Spec.Labels))
 			}
 			return tw.Flush()
 		},
@@ -505,6 +544,12 @@ func newSandboxGetCmd(g *globals) *cobra.Command {
 				{"labels", formatLabels(j.Labels)},
 				{"ttl", j.TTL}, {"idle_timeout", j.IdleTimeout}, {"created", ago(j.CreatedAt)},
 				{"last_active", ago(j.LastActiveAt)},
+			}
+			if u := sb.Usage; u != nil {
+				rows = append(rows, [2]string{"cpu_used", usedCPU(u)}, [2]string{"memory_used", usedMemory(u)})
+				if u.SwapBytes > 0 {
+					rows = append(rows, [2]string{"swap_used", humanBytes(u.SwapBytes)})
+				}
 			}
 			for _, r := range rows {
 				if r[1] != "" {

@@ -33,6 +33,7 @@ type edgeFlags struct {
 	cpu, memory  string
 	maxSandboxes int64
 	heartbeat    time.Duration
+	usage        time.Duration
 	share        placement.Share
 	memReserve   string
 	reserve      int64
@@ -72,6 +73,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g (default: all RAM)")
 	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~20 descriptors each)", edge.DefaultMaxSandboxes))
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
+	fl.DurationVar(&f.usage, "usage-interval", edge.DefaultUsageInterval, "how often to read every running sandbox's CPU and memory use (what sandbox ls shows; its CPU is averaged over it); longer when a pass costs more than 2% of a core")
 	fl.Float64Var(&f.share.CPU, "request-share-cpu", placement.DefaultShare.CPU, "fraction of a sandbox's requested CPU the node reserves for it on top of measured use, 0..1 (0: place by measured use only; 1: requests are reservations)")
 	fl.Float64Var(&f.share.Memory, "request-share-memory", placement.DefaultShare.Memory, "fraction of a sandbox's requested memory the node reserves for it on top of measured use, 0..1")
 	fl.StringVar(&f.memReserve, "memory-reserve", "", fmt.Sprintf("memory (available plus swap free) below which the node takes no more sandboxes (default %s or 2%% of RAM, whichever is larger)", cli.FormatSize(edge.DefaultMemoryReserve)))
@@ -95,6 +97,9 @@ func (f *edgeFlags) validate() error {
 	}
 	if f.fnWarm < 0 || f.fnMax < 1 || f.fnQueue < 1 || f.fnWarm > f.fnMax {
 		return cli.Usagef("--fn-warm %d, --fn-max %d, --fn-queue %d: want 0 <= fn-warm <= fn-max and fn-max, fn-queue >= 1", f.fnWarm, f.fnMax, f.fnQueue)
+	}
+	if f.usage < 0 {
+		return cli.Usagef("--usage-interval %s: must not be negative", f.usage)
 	}
 	if f.autoPool < 0 {
 		return cli.Usagef("--auto-pool %d: must not be negative (0 disables recycling)", f.autoPool)
@@ -198,6 +203,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		Servers:           servers,
 		ClusterToken:      token,
 		HeartbeatInterval: f.heartbeat,
+		UsageInterval:     f.usage,
 		Logger:            log,
 		Registry:          reg,
 		NoTrajectory:      !f.trajectory,

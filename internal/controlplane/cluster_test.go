@@ -167,6 +167,7 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, share placemen
 		Servers:           []string{c.url},
 		ClusterToken:      clusterToken,
 		HeartbeatInterval: 50 * time.Millisecond,
+		UsageInterval:     100 * time.Millisecond, // sandboxes' own use shows soon
 		AutoPool:          c.autoPool,
 		Defaults:          c.defaults,
 		MemoryReserve:     c.memoryReserve,

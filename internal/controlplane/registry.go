@@ -59,6 +59,9 @@ type node struct {
 	// charges, as last reported.
 	usage map[runtime.Kind]placement.Capacity
 	share map[runtime.Kind]placement.Share
+	// backends are the capacity entries as last reported, for what node
+	// ls shows beyond placement's view (requests, measured use).
+	backends []*dsecv1.BackendCapacity
 	// status is what the node measures about itself, as last reported.
 	status    *dsecv1.NodeStatus
 	layers    map[string]struct{}
@@ -218,7 +221,7 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 	}
 	n.url, n.bootID = hb.GetUrl(), hb.GetBootId()
 	n.capacity, n.usage, n.share, n.layers, n.load = capacity, usage, share, layers, load
-	n.status = hb.GetStatus()
+	n.status, n.backends = hb.GetStatus(), hb.GetCapacity()
 	n.sandboxes, n.tenantUse = sandboxes, tenantUse
 	n.lastSeen = now
 	n.deadLogged = false
@@ -444,24 +447,32 @@ func (r *registry) viewsLocked(now time.Time) []placement.NodeView {
 		if !r.alive(n, now) {
 			continue
 		}
-		usage := n.usage
-		if len(n.pendingUse) > 0 {
-			usage = make(map[runtime.Kind]placement.Capacity, len(n.usage))
-			maps.Copy(usage, n.usage)
-			for k, p := range n.pendingUse {
-				u := usage[k]
-				u.MilliCPU += max(p.MilliCPU, 0)
-				u.MemoryBytes += max(p.MemoryBytes, 0)
-				u.Sandboxes += max(p.Sandboxes, 0)
-				usage[k] = u
-			}
-		}
 		views = append(views, placement.NodeView{
-			ID: n.id, Healthy: true, Capacity: n.capacity, Usage: usage, Share: n.share, Layers: n.layers, Load: min(n.load, 1),
+			ID: n.id, Healthy: true, Capacity: n.capacity, Usage: n.charged(), Share: n.share, Layers: n.layers, Load: min(n.load, 1),
 			Full: n.status.GetFull(),
 		})
 	}
 	return views
+}
+
+// charged is what n is charged per backend as this replica sees it: what
+// it last reported plus the creates placed on it that no heartbeat counts
+// yet. It is n.usage itself when there are none (callers do not change
+// it); the caller holds mu.
+func (n *node) charged() map[runtime.Kind]placement.Capacity {
+	if len(n.pendingUse) == 0 {
+		return n.usage
+	}
+	usage := make(map[runtime.Kind]placement.Capacity, len(n.usage))
+	maps.Copy(usage, n.usage)
+	for k, p := range n.pendingUse {
+		u := usage[k]
+		u.MilliCPU += max(p.MilliCPU, 0)
+		u.MemoryBytes += max(p.MemoryBytes, 0)
+		u.Sandboxes += max(p.Sandboxes, 0)
+		usage[k] = u
+	}
+	return usage
 }
 
 // completed marks a reserved create as done on its edge: it stays charged

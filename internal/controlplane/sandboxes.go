@@ -418,6 +418,8 @@ func summaryToSandbox(node string, sum *dsecv1.SandboxSummary, state, reason str
 			Labels:    sum.GetLabels(),
 			Resources: &dsecv1.Resources{MilliCpu: sum.GetMilliCpu(), MemoryBytes: sum.GetMemoryBytes()},
 		},
+		// As last measured (a summary carries the figures, not when).
+		Usage: sum.GetUsage(),
 	}
 }
 

@@ -218,6 +218,7 @@ func (s *Server) Mount(mux *http.ServeMux) {
 	public(dsecv1connect.NewTenantServiceHandler(&tenantService{s: s}, opts))
 	public(dsecv1connect.NewPoolServiceHandler(&poolService{s: s}, opts))
 	public(dsecv1connect.NewFnServiceHandler(&fnService{s: s}, opts))
+	public(dsecv1connect.NewClusterServiceHandler(&clusterService{s: s}, opts))
 	// Import is a client stream of chunks: each message is bounded (opts),
 	// the upload as a whole goes to disk, not memory.
 	path, h := dsecv1connect.NewImageServiceHandler(&imageService{s: s}, opts)

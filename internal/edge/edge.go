@@ -29,6 +29,7 @@ import (
 	goruntime "runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -102,6 +103,11 @@ type Config struct {
 	ClusterToken string
 	// HeartbeatInterval, default DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
+	// UsageInterval is how often every running sandbox's own usage is
+	// read (what Get and List report; its CPU is averaged over it),
+	// default DefaultUsageInterval; longer when a pass costs more than
+	// 2% of a core of CPU time (see sandboxusage.go).
+	UsageInterval time.Duration
 	// Retention, default DefaultRetention.
 	Retention time.Duration
 	// HTTPClient carries heartbeats; default a client with no overall
@@ -165,6 +171,10 @@ type Edge struct {
 	wake chan struct{}
 	// state is what the node measures about itself (nodestate.go).
 	state sampler
+	// usagePass and usagePassCPU are how long the last pass reading every
+	// sandbox's usage took and the CPU time it spent, in nanoseconds
+	// (sandboxusage.go).
+	usagePass, usagePassCPU atomic.Int64
 
 	mu        sync.Mutex
 	closed    bool
@@ -236,6 +246,9 @@ func New(cfg Config) (*Edge, error) {
 	}
 	if cfg.Retention <= 0 {
 		cfg.Retention = DefaultRetention
+	}
+	if cfg.UsageInterval <= 0 {
+		cfg.UsageInterval = DefaultUsageInterval
 	}
 	if cfg.ShipInterval <= 0 {
 		cfg.ShipInterval = DefaultShipInterval
@@ -427,6 +440,7 @@ func (e *Edge) Run(ctx context.Context) error {
 	}
 	wg.Go(func() { e.reapLoop(ctx) })
 	wg.Go(func() { e.sampleLoop(ctx) })
+	wg.Go(func() { e.usageLoop(ctx) })
 	if e.traj != nil {
 		wg.Go(func() { e.shipLoop(ctx) })
 	}

@@ -26,9 +26,11 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 	}
 	held := map[string]int{}
 	req.Pools = e.poolSummaries(held)
+	st, since := e.state.get()
 	e.mu.Lock()
 	for _, kind := range slices.Sorted(maps.Keys(e.cfg.Capacity)) {
 		c, u, r, sh := e.cfg.Capacity[kind], e.chargedLocked(kind), e.requestedLocked(kind), e.cfg.RequestShare[kind]
+		m := st.use[kind]
 		req.Capacity = append(req.Capacity, &dsecv1.BackendCapacity{
 			Backend:              string(kind),
 			MilliCpu:             c.MilliCPU,
@@ -41,9 +43,11 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 			RequestShareMemory:   sh.Memory,
 			RequestedMilliCpu:    r.MilliCPU,
 			RequestedMemoryBytes: r.MemoryBytes,
+			MeasuredMilliCpu:     m.milliCPU,
+			MeasuredMemoryBytes:  m.memoryBytes,
+			MeasuredSwapBytes:    m.swapBytes,
 		})
 	}
-	st, since := e.state.get()
 	req.Status = st.proto(st.full(since, e.cfg.MemoryReserve))
 	for d := range e.layers {
 		held[d]++

@@ -426,13 +426,15 @@ var (
 		"What bounds the node: resource=open_files|threads, kind=used|max.", []string{"resource", "kind"}, nil)
 	nodeFullDesc = prometheus.NewDesc("dsec_edge_node_full",
 		"1 while the node's measured state refuses creates.", nil, nil)
+	usagePassDesc = prometheus.NewDesc("dsec_edge_sandbox_usage_pass_seconds",
+		"The last pass reading every running sandbox's own usage: kind=wall (how long it took), cpu (the CPU time it spent; passes repeat at --usage-interval or 50 times this, whichever is longer).", []string{"kind"}, nil)
 )
 
 // stateCollector reports the node's latest measured state at each scrape.
 type stateCollector struct{ e *Edge }
 
 func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{nodeMemoryDesc, nodePressureDesc, nodeCPUDesc, nodeLimitDesc, nodeFullDesc} {
+	for _, d := range []*prometheus.Desc{nodeMemoryDesc, nodePressureDesc, nodeCPUDesc, nodeLimitDesc, nodeFullDesc, usagePassDesc} {
 		ch <- d
 	}
 }
@@ -468,4 +470,6 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		full = 1
 	}
 	g(nodeFullDesc, full)
+	g(usagePassDesc, time.Duration(c.e.usagePass.Load()).Seconds(), "wall")
+	g(usagePassDesc, time.Duration(c.e.usagePassCPU.Load()).Seconds(), "cpu")
 }

@@ -97,6 +97,8 @@ type sandbox struct {
 	// pool is the warm pool rt was taken from, while rt is still that
 	// pool's sandbox (a rollback replaces it); destroy hands rt back to it.
 	pool *warmPool
+	// use is what it was last measured to use (sandboxusage.go).
+	use sandboxUse
 }
 
 // visibleState is the state Get, List and heartbeats report: a frozen
@@ -132,6 +134,7 @@ func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
 		Layers:       sb.layers,
 		Reason:       sb.reason,
 		NextSeq:      e.nextSeq(sb.id),
+		Usage:        sb.use.proto(),
 	}
 }
 
@@ -824,6 +827,7 @@ func (e *Edge) summaries() []*dsecv1.SandboxSummary {
 			MilliCpu:    sb.spec.GetResources().GetMilliCpu(),
 			MemoryBytes: sb.spec.GetResources().GetMemoryBytes(),
 			Backend:     string(sb.kind),
+			Usage:       sb.use.summary(),
 		})
 	}
 	return out

@@ -212,11 +212,12 @@ type Forker interface {
 	ForkExec(ctx context.Context, server ForkServer, req ExecRequest) (ExecResult, error)
 }
 
-// Usage is what a backend's sandboxes use together, as the kernel
-// accounts it.
+// Usage is what a backend's sandboxes use together (UsageReporter), or
+// one sandbox (SandboxUsage), as the kernel accounts it.
 type Usage struct {
-	// CPUNanos is the CPU time they have used since the backend started
-	// accounting (monotonic; callers take differences).
+	// CPUNanos is the CPU time they have used since the backend (or the
+	// sandbox's cgroup) started accounting (monotonic; callers take
+	// differences).
 	CPUNanos uint64
 	// MemoryBytes is the memory charged to them that the kernel cannot
 	// drop at once: RAM in use less inactive file pages.
@@ -228,6 +229,14 @@ type Usage struct {
 // UsageReporter is implemented by backends that can say what their
 // sandboxes use, so that a node is placed by use rather than by limits.
 type UsageReporter interface {
+	Usage() (Usage, error)
+}
+
+// SandboxUsage is implemented by sandboxes that can say what they use
+// themselves (`dsec sandbox ls` shows it). Usage reads the kernel's
+// accounting at each call and keeps nothing open between calls: a node
+// holds thousands of idle sandboxes and its descriptors are counted.
+type SandboxUsage interface {
 	Usage() (Usage, error)
 }
 

@@ -250,7 +250,11 @@ type Sandbox struct {
 	Reason string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
 	// The sequence number the sandbox's trajectory expects next (see
 	// ExecRequest.seq); 0 when the node keeps no trajectory.
-	NextSeq       uint64 `protobuf:"varint,10,opt,name=next_seq,json=nextSeq,proto3" json:"next_seq,omitempty"`
+	NextSeq uint64 `protobuf:"varint,10,opt,name=next_seq,json=nextSeq,proto3" json:"next_seq,omitempty"`
+	// What the sandbox uses, as its node last measured it (every few
+	// seconds); unset until the node has measured it, and for backends that
+	// cannot say.
+	Usage         *SandboxUsage `protobuf:"bytes,11,opt,name=usage,proto3" json:"usage,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -355,6 +359,98 @@ func (x *Sandbox) GetNextSeq() uint64 {
 	return 0
 }
 
+func (x *Sandbox) GetUsage() *SandboxUsage {
+	if x != nil {
+		return x.Usage
+	}
+	return nil
+}
+
+// SandboxUsage is what one sandbox uses, its agent included, as the kernel
+// accounts it for the sandbox's cgroup.
+type SandboxUsage struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// CPU averaged over window, in thousandths of a core (1000 = one core
+	// busy all the time); 0 with window unset (the node has measured the
+	// sandbox once only).
+	MilliCpu int64 `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	// Memory charged to the sandbox that the kernel cannot drop at once:
+	// RAM in use less inactive file pages (what placement counts too).
+	MemoryBytes int64 `protobuf:"varint,2,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	// What of its memory is in swap.
+	SwapBytes  int64                  `protobuf:"varint,3,opt,name=swap_bytes,json=swapBytes,proto3" json:"swap_bytes,omitempty"`
+	MeasuredAt *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=measured_at,json=measuredAt,proto3" json:"measured_at,omitempty"`
+	// The time between the two measurements milli_cpu is taken from.
+	Window        *durationpb.Duration `protobuf:"bytes,5,opt,name=window,proto3" json:"window,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SandboxUsage) Reset() {
+	*x = SandboxUsage{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SandboxUsage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SandboxUsage) ProtoMessage() {}
+
+func (x *SandboxUsage) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SandboxUsage.ProtoReflect.Descriptor instead.
+func (*SandboxUsage) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *SandboxUsage) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *SandboxUsage) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *SandboxUsage) GetSwapBytes() int64 {
+	if x != nil {
+		return x.SwapBytes
+	}
+	return 0
+}
+
+func (x *SandboxUsage) GetMeasuredAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.MeasuredAt
+	}
+	return nil
+}
+
+func (x *SandboxUsage) GetWindow() *durationpb.Duration {
+	if x != nil {
+		return x.Window
+	}
+	return nil
+}
+
 type CreateSandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Spec          *SandboxSpec           `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
@@ -364,7 +460,7 @@ type CreateSandboxRequest struct {
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -376,7 +472,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -389,7 +485,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
@@ -408,7 +504,7 @@ type CreateSandboxResponse struct {
 
 func (x *CreateSandboxResponse) Reset() {
 	*x = CreateSandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -420,7 +516,7 @@ func (x *CreateSandboxResponse) String() string {
 func (*CreateSandboxResponse) ProtoMessage() {}
 
 func (x *CreateSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -433,7 +529,7 @@ func (x *CreateSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CreateSandboxResponse) GetSandbox() *Sandbox {
@@ -453,7 +549,7 @@ type BatchCreateSandboxesRequest struct {
 
 func (x *BatchCreateSandboxesRequest) Reset() {
 	*x = BatchCreateSandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -465,7 +561,7 @@ func (x *BatchCreateSandboxesRequest) String() string {
 func (*BatchCreateSandboxesRequest) ProtoMessage() {}
 
 func (x *BatchCreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -478,7 +574,7 @@ func (x *BatchCreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*BatchCreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *BatchCreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -506,7 +602,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -518,7 +614,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -531,7 +627,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ItemError) GetCode() string {
@@ -558,7 +654,7 @@ type BatchCreateResult struct {
 
 func (x *BatchCreateResult) Reset() {
 	*x = BatchCreateResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -570,7 +666,7 @@ func (x *BatchCreateResult) String() string {
 func (*BatchCreateResult) ProtoMessage() {}
 
 func (x *BatchCreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -583,7 +679,7 @@ func (x *BatchCreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCreateResult.ProtoReflect.Descriptor instead.
 func (*BatchCreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *BatchCreateResult) GetSandbox() *Sandbox {
@@ -609,7 +705,7 @@ type BatchCreateSandboxesResponse struct {
 
 func (x *BatchCreateSandboxesResponse) Reset() {
 	*x = BatchCreateSandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -621,7 +717,7 @@ func (x *BatchCreateSandboxesResponse) String() string {
 func (*BatchCreateSandboxesResponse) ProtoMessage() {}
 
 func (x *BatchCreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -634,7 +730,7 @@ func (x *BatchCreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*BatchCreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *BatchCreateSandboxesResponse) GetResults() []*BatchCreateResult {
@@ -653,7 +749,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -665,7 +761,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -678,7 +774,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -697,7 +793,7 @@ type GetSandboxResponse struct {
 
 func (x *GetSandboxResponse) Reset() {
 	*x = GetSandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -709,7 +805,7 @@ func (x *GetSandboxResponse) String() string {
 func (*GetSandboxResponse) ProtoMessage() {}
 
 func (x *GetSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -722,7 +818,7 @@ func (x *GetSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxResponse.ProtoReflect.Descriptor instead.
 func (*GetSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetSandboxResponse) GetSandbox() *Sandbox {
@@ -742,7 +838,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -754,7 +850,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -767,7 +863,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListSandboxesRequest) GetLabels() map[string]string {
@@ -786,7 +882,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -798,7 +894,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -811,7 +907,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -850,7 +946,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -862,7 +958,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -875,7 +971,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -987,7 +1083,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -999,7 +1095,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1012,7 +1108,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ExecResult) GetOutcome() string {
@@ -1129,7 +1225,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1141,7 +1237,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1154,7 +1250,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ExecResponse) GetResult() *ExecResult {
@@ -1178,7 +1274,7 @@ type ExecStreamResponse struct {
 
 func (x *ExecStreamResponse) Reset() {
 	*x = ExecStreamResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1190,7 +1286,7 @@ func (x *ExecStreamResponse) String() string {
 func (*ExecStreamResponse) ProtoMessage() {}
 
 func (x *ExecStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1203,7 +1299,7 @@ func (x *ExecStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecStreamResponse.ProtoReflect.Descriptor instead.
 func (*ExecStreamResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ExecStreamResponse) GetEvent() isExecStreamResponse_Event {
@@ -1276,7 +1372,7 @@ type RunRequest struct {
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1288,7 +1384,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1301,7 +1397,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *RunRequest) GetSpec() *SandboxSpec {
@@ -1341,7 +1437,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1353,7 +1449,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1366,7 +1462,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RunResponse) GetEvent() isRunResponse_Event {
@@ -1457,7 +1553,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1469,7 +1565,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1482,7 +1578,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *WriteFileRequest) GetSandboxId() string {
@@ -1537,7 +1633,7 @@ type WriteFileResponse struct {
 
 func (x *WriteFileResponse) Reset() {
 	*x = WriteFileResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1549,7 +1645,7 @@ func (x *WriteFileResponse) String() string {
 func (*WriteFileResponse) ProtoMessage() {}
 
 func (x *WriteFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1562,7 +1658,7 @@ func (x *WriteFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileResponse.ProtoReflect.Descriptor instead.
 func (*WriteFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *WriteFileResponse) GetSeq() uint64 {
@@ -1594,7 +1690,7 @@ type ReadFileRequest struct {
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1606,7 +1702,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1619,7 +1715,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -1668,7 +1764,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1680,7 +1776,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1693,7 +1789,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ReadFileResponse) GetData() []byte {
@@ -1731,7 +1827,7 @@ type SubmitRewardRequest struct {
 
 func (x *SubmitRewardRequest) Reset() {
 	*x = SubmitRewardRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1743,7 +1839,7 @@ func (x *SubmitRewardRequest) String() string {
 func (*SubmitRewardRequest) ProtoMessage() {}
 
 func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1756,7 +1852,7 @@ func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardRequest.ProtoReflect.Descriptor instead.
 func (*SubmitRewardRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SubmitRewardRequest) GetSandboxId() string {
@@ -1804,7 +1900,7 @@ type SubmitRewardResponse struct {
 
 func (x *SubmitRewardResponse) Reset() {
 	*x = SubmitRewardResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1816,7 +1912,7 @@ func (x *SubmitRewardResponse) String() string {
 func (*SubmitRewardResponse) ProtoMessage() {}
 
 func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1829,7 +1925,7 @@ func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardResponse.ProtoReflect.Descriptor instead.
 func (*SubmitRewardResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SubmitRewardResponse) GetSeq() uint64 {
@@ -1862,7 +1958,7 @@ type GetTrajectoryRequest struct {
 
 func (x *GetTrajectoryRequest) Reset() {
 	*x = GetTrajectoryRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1874,7 +1970,7 @@ func (x *GetTrajectoryRequest) String() string {
 func (*GetTrajectoryRequest) ProtoMessage() {}
 
 func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1887,7 +1983,7 @@ func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*GetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *GetTrajectoryRequest) GetSandboxId() string {
@@ -1933,7 +2029,7 @@ type GetTrajectoryResponse struct {
 
 func (x *GetTrajectoryResponse) Reset() {
 	*x = GetTrajectoryResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1945,7 +2041,7 @@ func (x *GetTrajectoryResponse) String() string {
 func (*GetTrajectoryResponse) ProtoMessage() {}
 
 func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1958,7 +2054,7 @@ func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrajectoryResponse.ProtoReflect.Descriptor instead.
 func (*GetTrajectoryResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *GetTrajectoryResponse) GetRecords() []string {
@@ -1991,7 +2087,7 @@ type DestroySandboxRequest struct {
 
 func (x *DestroySandboxRequest) Reset() {
 	*x = DestroySandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2003,7 +2099,7 @@ func (x *DestroySandboxRequest) String() string {
 func (*DestroySandboxRequest) ProtoMessage() {}
 
 func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2016,7 +2112,7 @@ func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxRequest.ProtoReflect.Descriptor instead.
 func (*DestroySandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DestroySandboxRequest) GetId() string {
@@ -2034,7 +2130,7 @@ type DestroySandboxResponse struct {
 
 func (x *DestroySandboxResponse) Reset() {
 	*x = DestroySandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2046,7 +2142,7 @@ func (x *DestroySandboxResponse) String() string {
 func (*DestroySandboxResponse) ProtoMessage() {}
 
 func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2059,7 +2155,7 @@ func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxResponse.ProtoReflect.Descriptor instead.
 func (*DestroySandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
 }
 
 type BatchDestroySandboxesRequest struct {
@@ -2071,7 +2167,7 @@ type BatchDestroySandboxesRequest struct {
 
 func (x *BatchDestroySandboxesRequest) Reset() {
 	*x = BatchDestroySandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2083,7 +2179,7 @@ func (x *BatchDestroySandboxesRequest) String() string {
 func (*BatchDestroySandboxesRequest) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2096,7 +2192,7 @@ func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesRequest.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *BatchDestroySandboxesRequest) GetIds() []string {
@@ -2116,7 +2212,7 @@ type BatchDestroyResult struct {
 
 func (x *BatchDestroyResult) Reset() {
 	*x = BatchDestroyResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2128,7 +2224,7 @@ func (x *BatchDestroyResult) String() string {
 func (*BatchDestroyResult) ProtoMessage() {}
 
 func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2141,7 +2237,7 @@ func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroyResult.ProtoReflect.Descriptor instead.
 func (*BatchDestroyResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *BatchDestroyResult) GetId() string {
@@ -2167,7 +2263,7 @@ type BatchDestroySandboxesResponse struct {
 
 func (x *BatchDestroySandboxesResponse) Reset() {
 	*x = BatchDestroySandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2179,7 +2275,7 @@ func (x *BatchDestroySandboxesResponse) String() string {
 func (*BatchDestroySandboxesResponse) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2192,7 +2288,7 @@ func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesResponse.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *BatchDestroySandboxesResponse) GetResults() []*BatchDestroyResult {
@@ -2216,7 +2312,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2228,7 +2324,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2241,7 +2337,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -2283,7 +2379,7 @@ type SnapshotResponse struct {
 
 func (x *SnapshotResponse) Reset() {
 	*x = SnapshotResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2295,7 +2391,7 @@ func (x *SnapshotResponse) String() string {
 func (*SnapshotResponse) ProtoMessage() {}
 
 func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2308,7 +2404,7 @@ func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotResponse.ProtoReflect.Descriptor instead.
 func (*SnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *SnapshotResponse) GetImage() *Image {
@@ -2343,7 +2439,7 @@ type CheckpointRequest struct {
 
 func (x *CheckpointRequest) Reset() {
 	*x = CheckpointRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2355,7 +2451,7 @@ func (x *CheckpointRequest) String() string {
 func (*CheckpointRequest) ProtoMessage() {}
 
 func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2368,7 +2464,7 @@ func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointRequest.ProtoReflect.Descriptor instead.
 func (*CheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CheckpointRequest) GetSandboxId() string {
@@ -2404,7 +2500,7 @@ type CheckpointResponse struct {
 
 func (x *CheckpointResponse) Reset() {
 	*x = CheckpointResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2416,7 +2512,7 @@ func (x *CheckpointResponse) String() string {
 func (*CheckpointResponse) ProtoMessage() {}
 
 func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2429,7 +2525,7 @@ func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointResponse.ProtoReflect.Descriptor instead.
 func (*CheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CheckpointResponse) GetCheckpointId() string {
@@ -2465,7 +2561,7 @@ type RollbackRequest struct {
 
 func (x *RollbackRequest) Reset() {
 	*x = RollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2477,7 +2573,7 @@ func (x *RollbackRequest) String() string {
 func (*RollbackRequest) ProtoMessage() {}
 
 func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2490,7 +2586,7 @@ func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RollbackRequest.ProtoReflect.Descriptor instead.
 func (*RollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *RollbackRequest) GetSandboxId() string {
@@ -2531,7 +2627,7 @@ type RollbackResponse struct {
 
 func (x *RollbackResponse) Reset() {
 	*x = RollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2543,7 +2639,7 @@ func (x *RollbackResponse) String() string {
 func (*RollbackResponse) ProtoMessage() {}
 
 func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2556,7 +2652,7 @@ func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RollbackResponse.ProtoReflect.Descriptor instead.
 func (*RollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *RollbackResponse) GetSeq() uint64 {
@@ -2583,7 +2679,7 @@ type DeleteCheckpointRequest struct {
 
 func (x *DeleteCheckpointRequest) Reset() {
 	*x = DeleteCheckpointRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2595,7 +2691,7 @@ func (x *DeleteCheckpointRequest) String() string {
 func (*DeleteCheckpointRequest) ProtoMessage() {}
 
 func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2608,7 +2704,7 @@ func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*DeleteCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DeleteCheckpointRequest) GetSandboxId() string {
@@ -2633,7 +2729,7 @@ type DeleteCheckpointResponse struct {
 
 func (x *DeleteCheckpointResponse) Reset() {
 	*x = DeleteCheckpointResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2645,7 +2741,7 @@ func (x *DeleteCheckpointResponse) String() string {
 func (*DeleteCheckpointResponse) ProtoMessage() {}
 
 func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2658,7 +2754,7 @@ func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteCheckpointResponse.ProtoReflect.Descriptor instead.
 func (*DeleteCheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
 }
 
 type FreezeRequest struct {
@@ -2670,7 +2766,7 @@ type FreezeRequest struct {
 
 func (x *FreezeRequest) Reset() {
 	*x = FreezeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2682,7 +2778,7 @@ func (x *FreezeRequest) String() string {
 func (*FreezeRequest) ProtoMessage() {}
 
 func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2695,7 +2791,7 @@ func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeRequest.ProtoReflect.Descriptor instead.
 func (*FreezeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *FreezeRequest) GetSandboxId() string {
@@ -2714,7 +2810,7 @@ type FreezeResponse struct {
 
 func (x *FreezeResponse) Reset() {
 	*x = FreezeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2726,7 +2822,7 @@ func (x *FreezeResponse) String() string {
 func (*FreezeResponse) ProtoMessage() {}
 
 func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2739,7 +2835,7 @@ func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeResponse.ProtoReflect.Descriptor instead.
 func (*FreezeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *FreezeResponse) GetSandbox() *Sandbox {
@@ -2758,7 +2854,7 @@ type ThawRequest struct {
 
 func (x *ThawRequest) Reset() {
 	*x = ThawRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2770,7 +2866,7 @@ func (x *ThawRequest) String() string {
 func (*ThawRequest) ProtoMessage() {}
 
 func (x *ThawRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2783,7 +2879,7 @@ func (x *ThawRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawRequest.ProtoReflect.Descriptor instead.
 func (*ThawRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ThawRequest) GetSandboxId() string {
@@ -2802,7 +2898,7 @@ type ThawResponse struct {
 
 func (x *ThawResponse) Reset() {
 	*x = ThawResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2814,7 +2910,7 @@ func (x *ThawResponse) String() string {
 func (*ThawResponse) ProtoMessage() {}
 
 func (x *ThawResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2827,7 +2923,7 @@ func (x *ThawResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawResponse.ProtoReflect.Descriptor instead.
 func (*ThawResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ThawResponse) GetSandbox() *Sandbox {
@@ -2848,7 +2944,7 @@ type JobRequest struct {
 
 func (x *JobRequest) Reset() {
 	*x = JobRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2860,7 +2956,7 @@ func (x *JobRequest) String() string {
 func (*JobRequest) ProtoMessage() {}
 
 func (x *JobRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2873,7 +2969,7 @@ func (x *JobRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobRequest.ProtoReflect.Descriptor instead.
 func (*JobRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *JobRequest) GetLabels() map[string]string {
@@ -2893,7 +2989,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2905,7 +3001,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2918,7 +3014,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *JobResult) GetId() string {
@@ -2944,7 +3040,7 @@ type JobResponse struct {
 
 func (x *JobResponse) Reset() {
 	*x = JobResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2956,7 +3052,7 @@ func (x *JobResponse) String() string {
 func (*JobResponse) ProtoMessage() {}
 
 func (x *JobResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2969,7 +3065,7 @@ func (x *JobResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResponse.ProtoReflect.Descriptor instead.
 func (*JobResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *JobResponse) GetResults() []*JobResult {
@@ -2989,7 +3085,7 @@ type AcquireRequest struct {
 
 func (x *AcquireRequest) Reset() {
 	*x = AcquireRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3001,7 +3097,7 @@ func (x *AcquireRequest) String() string {
 func (*AcquireRequest) ProtoMessage() {}
 
 func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3014,7 +3110,7 @@ func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireRequest.ProtoReflect.Descriptor instead.
 func (*AcquireRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *AcquireRequest) GetSpec() *SandboxSpec {
@@ -3040,7 +3136,7 @@ type AcquireResponse struct {
 
 func (x *AcquireResponse) Reset() {
 	*x = AcquireResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3052,7 +3148,7 @@ func (x *AcquireResponse) String() string {
 func (*AcquireResponse) ProtoMessage() {}
 
 func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3065,7 +3161,7 @@ func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireResponse.ProtoReflect.Descriptor instead.
 func (*AcquireResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *AcquireResponse) GetResults() []*BatchCreateResult {
@@ -3084,7 +3180,7 @@ type BatchExecRequest struct {
 
 func (x *BatchExecRequest) Reset() {
 	*x = BatchExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3096,7 +3192,7 @@ func (x *BatchExecRequest) String() string {
 func (*BatchExecRequest) ProtoMessage() {}
 
 func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3109,7 +3205,7 @@ func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecRequest.ProtoReflect.Descriptor instead.
 func (*BatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *BatchExecRequest) GetRequests() []*ExecRequest {
@@ -3132,7 +3228,7 @@ type BatchExecItem struct {
 
 func (x *BatchExecItem) Reset() {
 	*x = BatchExecItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3144,7 +3240,7 @@ func (x *BatchExecItem) String() string {
 func (*BatchExecItem) ProtoMessage() {}
 
 func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3157,7 +3253,7 @@ func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecItem.ProtoReflect.Descriptor instead.
 func (*BatchExecItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *BatchExecItem) GetSandboxId() string {
@@ -3190,7 +3286,7 @@ type BatchExecResponse struct {
 
 func (x *BatchExecResponse) Reset() {
 	*x = BatchExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3202,7 +3298,7 @@ func (x *BatchExecResponse) String() string {
 func (*BatchExecResponse) ProtoMessage() {}
 
 func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3215,7 +3311,7 @@ func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecResponse.ProtoReflect.Descriptor instead.
 func (*BatchExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *BatchExecResponse) GetResults() []*BatchExecItem {
@@ -3234,7 +3330,7 @@ type BatchRollbackRequest struct {
 
 func (x *BatchRollbackRequest) Reset() {
 	*x = BatchRollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3246,7 +3342,7 @@ func (x *BatchRollbackRequest) String() string {
 func (*BatchRollbackRequest) ProtoMessage() {}
 
 func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3259,7 +3355,7 @@ func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*BatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *BatchRollbackRequest) GetRequests() []*RollbackRequest {
@@ -3280,7 +3376,7 @@ type BatchRollbackItem struct {
 
 func (x *BatchRollbackItem) Reset() {
 	*x = BatchRollbackItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3292,7 +3388,7 @@ func (x *BatchRollbackItem) String() string {
 func (*BatchRollbackItem) ProtoMessage() {}
 
 func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3305,7 +3401,7 @@ func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackItem.ProtoReflect.Descriptor instead.
 func (*BatchRollbackItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *BatchRollbackItem) GetSandboxId() string {
@@ -3338,7 +3434,7 @@ type BatchRollbackResponse struct {
 
 func (x *BatchRollbackResponse) Reset() {
 	*x = BatchRollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3350,7 +3446,7 @@ func (x *BatchRollbackResponse) String() string {
 func (*BatchRollbackResponse) ProtoMessage() {}
 
 func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3363,7 +3459,7 @@ func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackResponse.ProtoReflect.Descriptor instead.
 func (*BatchRollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *BatchRollbackResponse) GetResults() []*BatchRollbackItem {
@@ -3382,7 +3478,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3394,7 +3490,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3407,7 +3503,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ReleaseRequest) GetIds() []string {
@@ -3426,7 +3522,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3438,7 +3534,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3451,7 +3547,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *ReleaseResponse) GetResults() []*BatchDestroyResult {
@@ -3477,7 +3573,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3489,7 +3585,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3502,7 +3598,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *Image) GetRef() string {
@@ -3560,7 +3656,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3572,7 +3668,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3585,7 +3681,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -3644,7 +3740,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3656,7 +3752,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3669,7 +3765,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -3702,7 +3798,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3714,7 +3810,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3727,7 +3823,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -3745,7 +3841,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3757,7 +3853,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3770,7 +3866,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
 }
 
 type ListImagesResponse struct {
@@ -3782,7 +3878,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3794,7 +3890,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3807,7 +3903,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -3826,7 +3922,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3838,7 +3934,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3851,7 +3947,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -3870,7 +3966,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3882,7 +3978,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3895,7 +3991,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -3915,7 +4011,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3927,7 +4023,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3940,7 +4036,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -3966,7 +4062,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3978,7 +4074,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3991,7 +4087,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -4010,7 +4106,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4022,7 +4118,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4035,7 +4131,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -4053,7 +4149,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4065,7 +4161,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4078,7 +4174,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -4100,7 +4196,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4112,7 +4208,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4125,7 +4221,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -4169,7 +4265,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4181,7 +4277,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4194,7 +4290,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -4311,7 +4407,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4323,7 +4419,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4336,7 +4432,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *Pool) GetId() string {
@@ -4435,7 +4531,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4447,7 +4543,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4460,7 +4556,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -4500,7 +4596,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4512,7 +4608,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4525,7 +4621,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -4543,7 +4639,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4555,7 +4651,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4568,7 +4664,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 type ListPoolsResponse struct {
@@ -4580,7 +4676,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4592,7 +4688,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4605,7 +4701,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -4624,7 +4720,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4636,7 +4732,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4649,7 +4745,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -4667,7 +4763,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4679,7 +4775,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4692,7 +4788,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -4726,7 +4822,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4738,7 +4834,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4751,7 +4847,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -4852,7 +4948,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4864,7 +4960,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4877,7 +4973,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -4960,7 +5056,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4972,7 +5068,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4985,7 +5081,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -5039,7 +5135,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5051,7 +5147,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5064,7 +5160,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -5108,7 +5204,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5120,7 +5216,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5133,7 +5229,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *TenantUsage) GetSandboxes() int64 {
@@ -5172,7 +5268,7 @@ type Tenant struct {
 
 func (x *Tenant) Reset() {
 	*x = Tenant{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5184,7 +5280,7 @@ func (x *Tenant) String() string {
 func (*Tenant) ProtoMessage() {}
 
 func (x *Tenant) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5197,7 +5293,7 @@ func (x *Tenant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
 func (*Tenant) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *Tenant) GetName() string {
@@ -5246,7 +5342,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5258,7 +5354,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5271,7 +5367,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -5307,7 +5403,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5319,7 +5415,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5332,7 +5428,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5377,7 +5473,7 @@ type UpdateTenantRequest struct {
 
 func (x *UpdateTenantRequest) Reset() {
 	*x = UpdateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5389,7 +5485,7 @@ func (x *UpdateTenantRequest) String() string {
 func (*UpdateTenantRequest) ProtoMessage() {}
 
 func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5402,7 +5498,7 @@ func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
 func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *UpdateTenantRequest) GetName() string {
@@ -5477,7 +5573,7 @@ type UpdateTenantResponse struct {
 
 func (x *UpdateTenantResponse) Reset() {
 	*x = UpdateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5489,7 +5585,7 @@ func (x *UpdateTenantResponse) String() string {
 func (*UpdateTenantResponse) ProtoMessage() {}
 
 func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5502,7 +5598,7 @@ func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
 func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *UpdateTenantResponse) GetTenant() *Tenant {
@@ -5522,7 +5618,7 @@ type GetTenantRequest struct {
 
 func (x *GetTenantRequest) Reset() {
 	*x = GetTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5534,7 +5630,7 @@ func (x *GetTenantRequest) String() string {
 func (*GetTenantRequest) ProtoMessage() {}
 
 func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5547,7 +5643,7 @@ func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
 func (*GetTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *GetTenantRequest) GetName() string {
@@ -5566,7 +5662,7 @@ type GetTenantResponse struct {
 
 func (x *GetTenantResponse) Reset() {
 	*x = GetTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5578,7 +5674,7 @@ func (x *GetTenantResponse) String() string {
 func (*GetTenantResponse) ProtoMessage() {}
 
 func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5591,7 +5687,7 @@ func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
 func (*GetTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *GetTenantResponse) GetTenant() *Tenant {
@@ -5609,7 +5705,7 @@ type ListTenantsRequest struct {
 
 func (x *ListTenantsRequest) Reset() {
 	*x = ListTenantsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5621,7 +5717,7 @@ func (x *ListTenantsRequest) String() string {
 func (*ListTenantsRequest) ProtoMessage() {}
 
 func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5634,7 +5730,7 @@ func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
 func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
 }
 
 type ListTenantsResponse struct {
@@ -5646,7 +5742,7 @@ type ListTenantsResponse struct {
 
 func (x *ListTenantsResponse) Reset() {
 	*x = ListTenantsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5658,7 +5754,7 @@ func (x *ListTenantsResponse) String() string {
 func (*ListTenantsResponse) ProtoMessage() {}
 
 func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5671,7 +5767,7 @@ func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
 func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *ListTenantsResponse) GetTenants() []*Tenant {
@@ -5679,6 +5775,596 @@ func (x *ListTenantsResponse) GetTenants() []*Tenant {
 		return x.Tenants
 	}
 	return nil
+}
+
+type ListNodesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListNodesRequest) Reset() {
+	*x = ListNodesRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListNodesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListNodesRequest) ProtoMessage() {}
+
+func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
+func (*ListNodesRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+}
+
+type ListNodesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Sorted by id.
+	Nodes         []*Node `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListNodesResponse) Reset() {
+	*x = ListNodesResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListNodesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListNodesResponse) ProtoMessage() {}
+
+func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
+func (*ListNodesResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+}
+
+func (x *ListNodesResponse) GetNodes() []*Node {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
+type Node struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Whether it heartbeated within the server's node timeout. The other
+	// fields of a dead node are those of its last heartbeat, but its
+	// sandboxes, which count as lost.
+	Alive           bool                   `protobuf:"varint,2,opt,name=alive,proto3" json:"alive,omitempty"`
+	LastHeartbeatAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=last_heartbeat_at,json=lastHeartbeatAt,proto3" json:"last_heartbeat_at,omitempty"`
+	// Where servers reach its edge.
+	Url string `protobuf:"bytes,4,opt,name=url,proto3" json:"url,omitempty"`
+	// Per backend it offers: capacity, charge and requests.
+	Backends []*NodeBackend `protobuf:"bytes,5,rep,name=backends,proto3" json:"backends,omitempty"`
+	// What the node measures about itself.
+	Measured *NodeMeasurement `protobuf:"bytes,6,opt,name=measured,proto3" json:"measured,omitempty"`
+	// Empty while the node takes creates; else what it is short of (its
+	// measured state refuses creates, naming why).
+	Full string `protobuf:"bytes,7,opt,name=full,proto3" json:"full,omitempty"`
+	// Its sandboxes (destroyed ones aside) by backend and state; those of a
+	// dead node, and of an earlier run of its edge, are "lost".
+	Sandboxes []*SandboxCount `protobuf:"bytes,8,rep,name=sandboxes,proto3" json:"sandboxes,omitempty"`
+	// 1-minute load average per core.
+	Load float64 `protobuf:"fixed64,9,opt,name=load,proto3" json:"load,omitempty"`
+	// Creates and fncalls waiting on the node for room.
+	Queued int32 `protobuf:"varint,10,opt,name=queued,proto3" json:"queued,omitempty"`
+	// Warm pools on the node (tenants' and its own recycling pools).
+	Pools         int32 `protobuf:"varint,11,opt,name=pools,proto3" json:"pools,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Node) Reset() {
+	*x = Node{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Node) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Node) ProtoMessage() {}
+
+func (x *Node) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Node.ProtoReflect.Descriptor instead.
+func (*Node) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+}
+
+func (x *Node) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Node) GetAlive() bool {
+	if x != nil {
+		return x.Alive
+	}
+	return false
+}
+
+func (x *Node) GetLastHeartbeatAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastHeartbeatAt
+	}
+	return nil
+}
+
+func (x *Node) GetUrl() string {
+	if x != nil {
+		return x.Url
+	}
+	return ""
+}
+
+func (x *Node) GetBackends() []*NodeBackend {
+	if x != nil {
+		return x.Backends
+	}
+	return nil
+}
+
+func (x *Node) GetMeasured() *NodeMeasurement {
+	if x != nil {
+		return x.Measured
+	}
+	return nil
+}
+
+func (x *Node) GetFull() string {
+	if x != nil {
+		return x.Full
+	}
+	return ""
+}
+
+func (x *Node) GetSandboxes() []*SandboxCount {
+	if x != nil {
+		return x.Sandboxes
+	}
+	return nil
+}
+
+func (x *Node) GetLoad() float64 {
+	if x != nil {
+		return x.Load
+	}
+	return 0
+}
+
+func (x *Node) GetQueued() int32 {
+	if x != nil {
+		return x.Queued
+	}
+	return 0
+}
+
+func (x *Node) GetPools() int32 {
+	if x != nil {
+		return x.Pools
+	}
+	return 0
+}
+
+// NodeBackend is what a node offers of one backend and what it is charged.
+// Placement fits a sandbox's requests (at the node's request share) into
+// capacity less charged; see docs/architecture.md, "Placement by use".
+type NodeBackend struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Backend kind, e.g. "container".
+	Backend string `protobuf:"bytes,1,opt,name=backend,proto3" json:"backend,omitempty"`
+	// What the node offers.
+	MilliCpu    int64 `protobuf:"varint,2,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes int64 `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Sandboxes   int64 `protobuf:"varint,4,opt,name=sandboxes,proto3" json:"sandboxes,omitempty"`
+	// What placement charges the node: what it measures in use (memory)
+	// plus its request share of what its sandboxes request, and its live
+	// and pooled sandboxes; creates this server placed that no heartbeat
+	// counts yet included.
+	ChargedMilliCpu    int64 `protobuf:"varint,5,opt,name=charged_milli_cpu,json=chargedMilliCpu,proto3" json:"charged_milli_cpu,omitempty"`
+	ChargedMemoryBytes int64 `protobuf:"varint,6,opt,name=charged_memory_bytes,json=chargedMemoryBytes,proto3" json:"charged_memory_bytes,omitempty"`
+	ChargedSandboxes   int64 `protobuf:"varint,7,opt,name=charged_sandboxes,json=chargedSandboxes,proto3" json:"charged_sandboxes,omitempty"`
+	// What its live and pooled sandboxes request (the resources their
+	// specs state; what is left to defaults requests nothing).
+	RequestedMilliCpu    int64 `protobuf:"varint,8,opt,name=requested_milli_cpu,json=requestedMilliCpu,proto3" json:"requested_milli_cpu,omitempty"`
+	RequestedMemoryBytes int64 `protobuf:"varint,9,opt,name=requested_memory_bytes,json=requestedMemoryBytes,proto3" json:"requested_memory_bytes,omitempty"`
+	// The fraction of a request the node charges (0: measured use only, 1:
+	// a reservation).
+	RequestShareCpu    float64 `protobuf:"fixed64,10,opt,name=request_share_cpu,json=requestShareCpu,proto3" json:"request_share_cpu,omitempty"`
+	RequestShareMemory float64 `protobuf:"fixed64,11,opt,name=request_share_memory,json=requestShareMemory,proto3" json:"request_share_memory,omitempty"`
+	// What the backend's sandboxes, pooled ones included, are measured to
+	// use together: CPU over the node's last sample interval, memory less
+	// inactive file pages, swap.
+	UsedMilliCpu    int64 `protobuf:"varint,12,opt,name=used_milli_cpu,json=usedMilliCpu,proto3" json:"used_milli_cpu,omitempty"`
+	UsedMemoryBytes int64 `protobuf:"varint,13,opt,name=used_memory_bytes,json=usedMemoryBytes,proto3" json:"used_memory_bytes,omitempty"`
+	UsedSwapBytes   int64 `protobuf:"varint,14,opt,name=used_swap_bytes,json=usedSwapBytes,proto3" json:"used_swap_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *NodeBackend) Reset() {
+	*x = NodeBackend{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeBackend) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeBackend) ProtoMessage() {}
+
+func (x *NodeBackend) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
+func (*NodeBackend) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+}
+
+func (x *NodeBackend) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+func (x *NodeBackend) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetSandboxes() int64 {
+	if x != nil {
+		return x.Sandboxes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetChargedMilliCpu() int64 {
+	if x != nil {
+		return x.ChargedMilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetChargedMemoryBytes() int64 {
+	if x != nil {
+		return x.ChargedMemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetChargedSandboxes() int64 {
+	if x != nil {
+		return x.ChargedSandboxes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestedMilliCpu() int64 {
+	if x != nil {
+		return x.RequestedMilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestedMemoryBytes() int64 {
+	if x != nil {
+		return x.RequestedMemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestShareCpu() float64 {
+	if x != nil {
+		return x.RequestShareCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetRequestShareMemory() float64 {
+	if x != nil {
+		return x.RequestShareMemory
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetUsedMilliCpu() int64 {
+	if x != nil {
+		return x.UsedMilliCpu
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetUsedMemoryBytes() int64 {
+	if x != nil {
+		return x.UsedMemoryBytes
+	}
+	return 0
+}
+
+func (x *NodeBackend) GetUsedSwapBytes() int64 {
+	if x != nil {
+		return x.UsedSwapBytes
+	}
+	return 0
+}
+
+// NodeMeasurement is what a node measures about itself: what its own
+// admission judges it by.
+type NodeMeasurement struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Busy CPU over the node's last sample interval, all of it.
+	MilliCpu         int64 `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryTotalBytes int64 `protobuf:"varint,2,opt,name=memory_total_bytes,json=memoryTotalBytes,proto3" json:"memory_total_bytes,omitempty"`
+	// Memory the node cannot reclaim (MemTotal - MemAvailable).
+	MemoryUsedBytes      int64 `protobuf:"varint,3,opt,name=memory_used_bytes,json=memoryUsedBytes,proto3" json:"memory_used_bytes,omitempty"`
+	MemoryAvailableBytes int64 `protobuf:"varint,4,opt,name=memory_available_bytes,json=memoryAvailableBytes,proto3" json:"memory_available_bytes,omitempty"`
+	SwapTotalBytes       int64 `protobuf:"varint,5,opt,name=swap_total_bytes,json=swapTotalBytes,proto3" json:"swap_total_bytes,omitempty"`
+	SwapUsedBytes        int64 `protobuf:"varint,6,opt,name=swap_used_bytes,json=swapUsedBytes,proto3" json:"swap_used_bytes,omitempty"`
+	// PSI avg10 percentages (the share of the last 10 s some task, or every
+	// task, stalled); -1 where the kernel has none.
+	PsiMemorySome float64 `protobuf:"fixed64,7,opt,name=psi_memory_some,json=psiMemorySome,proto3" json:"psi_memory_some,omitempty"`
+	PsiMemoryFull float64 `protobuf:"fixed64,8,opt,name=psi_memory_full,json=psiMemoryFull,proto3" json:"psi_memory_full,omitempty"`
+	PsiCpuSome    float64 `protobuf:"fixed64,9,opt,name=psi_cpu_some,json=psiCpuSome,proto3" json:"psi_cpu_some,omitempty"`
+	// The edge process's descriptors and its open-file limit.
+	OpenFiles    int64 `protobuf:"varint,10,opt,name=open_files,json=openFiles,proto3" json:"open_files,omitempty"`
+	MaxOpenFiles int64 `protobuf:"varint,11,opt,name=max_open_files,json=maxOpenFiles,proto3" json:"max_open_files,omitempty"`
+	// Threads in the system and the most the kernel allows.
+	Threads       int64 `protobuf:"varint,12,opt,name=threads,proto3" json:"threads,omitempty"`
+	MaxThreads    int64 `protobuf:"varint,13,opt,name=max_threads,json=maxThreads,proto3" json:"max_threads,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeMeasurement) Reset() {
+	*x = NodeMeasurement{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeMeasurement) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeMeasurement) ProtoMessage() {}
+
+func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
+func (*NodeMeasurement) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+}
+
+func (x *NodeMeasurement) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMemoryTotalBytes() int64 {
+	if x != nil {
+		return x.MemoryTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMemoryUsedBytes() int64 {
+	if x != nil {
+		return x.MemoryUsedBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMemoryAvailableBytes() int64 {
+	if x != nil {
+		return x.MemoryAvailableBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetSwapTotalBytes() int64 {
+	if x != nil {
+		return x.SwapTotalBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetSwapUsedBytes() int64 {
+	if x != nil {
+		return x.SwapUsedBytes
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetPsiMemorySome() float64 {
+	if x != nil {
+		return x.PsiMemorySome
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetPsiMemoryFull() float64 {
+	if x != nil {
+		return x.PsiMemoryFull
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetPsiCpuSome() float64 {
+	if x != nil {
+		return x.PsiCpuSome
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetOpenFiles() int64 {
+	if x != nil {
+		return x.OpenFiles
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMaxOpenFiles() int64 {
+	if x != nil {
+		return x.MaxOpenFiles
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetThreads() int64 {
+	if x != nil {
+		return x.Threads
+	}
+	return 0
+}
+
+func (x *NodeMeasurement) GetMaxThreads() int64 {
+	if x != nil {
+		return x.MaxThreads
+	}
+	return 0
+}
+
+type SandboxCount struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Backend       string                 `protobuf:"bytes,1,opt,name=backend,proto3" json:"backend,omitempty"`
+	State         string                 `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	Count         int64                  `protobuf:"varint,3,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SandboxCount) Reset() {
+	*x = SandboxCount{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SandboxCount) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SandboxCount) ProtoMessage() {}
+
+func (x *SandboxCount) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
+func (*SandboxCount) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+}
+
+func (x *SandboxCount) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+func (x *SandboxCount) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *SandboxCount) GetCount() int64 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
 }
 
 var File_dsec_v1_dsec_proto protoreflect.FileDescriptor
@@ -5707,7 +6393,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"idleAction\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xcd\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xfa\x02\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x16\n" +
@@ -5720,7 +6406,16 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06layers\x18\b \x03(\tR\x06layers\x12\x16\n" +
 	"\x06reason\x18\t \x01(\tR\x06reason\x12\x19\n" +
 	"\bnext_seq\x18\n" +
-	" \x01(\x04R\anextSeq\"@\n" +
+	" \x01(\x04R\anextSeq\x12+\n" +
+	"\x05usage\x18\v \x01(\v2\x15.dsec.v1.SandboxUsageR\x05usage\"\xdd\x01\n" +
+	"\fSandboxUsage\x12\x1b\n" +
+	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12!\n" +
+	"\fmemory_bytes\x18\x02 \x01(\x03R\vmemoryBytes\x12\x1d\n" +
+	"\n" +
+	"swap_bytes\x18\x03 \x01(\x03R\tswapBytes\x12;\n" +
+	"\vmeasured_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"measuredAt\x121\n" +
+	"\x06window\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x06window\"@\n" +
 	"\x14CreateSandboxRequest\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\"C\n" +
 	"\x15CreateSandboxResponse\x12*\n" +
@@ -6123,7 +6818,61 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06tenant\x18\x01 \x01(\v2\x0f.dsec.v1.TenantR\x06tenant\"\x14\n" +
 	"\x12ListTenantsRequest\"@\n" +
 	"\x13ListTenantsResponse\x12)\n" +
-	"\atenants\x18\x01 \x03(\v2\x0f.dsec.v1.TenantR\atenants2\xc5\r\n" +
+	"\atenants\x18\x01 \x03(\v2\x0f.dsec.v1.TenantR\atenants\"\x12\n" +
+	"\x10ListNodesRequest\"8\n" +
+	"\x11ListNodesResponse\x12#\n" +
+	"\x05nodes\x18\x01 \x03(\v2\r.dsec.v1.NodeR\x05nodes\"\xf9\x02\n" +
+	"\x04Node\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
+	"\x05alive\x18\x02 \x01(\bR\x05alive\x12F\n" +
+	"\x11last_heartbeat_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x0flastHeartbeatAt\x12\x10\n" +
+	"\x03url\x18\x04 \x01(\tR\x03url\x120\n" +
+	"\bbackends\x18\x05 \x03(\v2\x14.dsec.v1.NodeBackendR\bbackends\x124\n" +
+	"\bmeasured\x18\x06 \x01(\v2\x18.dsec.v1.NodeMeasurementR\bmeasured\x12\x12\n" +
+	"\x04full\x18\a \x01(\tR\x04full\x123\n" +
+	"\tsandboxes\x18\b \x03(\v2\x15.dsec.v1.SandboxCountR\tsandboxes\x12\x12\n" +
+	"\x04load\x18\t \x01(\x01R\x04load\x12\x16\n" +
+	"\x06queued\x18\n" +
+	" \x01(\x05R\x06queued\x12\x14\n" +
+	"\x05pools\x18\v \x01(\x05R\x05pools\"\xce\x04\n" +
+	"\vNodeBackend\x12\x18\n" +
+	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
+	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
+	"\fmemory_bytes\x18\x03 \x01(\x03R\vmemoryBytes\x12\x1c\n" +
+	"\tsandboxes\x18\x04 \x01(\x03R\tsandboxes\x12*\n" +
+	"\x11charged_milli_cpu\x18\x05 \x01(\x03R\x0fchargedMilliCpu\x120\n" +
+	"\x14charged_memory_bytes\x18\x06 \x01(\x03R\x12chargedMemoryBytes\x12+\n" +
+	"\x11charged_sandboxes\x18\a \x01(\x03R\x10chargedSandboxes\x12.\n" +
+	"\x13requested_milli_cpu\x18\b \x01(\x03R\x11requestedMilliCpu\x124\n" +
+	"\x16requested_memory_bytes\x18\t \x01(\x03R\x14requestedMemoryBytes\x12*\n" +
+	"\x11request_share_cpu\x18\n" +
+	" \x01(\x01R\x0frequestShareCpu\x120\n" +
+	"\x14request_share_memory\x18\v \x01(\x01R\x12requestShareMemory\x12$\n" +
+	"\x0eused_milli_cpu\x18\f \x01(\x03R\fusedMilliCpu\x12*\n" +
+	"\x11used_memory_bytes\x18\r \x01(\x03R\x0fusedMemoryBytes\x12&\n" +
+	"\x0fused_swap_bytes\x18\x0e \x01(\x03R\rusedSwapBytes\"\x82\x04\n" +
+	"\x0fNodeMeasurement\x12\x1b\n" +
+	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12,\n" +
+	"\x12memory_total_bytes\x18\x02 \x01(\x03R\x10memoryTotalBytes\x12*\n" +
+	"\x11memory_used_bytes\x18\x03 \x01(\x03R\x0fmemoryUsedBytes\x124\n" +
+	"\x16memory_available_bytes\x18\x04 \x01(\x03R\x14memoryAvailableBytes\x12(\n" +
+	"\x10swap_total_bytes\x18\x05 \x01(\x03R\x0eswapTotalBytes\x12&\n" +
+	"\x0fswap_used_bytes\x18\x06 \x01(\x03R\rswapUsedBytes\x12&\n" +
+	"\x0fpsi_memory_some\x18\a \x01(\x01R\rpsiMemorySome\x12&\n" +
+	"\x0fpsi_memory_full\x18\b \x01(\x01R\rpsiMemoryFull\x12 \n" +
+	"\fpsi_cpu_some\x18\t \x01(\x01R\n" +
+	"psiCpuSome\x12\x1d\n" +
+	"\n" +
+	"open_files\x18\n" +
+	" \x01(\x03R\topenFiles\x12$\n" +
+	"\x0emax_open_files\x18\v \x01(\x03R\fmaxOpenFiles\x12\x18\n" +
+	"\athreads\x18\f \x01(\x03R\athreads\x12\x1f\n" +
+	"\vmax_threads\x18\r \x01(\x03R\n" +
+	"maxThreads\"T\n" +
+	"\fSandboxCount\x12\x18\n" +
+	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12\x14\n" +
+	"\x05count\x18\x03 \x01(\x03R\x05count2\xc5\r\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -6169,7 +6918,9 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06Create\x12\x1c.dsec.v1.CreateTenantRequest\x1a\x1d.dsec.v1.CreateTenantResponse\x12E\n" +
 	"\x06Update\x12\x1c.dsec.v1.UpdateTenantRequest\x1a\x1d.dsec.v1.UpdateTenantResponse\x12<\n" +
 	"\x03Get\x12\x19.dsec.v1.GetTenantRequest\x1a\x1a.dsec.v1.GetTenantResponse\x12A\n" +
-	"\x04List\x12\x1b.dsec.v1.ListTenantsRequest\x1a\x1c.dsec.v1.ListTenantsResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\x04List\x12\x1b.dsec.v1.ListTenantsRequest\x1a\x1c.dsec.v1.ListTenantsResponse2T\n" +
+	"\x0eClusterService\x12B\n" +
+	"\tListNodes\x12\x19.dsec.v1.ListNodesRequest\x1a\x1a.dsec.v1.ListNodesResponseB-Z+github.com/dsec-dev/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_dsec_proto_rawDescOnce sync.Once
@@ -6183,265 +6934,282 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 98)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 105)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
 	(*Sandbox)(nil),                       // 2: dsec.v1.Sandbox
-	(*CreateSandboxRequest)(nil),          // 3: dsec.v1.CreateSandboxRequest
-	(*CreateSandboxResponse)(nil),         // 4: dsec.v1.CreateSandboxResponse
-	(*BatchCreateSandboxesRequest)(nil),   // 5: dsec.v1.BatchCreateSandboxesRequest
-	(*ItemError)(nil),                     // 6: dsec.v1.ItemError
-	(*BatchCreateResult)(nil),             // 7: dsec.v1.BatchCreateResult
-	(*BatchCreateSandboxesResponse)(nil),  // 8: dsec.v1.BatchCreateSandboxesResponse
-	(*GetSandboxRequest)(nil),             // 9: dsec.v1.GetSandboxRequest
-	(*GetSandboxResponse)(nil),            // 10: dsec.v1.GetSandboxResponse
-	(*ListSandboxesRequest)(nil),          // 11: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),         // 12: dsec.v1.ListSandboxesResponse
-	(*ExecRequest)(nil),                   // 13: dsec.v1.ExecRequest
-	(*ExecResult)(nil),                    // 14: dsec.v1.ExecResult
-	(*ExecResponse)(nil),                  // 15: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),            // 16: dsec.v1.ExecStreamResponse
-	(*RunRequest)(nil),                    // 17: dsec.v1.RunRequest
-	(*RunResponse)(nil),                   // 18: dsec.v1.RunResponse
-	(*WriteFileRequest)(nil),              // 19: dsec.v1.WriteFileRequest
-	(*WriteFileResponse)(nil),             // 20: dsec.v1.WriteFileResponse
-	(*ReadFileRequest)(nil),               // 21: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),              // 22: dsec.v1.ReadFileResponse
-	(*SubmitRewardRequest)(nil),           // 23: dsec.v1.SubmitRewardRequest
-	(*SubmitRewardResponse)(nil),          // 24: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryRequest)(nil),          // 25: dsec.v1.GetTrajectoryRequest
-	(*GetTrajectoryResponse)(nil),         // 26: dsec.v1.GetTrajectoryResponse
-	(*DestroySandboxRequest)(nil),         // 27: dsec.v1.DestroySandboxRequest
-	(*DestroySandboxResponse)(nil),        // 28: dsec.v1.DestroySandboxResponse
-	(*BatchDestroySandboxesRequest)(nil),  // 29: dsec.v1.BatchDestroySandboxesRequest
-	(*BatchDestroyResult)(nil),            // 30: dsec.v1.BatchDestroyResult
-	(*BatchDestroySandboxesResponse)(nil), // 31: dsec.v1.BatchDestroySandboxesResponse
-	(*SnapshotRequest)(nil),               // 32: dsec.v1.SnapshotRequest
-	(*SnapshotResponse)(nil),              // 33: dsec.v1.SnapshotResponse
-	(*CheckpointRequest)(nil),             // 34: dsec.v1.CheckpointRequest
-	(*CheckpointResponse)(nil),            // 35: dsec.v1.CheckpointResponse
-	(*RollbackRequest)(nil),               // 36: dsec.v1.RollbackRequest
-	(*RollbackResponse)(nil),              // 37: dsec.v1.RollbackResponse
-	(*DeleteCheckpointRequest)(nil),       // 38: dsec.v1.DeleteCheckpointRequest
-	(*DeleteCheckpointResponse)(nil),      // 39: dsec.v1.DeleteCheckpointResponse
-	(*FreezeRequest)(nil),                 // 40: dsec.v1.FreezeRequest
-	(*FreezeResponse)(nil),                // 41: dsec.v1.FreezeResponse
-	(*ThawRequest)(nil),                   // 42: dsec.v1.ThawRequest
-	(*ThawResponse)(nil),                  // 43: dsec.v1.ThawResponse
-	(*JobRequest)(nil),                    // 44: dsec.v1.JobRequest
-	(*JobResult)(nil),                     // 45: dsec.v1.JobResult
-	(*JobResponse)(nil),                   // 46: dsec.v1.JobResponse
-	(*AcquireRequest)(nil),                // 47: dsec.v1.AcquireRequest
-	(*AcquireResponse)(nil),               // 48: dsec.v1.AcquireResponse
-	(*BatchExecRequest)(nil),              // 49: dsec.v1.BatchExecRequest
-	(*BatchExecItem)(nil),                 // 50: dsec.v1.BatchExecItem
-	(*BatchExecResponse)(nil),             // 51: dsec.v1.BatchExecResponse
-	(*BatchRollbackRequest)(nil),          // 52: dsec.v1.BatchRollbackRequest
-	(*BatchRollbackItem)(nil),             // 53: dsec.v1.BatchRollbackItem
-	(*BatchRollbackResponse)(nil),         // 54: dsec.v1.BatchRollbackResponse
-	(*ReleaseRequest)(nil),                // 55: dsec.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),               // 56: dsec.v1.ReleaseResponse
-	(*Image)(nil),                         // 57: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 58: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 59: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 60: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 61: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 62: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 63: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 64: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 65: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 66: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 67: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 68: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 69: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 70: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 71: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 72: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 73: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 74: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 75: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 76: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 77: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 78: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 79: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 80: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 81: dsec.v1.Quota
-	(*TenantUsage)(nil),                   // 82: dsec.v1.TenantUsage
-	(*Tenant)(nil),                        // 83: dsec.v1.Tenant
-	(*CreateTenantRequest)(nil),           // 84: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 85: dsec.v1.CreateTenantResponse
-	(*UpdateTenantRequest)(nil),           // 86: dsec.v1.UpdateTenantRequest
-	(*UpdateTenantResponse)(nil),          // 87: dsec.v1.UpdateTenantResponse
-	(*GetTenantRequest)(nil),              // 88: dsec.v1.GetTenantRequest
-	(*GetTenantResponse)(nil),             // 89: dsec.v1.GetTenantResponse
-	(*ListTenantsRequest)(nil),            // 90: dsec.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),           // 91: dsec.v1.ListTenantsResponse
-	nil,                                   // 92: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 93: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 94: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 95: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 96: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 97: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 98: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 99: google.protobuf.Timestamp
+	(*SandboxUsage)(nil),                  // 3: dsec.v1.SandboxUsage
+	(*CreateSandboxRequest)(nil),          // 4: dsec.v1.CreateSandboxRequest
+	(*CreateSandboxResponse)(nil),         // 5: dsec.v1.CreateSandboxResponse
+	(*BatchCreateSandboxesRequest)(nil),   // 6: dsec.v1.BatchCreateSandboxesRequest
+	(*ItemError)(nil),                     // 7: dsec.v1.ItemError
+	(*BatchCreateResult)(nil),             // 8: dsec.v1.BatchCreateResult
+	(*BatchCreateSandboxesResponse)(nil),  // 9: dsec.v1.BatchCreateSandboxesResponse
+	(*GetSandboxRequest)(nil),             // 10: dsec.v1.GetSandboxRequest
+	(*GetSandboxResponse)(nil),            // 11: dsec.v1.GetSandboxResponse
+	(*ListSandboxesRequest)(nil),          // 12: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),         // 13: dsec.v1.ListSandboxesResponse
+	(*ExecRequest)(nil),                   // 14: dsec.v1.ExecRequest
+	(*ExecResult)(nil),                    // 15: dsec.v1.ExecResult
+	(*ExecResponse)(nil),                  // 16: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),            // 17: dsec.v1.ExecStreamResponse
+	(*RunRequest)(nil),                    // 18: dsec.v1.RunRequest
+	(*RunResponse)(nil),                   // 19: dsec.v1.RunResponse
+	(*WriteFileRequest)(nil),              // 20: dsec.v1.WriteFileRequest
+	(*WriteFileResponse)(nil),             // 21: dsec.v1.WriteFileResponse
+	(*ReadFileRequest)(nil),               // 22: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),              // 23: dsec.v1.ReadFileResponse
+	(*SubmitRewardRequest)(nil),           // 24: dsec.v1.SubmitRewardRequest
+	(*SubmitRewardResponse)(nil),          // 25: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryRequest)(nil),          // 26: dsec.v1.GetTrajectoryRequest
+	(*GetTrajectoryResponse)(nil),         // 27: dsec.v1.GetTrajectoryResponse
+	(*DestroySandboxRequest)(nil),         // 28: dsec.v1.DestroySandboxRequest
+	(*DestroySandboxResponse)(nil),        // 29: dsec.v1.DestroySandboxResponse
+	(*BatchDestroySandboxesRequest)(nil),  // 30: dsec.v1.BatchDestroySandboxesRequest
+	(*BatchDestroyResult)(nil),            // 31: dsec.v1.BatchDestroyResult
+	(*BatchDestroySandboxesResponse)(nil), // 32: dsec.v1.BatchDestroySandboxesResponse
+	(*SnapshotRequest)(nil),               // 33: dsec.v1.SnapshotRequest
+	(*SnapshotResponse)(nil),              // 34: dsec.v1.SnapshotResponse
+	(*CheckpointRequest)(nil),             // 35: dsec.v1.CheckpointRequest
+	(*CheckpointResponse)(nil),            // 36: dsec.v1.CheckpointResponse
+	(*RollbackRequest)(nil),               // 37: dsec.v1.RollbackRequest
+	(*RollbackResponse)(nil),              // 38: dsec.v1.RollbackResponse
+	(*DeleteCheckpointRequest)(nil),       // 39: dsec.v1.DeleteCheckpointRequest
+	(*DeleteCheckpointResponse)(nil),      // 40: dsec.v1.DeleteCheckpointResponse
+	(*FreezeRequest)(nil),                 // 41: dsec.v1.FreezeRequest
+	(*FreezeResponse)(nil),                // 42: dsec.v1.FreezeResponse
+	(*ThawRequest)(nil),                   // 43: dsec.v1.ThawRequest
+	(*ThawResponse)(nil),                  // 44: dsec.v1.ThawResponse
+	(*JobRequest)(nil),                    // 45: dsec.v1.JobRequest
+	(*JobResult)(nil),                     // 46: dsec.v1.JobResult
+	(*JobResponse)(nil),                   // 47: dsec.v1.JobResponse
+	(*AcquireRequest)(nil),                // 48: dsec.v1.AcquireRequest
+	(*AcquireResponse)(nil),               // 49: dsec.v1.AcquireResponse
+	(*BatchExecRequest)(nil),              // 50: dsec.v1.BatchExecRequest
+	(*BatchExecItem)(nil),                 // 51: dsec.v1.BatchExecItem
+	(*BatchExecResponse)(nil),             // 52: dsec.v1.BatchExecResponse
+	(*BatchRollbackRequest)(nil),          // 53: dsec.v1.BatchRollbackRequest
+	(*BatchRollbackItem)(nil),             // 54: dsec.v1.BatchRollbackItem
+	(*BatchRollbackResponse)(nil),         // 55: dsec.v1.BatchRollbackResponse
+	(*ReleaseRequest)(nil),                // 56: dsec.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),               // 57: dsec.v1.ReleaseResponse
+	(*Image)(nil),                         // 58: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 59: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 60: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 61: dsec.v1.ImportImageResponse
+	(*ListImagesRequest)(nil),             // 62: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 63: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 64: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 65: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 66: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 67: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 68: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 69: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 70: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 71: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 72: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 73: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 74: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 75: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 76: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 77: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 78: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 79: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 80: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 81: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 82: dsec.v1.Quota
+	(*TenantUsage)(nil),                   // 83: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 84: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 85: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 86: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 87: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 88: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 89: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 90: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 91: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 92: dsec.v1.ListTenantsResponse
+	(*ListNodesRequest)(nil),              // 93: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 94: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 95: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 96: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 97: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 98: dsec.v1.SandboxCount
+	nil,                                   // 99: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 100: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 101: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 102: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 103: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 104: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 105: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 106: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	92,  // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	98,  // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	98,  // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	99,  // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	105, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	105, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,   // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	99,  // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	99,  // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	1,   // 7: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	2,   // 8: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	1,   // 9: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	2,   // 10: dsec.v1.BatchCreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	6,   // 11: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
-	7,   // 12: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
-	2,   // 13: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	93,  // 14: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
-	2,   // 15: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	98,  // 16: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	98,  // 17: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
-	14,  // 18: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
-	14,  // 19: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	1,   // 20: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	13,  // 21: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
-	14,  // 22: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	94,  // 23: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
-	6,   // 24: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
-	30,  // 25: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	57,  // 26: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
-	2,   // 27: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
-	2,   // 28: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	95,  // 29: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
-	6,   // 30: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
-	45,  // 31: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	1,   // 32: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
-	7,   // 33: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
-	13,  // 34: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
-	14,  // 35: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
-	6,   // 36: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
-	50,  // 37: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
-	36,  // 38: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
-	37,  // 39: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
-	6,   // 40: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
-	53,  // 41: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
-	30,  // 42: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	99,  // 43: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	59,  // 44: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	57,  // 45: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	57,  // 46: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	57,  // 47: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	57,  // 48: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	98,  // 49: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,   // 50: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	98,  // 51: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,   // 52: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	98,  // 53: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	71,  // 54: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	71,  // 55: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	98,  // 56: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	98,  // 57: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	96,  // 58: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	79,  // 59: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	79,  // 60: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	97,  // 61: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	81,  // 62: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
-	0,   // 63: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
-	82,  // 64: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	99,  // 65: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	81,  // 66: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	0,   // 67: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
-	83,  // 68: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	83,  // 69: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	83,  // 70: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	83,  // 71: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	3,   // 72: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	5,   // 73: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	9,   // 74: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	11,  // 75: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	13,  // 76: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	13,  // 77: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	17,  // 78: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	19,  // 79: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	21,  // 80: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	27,  // 81: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	29,  // 82: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	23,  // 83: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	25,  // 84: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	32,  // 85: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	34,  // 86: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	36,  // 87: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	38,  // 88: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	40,  // 89: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	42,  // 90: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	44,  // 91: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	44,  // 92: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	47,  // 93: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	49,  // 94: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	52,  // 95: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	55,  // 96: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	58,  // 97: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	61,  // 98: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	63,  // 99: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	65,  // 100: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	67,  // 101: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	69,  // 102: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	72,  // 103: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	74,  // 104: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	76,  // 105: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	78,  // 106: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	84,  // 107: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	86,  // 108: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	88,  // 109: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	90,  // 110: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	4,   // 111: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	8,   // 112: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	10,  // 113: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	12,  // 114: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	15,  // 115: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	16,  // 116: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	18,  // 117: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	20,  // 118: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	22,  // 119: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	28,  // 120: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	31,  // 121: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	24,  // 122: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	26,  // 123: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	33,  // 124: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	35,  // 125: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	37,  // 126: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	39,  // 127: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	41,  // 128: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	43,  // 129: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	46,  // 130: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	46,  // 131: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	48,  // 132: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	51,  // 133: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	54,  // 134: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	56,  // 135: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	60,  // 136: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	62,  // 137: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	64,  // 138: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	66,  // 139: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	68,  // 140: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	70,  // 141: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	73,  // 142: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	75,  // 143: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	77,  // 144: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	80,  // 145: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	85,  // 146: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	87,  // 147: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	89,  // 148: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	91,  // 149: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	111, // [111:150] is the sub-list for method output_type
-	72,  // [72:111] is the sub-list for method input_type
-	72,  // [72:72] is the sub-list for extension type_name
-	72,  // [72:72] is the sub-list for extension extendee
-	0,   // [0:72] is the sub-list for field type_name
+	106, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	106, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	3,   // 7: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
+	106, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	105, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	1,   // 10: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	2,   // 11: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
+	1,   // 12: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	2,   // 13: dsec.v1.BatchCreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	7,   // 14: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
+	8,   // 15: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
+	2,   // 16: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
+	100, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	2,   // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	105, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	105, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	15,  // 21: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
+	15,  // 22: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
+	1,   // 23: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	14,  // 24: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
+	15,  // 25: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
+	101, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	7,   // 27: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
+	31,  // 28: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	58,  // 29: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	2,   // 30: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
+	2,   // 31: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
+	102, // 32: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	7,   // 33: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	46,  // 34: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	1,   // 35: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	8,   // 36: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	14,  // 37: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	15,  // 38: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	7,   // 39: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	51,  // 40: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	37,  // 41: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	38,  // 42: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	7,   // 43: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	54,  // 44: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	31,  // 45: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	106, // 46: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	60,  // 47: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	58,  // 48: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	58,  // 49: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	58,  // 50: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	58,  // 51: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	105, // 52: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 53: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	105, // 54: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 55: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	105, // 56: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	72,  // 57: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	72,  // 58: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	105, // 59: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	105, // 60: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	103, // 61: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	80,  // 62: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	80,  // 63: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	104, // 64: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	82,  // 65: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 66: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	83,  // 67: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	106, // 68: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	82,  // 69: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 70: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	84,  // 71: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	84,  // 72: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	84,  // 73: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	84,  // 74: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	95,  // 75: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	106, // 76: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	96,  // 77: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	97,  // 78: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	98,  // 79: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	4,   // 80: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	6,   // 81: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	10,  // 82: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	12,  // 83: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	14,  // 84: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	14,  // 85: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	18,  // 86: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	20,  // 87: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	22,  // 88: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	28,  // 89: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	30,  // 90: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	24,  // 91: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	26,  // 92: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	33,  // 93: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	35,  // 94: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	37,  // 95: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	39,  // 96: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	41,  // 97: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	43,  // 98: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	45,  // 99: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	45,  // 100: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	48,  // 101: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	50,  // 102: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	53,  // 103: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	56,  // 104: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	59,  // 105: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	62,  // 106: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	64,  // 107: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	66,  // 108: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	68,  // 109: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	70,  // 110: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	73,  // 111: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	75,  // 112: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	77,  // 113: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	79,  // 114: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	85,  // 115: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	87,  // 116: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	89,  // 117: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	91,  // 118: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	93,  // 119: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	5,   // 120: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	9,   // 121: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	11,  // 122: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	13,  // 123: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	16,  // 124: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	17,  // 125: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	19,  // 126: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	21,  // 127: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	23,  // 128: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	29,  // 129: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	32,  // 130: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	25,  // 131: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	27,  // 132: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	34,  // 133: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	36,  // 134: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	38,  // 135: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	40,  // 136: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	42,  // 137: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	44,  // 138: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	47,  // 139: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	47,  // 140: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	49,  // 141: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	52,  // 142: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	55,  // 143: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	57,  // 144: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	61,  // 145: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	63,  // 146: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	65,  // 147: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	67,  // 148: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	69,  // 149: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	71,  // 150: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	74,  // 151: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	76,  // 152: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	78,  // 153: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	81,  // 154: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	86,  // 155: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	88,  // 156: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	90,  // 157: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	92,  // 158: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	94,  // 159: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	120, // [120:160] is the sub-list for method output_type
+	80,  // [80:120] is the sub-list for method input_type
+	80,  // [80:80] is the sub-list for extension type_name
+	80,  // [80:80] is the sub-list for extension extendee
+	0,   // [0:80] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -6449,30 +7217,30 @@ func file_dsec_v1_dsec_proto_init() {
 	if File_dsec_v1_dsec_proto != nil {
 		return
 	}
-	file_dsec_v1_dsec_proto_msgTypes[16].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[17].OneofWrappers = []any{
 		(*ExecStreamResponse_Stdout)(nil),
 		(*ExecStreamResponse_Stderr)(nil),
 		(*ExecStreamResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[18].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[19].OneofWrappers = []any{
 		(*RunResponse_Stdout)(nil),
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[58].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[59].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[86].OneofWrappers = []any{}
+	file_dsec_v1_dsec_proto_msgTypes[87].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   98,
+			NumMessages:   105,
 			NumExtensions: 0,
-			NumServices:   5,
+			NumServices:   6,
 		},
 		GoTypes:           file_dsec_v1_dsec_proto_goTypes,
 		DependencyIndexes: file_dsec_v1_dsec_proto_depIdxs,

@@ -1289,8 +1289,14 @@ type BackendCapacity struct {
 	// state explicitly; what is left to defaults requests nothing).
 	RequestedMilliCpu    int64 `protobuf:"varint,10,opt,name=requested_milli_cpu,json=requestedMilliCpu,proto3" json:"requested_milli_cpu,omitempty"`
 	RequestedMemoryBytes int64 `protobuf:"varint,11,opt,name=requested_memory_bytes,json=requestedMemoryBytes,proto3" json:"requested_memory_bytes,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// What the backend's sandboxes, pooled ones included, are measured to
+	// use together (runtime.UsageReporter): CPU over the last sample
+	// interval, memory less inactive file pages, swap.
+	MeasuredMilliCpu    int64 `protobuf:"varint,12,opt,name=measured_milli_cpu,json=measuredMilliCpu,proto3" json:"measured_milli_cpu,omitempty"`
+	MeasuredMemoryBytes int64 `protobuf:"varint,13,opt,name=measured_memory_bytes,json=measuredMemoryBytes,proto3" json:"measured_memory_bytes,omitempty"`
+	MeasuredSwapBytes   int64 `protobuf:"varint,14,opt,name=measured_swap_bytes,json=measuredSwapBytes,proto3" json:"measured_swap_bytes,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *BackendCapacity) Reset() {
@@ -1396,6 +1402,27 @@ func (x *BackendCapacity) GetRequestedMilliCpu() int64 {
 func (x *BackendCapacity) GetRequestedMemoryBytes() int64 {
 	if x != nil {
 		return x.RequestedMemoryBytes
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetMeasuredMilliCpu() int64 {
+	if x != nil {
+		return x.MeasuredMilliCpu
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetMeasuredMemoryBytes() int64 {
+	if x != nil {
+		return x.MeasuredMemoryBytes
+	}
+	return 0
+}
+
+func (x *BackendCapacity) GetMeasuredSwapBytes() int64 {
+	if x != nil {
+		return x.MeasuredSwapBytes
 	}
 	return 0
 }
@@ -1564,9 +1591,12 @@ type SandboxSummary struct {
 	Labels map[string]string      `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The sandbox's limits (defaults included): what its tenant's quota
 	// is charged.
-	MilliCpu      int64  `protobuf:"varint,5,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
-	MemoryBytes   int64  `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
-	Backend       string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	MilliCpu    int64  `protobuf:"varint,5,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes int64  `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Backend     string `protobuf:"bytes,7,opt,name=backend,proto3" json:"backend,omitempty"`
+	// What it uses as last measured (all but measured_at; unset until
+	// measured).
+	Usage         *SandboxUsage `protobuf:"bytes,8,opt,name=usage,proto3" json:"usage,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1648,6 +1678,13 @@ func (x *SandboxSummary) GetBackend() string {
 		return x.Backend
 	}
 	return ""
+}
+
+func (x *SandboxSummary) GetUsage() *SandboxUsage {
+	if x != nil {
+		return x.Usage
+	}
+	return nil
 }
 
 type HeartbeatRequest struct {
@@ -2021,7 +2058,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x12EdgeRunCodeRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x121\n" +
 	"\arequest\x18\x02 \x01(\v2\x17.dsec.v1.RunCodeRequestR\arequest\x12\x14\n" +
-	"\x05image\x18\x03 \x01(\tR\x05image\"\xc6\x03\n" +
+	"\x05image\x18\x03 \x01(\tR\x05image\"\xd8\x04\n" +
 	"\x0fBackendCapacity\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x1b\n" +
 	"\tmilli_cpu\x18\x02 \x01(\x03R\bmilliCpu\x12!\n" +
@@ -2034,7 +2071,10 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x14request_share_memory\x18\t \x01(\x01R\x12requestShareMemory\x12.\n" +
 	"\x13requested_milli_cpu\x18\n" +
 	" \x01(\x03R\x11requestedMilliCpu\x124\n" +
-	"\x16requested_memory_bytes\x18\v \x01(\x03R\x14requestedMemoryBytes\"\x91\x04\n" +
+	"\x16requested_memory_bytes\x18\v \x01(\x03R\x14requestedMemoryBytes\x12,\n" +
+	"\x12measured_milli_cpu\x18\f \x01(\x03R\x10measuredMilliCpu\x122\n" +
+	"\x15measured_memory_bytes\x18\r \x01(\x03R\x13measuredMemoryBytes\x12.\n" +
+	"\x13measured_swap_bytes\x18\x0e \x01(\x03R\x11measuredSwapBytes\"\x91\x04\n" +
 	"\n" +
 	"NodeStatus\x12\x1b\n" +
 	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12*\n" +
@@ -2054,7 +2094,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\athreads\x18\f \x01(\x03R\athreads\x12\x1f\n" +
 	"\vmax_threads\x18\r \x01(\x03R\n" +
 	"maxThreads\x12\x12\n" +
-	"\x04full\x18\x0e \x01(\tR\x04full\"\xa0\x02\n" +
+	"\x04full\x18\x0e \x01(\tR\x04full\"\xcd\x02\n" +
 	"\x0eSandboxSummary\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x14\n" +
@@ -2062,7 +2102,8 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\x06labels\x18\x04 \x03(\v2#.dsec.v1.SandboxSummary.LabelsEntryR\x06labels\x12\x1b\n" +
 	"\tmilli_cpu\x18\x05 \x01(\x03R\bmilliCpu\x12!\n" +
 	"\fmemory_bytes\x18\x06 \x01(\x03R\vmemoryBytes\x12\x18\n" +
-	"\abackend\x18\a \x01(\tR\abackend\x1a9\n" +
+	"\abackend\x18\a \x01(\tR\abackend\x12+\n" +
+	"\x05usage\x18\b \x01(\v2\x15.dsec.v1.SandboxUsageR\x05usage\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x90\x03\n" +
@@ -2180,30 +2221,31 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	(*BatchRollbackRequest)(nil),        // 41: dsec.v1.BatchRollbackRequest
 	(*CreatePoolRequest)(nil),           // 42: dsec.v1.CreatePoolRequest
 	(*RunCodeRequest)(nil),              // 43: dsec.v1.RunCodeRequest
-	(*CreateSandboxResponse)(nil),       // 44: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 45: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 46: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 47: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 48: dsec.v1.ExecStreamResponse
-	(*RunResponse)(nil),                 // 49: dsec.v1.RunResponse
-	(*WriteFileResponse)(nil),           // 50: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 51: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 52: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 53: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 54: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 55: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 56: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 57: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 58: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 59: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 60: dsec.v1.ThawResponse
-	(*JobResponse)(nil),                 // 61: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 62: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 63: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 64: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 65: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 66: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 67: dsec.v1.RunCodeResponse
+	(*SandboxUsage)(nil),                // 44: dsec.v1.SandboxUsage
+	(*CreateSandboxResponse)(nil),       // 45: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 46: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 47: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 48: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 49: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 50: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 51: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 52: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 53: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 54: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 55: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 56: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 57: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 58: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 59: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 60: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 61: dsec.v1.ThawResponse
+	(*JobResponse)(nil),                 // 62: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 63: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 64: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 65: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 66: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 67: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 68: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
@@ -2249,68 +2291,69 @@ var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 40: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
 	43, // 41: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
 	28, // 42: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	21, // 43: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	23, // 44: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	25, // 45: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	30, // 46: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
-	22, // 47: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
-	1,  // 48: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	4,  // 49: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	5,  // 50: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	6,  // 51: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	6,  // 52: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	7,  // 53: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	8,  // 54: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	9,  // 55: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	4,  // 56: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	10, // 57: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	15, // 58: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	11, // 59: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	12, // 60: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	13, // 61: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	14, // 62: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	4,  // 63: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	4,  // 64: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	5,  // 65: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	5,  // 66: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	16, // 67: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	17, // 68: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	18, // 69: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	5,  // 70: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	19, // 71: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	20, // 72: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	24, // 73: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	44, // 74: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	45, // 75: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	46, // 76: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	47, // 77: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	48, // 78: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	49, // 79: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	50, // 80: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	51, // 81: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	52, // 82: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	53, // 83: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	54, // 84: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	55, // 85: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	56, // 86: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	57, // 87: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	58, // 88: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	59, // 89: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	60, // 90: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	61, // 91: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	61, // 92: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	62, // 93: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	63, // 94: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	64, // 95: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	65, // 96: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	66, // 97: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	67, // 98: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	26, // 99: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	74, // [74:100] is the sub-list for method output_type
-	48, // [48:74] is the sub-list for method input_type
-	48, // [48:48] is the sub-list for extension type_name
-	48, // [48:48] is the sub-list for extension extendee
-	0,  // [0:48] is the sub-list for field type_name
+	44, // 43: dsec.v1.SandboxSummary.usage:type_name -> dsec.v1.SandboxUsage
+	21, // 44: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	23, // 45: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	25, // 46: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	30, // 47: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	22, // 48: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
+	1,  // 49: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	4,  // 50: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	5,  // 51: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	6,  // 52: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	6,  // 53: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	7,  // 54: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	8,  // 55: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	9,  // 56: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	4,  // 57: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	10, // 58: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	15, // 59: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	11, // 60: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	12, // 61: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	13, // 62: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	14, // 63: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	4,  // 64: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	4,  // 65: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	5,  // 66: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	5,  // 67: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	16, // 68: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	17, // 69: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	18, // 70: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	5,  // 71: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	19, // 72: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	20, // 73: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	24, // 74: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	45, // 75: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	46, // 76: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	47, // 77: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	48, // 78: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	49, // 79: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	50, // 80: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	51, // 81: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	52, // 82: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	53, // 83: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	54, // 84: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	55, // 85: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	56, // 86: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	57, // 87: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	58, // 88: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	59, // 89: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	60, // 90: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	61, // 91: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	62, // 92: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	62, // 93: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	63, // 94: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	64, // 95: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	65, // 96: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	66, // 97: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	67, // 98: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	68, // 99: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	26, // 100: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	75, // [75:101] is the sub-list for method output_type
+	49, // [49:75] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }

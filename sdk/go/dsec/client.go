@@ -62,6 +62,7 @@ type Client struct {
 	tenants   dsecv1connect.TenantServiceClient
 	pools     dsecv1connect.PoolServiceClient
 	fn        dsecv1connect.FnServiceClient
+	cluster   dsecv1connect.ClusterServiceClient
 }
 
 type options struct {
@@ -107,6 +108,7 @@ func New(endpoint, token string, opts ...Option) *Client {
 		tenants:   dsecv1connect.NewTenantServiceClient(o.httpClient, endpoint, copts...),
 		pools:     dsecv1connect.NewPoolServiceClient(o.httpClient, endpoint, copts...),
 		fn:        dsecv1connect.NewFnServiceClient(o.httpClient, endpoint, copts...),
+		cluster:   dsecv1connect.NewClusterServiceClient(o.httpClient, endpoint, copts...),
 	}
 }
 

@@ -156,6 +156,40 @@ type Sandbox struct {
 	// NextSeq is the step number the sandbox's trajectory expected next when
 	// this description was fetched (0 if its node keeps no trajectory).
 	NextSeq uint64
+	// Usage is what the sandbox uses as its node last measured it (every
+	// few seconds); nil until the node has, and for backends that cannot
+	// say.
+	Usage *SandboxUsage
+}
+
+// SandboxUsage is what one sandbox uses, its agent included.
+type SandboxUsage struct {
+	// MilliCPU is its CPU averaged over Window, in thousandths of a core;
+	// 0 while Window is 0 (measured once only so far).
+	MilliCPU int64
+	Window   time.Duration
+	// MemoryBytes is the memory charged to it that the kernel cannot drop
+	// at once (RAM in use less inactive file pages); SwapBytes what of it
+	// is in swap.
+	MemoryBytes int64
+	SwapBytes   int64
+	// MeasuredAt is when (zero when the server did not say: the figures of
+	// a sandbox whose node stopped answering).
+	MeasuredAt time.Time
+}
+
+func usageFromProto(p *dsecv1.SandboxUsage) *SandboxUsage {
+	if p == nil {
+		return nil
+	}
+	u := &SandboxUsage{MilliCPU: p.GetMilliCpu(), MemoryBytes: p.GetMemoryBytes(), SwapBytes: p.GetSwapBytes()}
+	if p.Window != nil {
+		u.Window = p.Window.AsDuration()
+	}
+	if p.MeasuredAt != nil {
+		u.MeasuredAt = p.MeasuredAt.AsTime()
+	}
+	return u
 }
 
 func (c *Client) sandbox(p *dsecv1.Sandbox) *Sandbox {
@@ -170,6 +204,7 @@ func (c *Client) sandbox(p *dsecv1.Sandbox) *Sandbox {
 		State:   p.GetState(),
 		Reason:  p.GetReason(),
 		Layers:  p.GetLayers(),
+		Usage:   usageFromProto(p.GetUsage()),
 	}
 	if p.CreatedAt != nil {
 		sb.CreatedAt = p.CreatedAt.AsTime()

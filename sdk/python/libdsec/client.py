@@ -21,6 +21,7 @@ from .models import (
     ExecResult,
     ImageInfo,
     JobResult,
+    NodeInfo,
     OpResult,
     PoolInfo,
     ReadFileResult,
@@ -45,6 +46,7 @@ _IMAGE = "dsec.v1.ImageService"
 _TENANT = "dsec.v1.TenantService"
 _POOL = "dsec.v1.PoolService"
 _FN = "dsec.v1.FnService"
+_CLUSTER = "dsec.v1.ClusterService"
 
 # How long past the command's own timeout the HTTP request may take: the
 # server needs time to kill the command and send the result back.
@@ -1085,6 +1087,15 @@ class DSecClient:
         """Every tenant (admin only)."""
         resp = await self._t.unary(f"{_TENANT}/List", {})
         return [TenantInfo.from_json(t) for t in resp.get("tenants") or []]
+
+    # ------------------------------------------------------------ cluster
+
+    async def list_nodes(self) -> List[NodeInfo]:
+        """Every node the server knows, alive or not, sorted by id (admin
+        only): capacity, charge, measured use and pressure, sandboxes by
+        backend and state (see NodeInfo)."""
+        resp = await self._t.unary(f"{_CLUSTER}/ListNodes", {})
+        return [NodeInfo.from_json(n) for n in resp.get("nodes") or []]
 
 
 def _cores(v: float) -> int:

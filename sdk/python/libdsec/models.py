@@ -20,6 +20,7 @@ __all__ = [
     "BackendKind",
     "SandboxSpec",
     "SandboxInfo",
+    "NodeInfo",
     "ExecResult",
     "OpResult",
     "ReadFileResult",
@@ -206,6 +207,14 @@ class SandboxInfo:
     # keeps no trajectory). This is the server's view; a Sandbox handle
     # keeps its own counter (Sandbox.next_seq).
     next_seq: int = 0
+    # What the sandbox uses as its node last measured it (every few
+    # seconds): ``cpu`` in cores averaged over ``usage_window_s`` seconds
+    # (None while the node has measured it once only: cpu is then 0),
+    # ``mem_mb`` its memory less inactive file pages, ``swap_mb``. Empty
+    # until measured, and for backends that cannot say.
+    usage: Dict[str, float] = field(default_factory=dict)
+    usage_window_s: Optional[float] = None
+    usage_at: Optional[datetime] = None
 
     @property
     def labels(self) -> Dict[str, str]:
@@ -213,6 +222,7 @@ class SandboxInfo:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "SandboxInfo":
+        u = d.get("usage")
         return cls(
             id=d.get("id", ""),
             node=d.get("node", ""),
@@ -224,6 +234,121 @@ class SandboxInfo:
             layers=list(d.get("layers") or []),
             reason=d.get("reason", ""),
             next_seq=int(d.get("nextSeq", 0)),
+            usage=_usage_dict(u) if u is not None else {},
+            usage_window_s=parse_duration(u["window"]) if u and u.get("window") else None,
+            usage_at=parse_timestamp(u.get("measuredAt")) if u else None,
+        )
+
+
+def _usage_dict(u: Mapping[str, Any]) -> Dict[str, float]:
+    return {
+        "cpu": int(u.get("milliCpu", 0)) / 1000,
+        "mem_mb": int(u.get("memoryBytes", 0)) / _MIB,
+        "swap_mb": int(u.get("swapBytes", 0)) / _MIB,
+    }
+
+
+@dataclass
+class NodeInfo:
+    """A node as the server last heard from it (``DSecClient.list_nodes``,
+    admin only). A node that missed the server's node timeout is not
+    ``alive``: its figures are those of its last heartbeat and its
+    sandboxes count as lost.
+
+    ``backends`` maps each backend the node offers to what it offers
+    (``cpu`` cores, ``mem_mb``, ``sandboxes`` slots), what placement
+    charges it (``charged_cpu``, ``charged_mem_mb``, ``charged_sandboxes``:
+    measured use plus its request share of what its sandboxes request),
+    what they request (``requested_cpu``, ``requested_mem_mb``), the
+    shares (``request_share_cpu``, ``request_share_mem``) and what its
+    sandboxes are measured to use together (``used_cpu``, ``used_mem_mb``,
+    ``used_swap_mb``). ``measured`` is what the node measures about itself:
+    ``cpu`` (busy cores), ``mem_total_mb``, ``mem_used_mb``,
+    ``mem_available_mb``, ``swap_total_mb``, ``swap_used_mb``,
+    ``psi_memory_some``, ``psi_memory_full``, ``psi_cpu_some`` (PSI avg10
+    percent, -1 without PSI), ``open_files``, ``max_open_files``,
+    ``threads``, ``max_threads``. ``full`` says why it refuses creates
+    (empty: it takes them). ``sandboxes`` counts its sandboxes by backend,
+    then state."""
+
+    id: str
+    alive: bool = False
+    last_heartbeat_at: Optional[datetime] = None
+    url: str = ""
+    full: str = ""
+    load: float = 0.0
+    queued: int = 0
+    pools: int = 0
+    backends: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    measured: Dict[str, float] = field(default_factory=dict)
+    sandboxes: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def by_state(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for states in self.sandboxes.values():
+            for state, n in states.items():
+                out[state] = out.get(state, 0) + n
+        return out
+
+    @property
+    def by_backend(self) -> Dict[str, int]:
+        return {b: sum(states.values()) for b, states in self.sandboxes.items()}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "NodeInfo":
+        backends: Dict[str, Dict[str, float]] = {}
+        for b in d.get("backends") or []:
+            g = lambda k: int(b.get(k, 0))  # noqa: E731
+            backends[b.get("backend", "")] = {
+                "cpu": g("milliCpu") / 1000,
+                "mem_mb": g("memoryBytes") / _MIB,
+                "sandboxes": g("sandboxes"),
+                "charged_cpu": g("chargedMilliCpu") / 1000,
+                "charged_mem_mb": g("chargedMemoryBytes") / _MIB,
+                "charged_sandboxes": g("chargedSandboxes"),
+                "requested_cpu": g("requestedMilliCpu") / 1000,
+                "requested_mem_mb": g("requestedMemoryBytes") / _MIB,
+                "request_share_cpu": float(b.get("requestShareCpu", 0)),
+                "request_share_mem": float(b.get("requestShareMemory", 0)),
+                "used_cpu": g("usedMilliCpu") / 1000,
+                "used_mem_mb": g("usedMemoryBytes") / _MIB,
+                "used_swap_mb": g("usedSwapBytes") / _MIB,
+            }
+        m = d.get("measured")
+        measured: Dict[str, float] = {}
+        if m is not None:
+            i = lambda k: int(m.get(k, 0))  # noqa: E731
+            measured = {
+                "cpu": i("milliCpu") / 1000,
+                "mem_total_mb": i("memoryTotalBytes") / _MIB,
+                "mem_used_mb": i("memoryUsedBytes") / _MIB,
+                "mem_available_mb": i("memoryAvailableBytes") / _MIB,
+                "swap_total_mb": i("swapTotalBytes") / _MIB,
+                "swap_used_mb": i("swapUsedBytes") / _MIB,
+                "psi_memory_some": float(m.get("psiMemorySome", 0)),
+                "psi_memory_full": float(m.get("psiMemoryFull", 0)),
+                "psi_cpu_some": float(m.get("psiCpuSome", 0)),
+                "open_files": i("openFiles"),
+                "max_open_files": i("maxOpenFiles"),
+                "threads": i("threads"),
+                "max_threads": i("maxThreads"),
+            }
+        sandboxes: Dict[str, Dict[str, int]] = {}
+        for c in d.get("sandboxes") or []:
+            sandboxes.setdefault(c.get("backend", ""), {})[c.get("state", "")] = int(c.get("count", 0))
+        return cls(
+            id=d.get("id", ""),
+            alive=bool(d.get("alive", False)),
+            last_heartbeat_at=parse_timestamp(d.get("lastHeartbeatAt")),
+            url=d.get("url", ""),
+            full=d.get("full", ""),
+            load=float(d.get("load", 0)),
+            queued=int(d.get("queued", 0)),
+            pools=int(d.get("pools", 0)),
+            backends=backends,
+            measured=measured,
+            sandboxes=sandboxes,
         )
 
 

@@ -35,6 +35,8 @@ const (
 	FnServiceName = "dsec.v1.FnService"
 	// TenantServiceName is the fully-qualified name of the TenantService service.
 	TenantServiceName = "dsec.v1.TenantService"
+	// ClusterServiceName is the fully-qualified name of the ClusterService service.
+	ClusterServiceName = "dsec.v1.ClusterService"
 )
 
 // These constants are the fully-qualified names of the RPCs defined in this package. They're
@@ -135,6 +137,9 @@ const (
 	TenantServiceGetProcedure = "/dsec.v1.TenantService/Get"
 	// TenantServiceListProcedure is the fully-qualified name of the TenantService's List RPC.
 	TenantServiceListProcedure = "/dsec.v1.TenantService/List"
+	// ClusterServiceListNodesProcedure is the fully-qualified name of the ClusterService's ListNodes
+	// RPC.
+	ClusterServiceListNodesProcedure = "/dsec.v1.ClusterService/ListNodes"
 )
 
 // SandboxServiceClient is a client for the dsec.v1.SandboxService service.
@@ -1431,4 +1436,84 @@ func (UnimplementedTenantServiceHandler) Get(context.Context, *connect.Request[v
 
 func (UnimplementedTenantServiceHandler) List(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.TenantService.List is not implemented"))
+}
+
+// ClusterServiceClient is a client for the dsec.v1.ClusterService service.
+type ClusterServiceClient interface {
+	// ListNodes describes every node the server knows, alive or not, as of
+	// its last heartbeat (a node silent for the server's node timeout is
+	// not alive; it is forgotten after the lost-sandbox retention). With
+	// several servers, each answers from its own view (edges heartbeat to
+	// all of them).
+	ListNodes(context.Context, *connect.Request[v1.ListNodesRequest]) (*connect.Response[v1.ListNodesResponse], error)
+}
+
+// NewClusterServiceClient constructs a client for the dsec.v1.ClusterService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewClusterServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) ClusterServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	clusterServiceMethods := v1.File_dsec_v1_dsec_proto.Services().ByName("ClusterService").Methods()
+	return &clusterServiceClient{
+		listNodes: connect.NewClient[v1.ListNodesRequest, v1.ListNodesResponse](
+			httpClient,
+			baseURL+ClusterServiceListNodesProcedure,
+			connect.WithSchema(clusterServiceMethods.ByName("ListNodes")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// clusterServiceClient implements ClusterServiceClient.
+type clusterServiceClient struct {
+	listNodes *connect.Client[v1.ListNodesRequest, v1.ListNodesResponse]
+}
+
+// ListNodes calls dsec.v1.ClusterService.ListNodes.
+func (c *clusterServiceClient) ListNodes(ctx context.Context, req *connect.Request[v1.ListNodesRequest]) (*connect.Response[v1.ListNodesResponse], error) {
+	return c.listNodes.CallUnary(ctx, req)
+}
+
+// ClusterServiceHandler is an implementation of the dsec.v1.ClusterService service.
+type ClusterServiceHandler interface {
+	// ListNodes describes every node the server knows, alive or not, as of
+	// its last heartbeat (a node silent for the server's node timeout is
+	// not alive; it is forgotten after the lost-sandbox retention). With
+	// several servers, each answers from its own view (edges heartbeat to
+	// all of them).
+	ListNodes(context.Context, *connect.Request[v1.ListNodesRequest]) (*connect.Response[v1.ListNodesResponse], error)
+}
+
+// NewClusterServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewClusterServiceHandler(svc ClusterServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	clusterServiceMethods := v1.File_dsec_v1_dsec_proto.Services().ByName("ClusterService").Methods()
+	clusterServiceListNodesHandler := connect.NewUnaryHandler(
+		ClusterServiceListNodesProcedure,
+		svc.ListNodes,
+		connect.WithSchema(clusterServiceMethods.ByName("ListNodes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.ClusterService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case ClusterServiceListNodesProcedure:
+			clusterServiceListNodesHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedClusterServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedClusterServiceHandler struct{}
+
+func (UnimplementedClusterServiceHandler) ListNodes(context.Context, *connect.Request[v1.ListNodesRequest]) (*connect.Response[v1.ListNodesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ClusterService.ListNodes is not implemented"))
 }
