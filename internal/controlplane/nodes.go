@@ -12,6 +12,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // ClusterService: the operators' view of the nodes (admin token), answered
@@ -92,16 +93,16 @@ func (r *registry) describeLocked(n *node, now time.Time) *dsecv1.Node {
 	counts := map[[2]string]int64{}
 	for _, s := range n.sandboxes {
 		st := s.GetState()
-		if st == stateDestroyed {
+		if st == string(spec.StateDestroyed) {
 			continue
 		}
 		if !alive {
-			st = stateLost
+			st = string(spec.StateLost)
 		}
 		counts[[2]string{s.GetBackend(), st}]++
 	}
 	for _, l := range n.lost {
-		counts[[2]string{l.summary.GetBackend(), stateLost}]++
+		counts[[2]string{l.summary.GetBackend(), string(spec.StateLost)}]++
 	}
 	for _, k := range slices.SortedFunc(maps.Keys(counts), func(a, b [2]string) int {
 		return cmp.Or(cmp.Compare(a[0], b[0]), cmp.Compare(a[1], b[1]))

@@ -17,15 +17,6 @@ import (
 	"github.com/dsec-dev/dsec/internal/spec"
 )
 
-// Sandbox states as the API reports them.
-const (
-	stateCreating  = "creating"
-	stateRunning   = "running"
-	stateLost      = "lost"
-	stateDestroyed = "destroyed"
-	stateFailed    = "failed"
-)
-
 // registry is the control plane's soft state: what each node last said in
 // its heartbeat, plus the creates this replica has placed but not yet seen
 // in a heartbeat. All of it is rebuilt from heartbeats after a restart.
@@ -133,9 +124,7 @@ func (r *registry) signalRoomLocked() {
 
 func (r *registry) alive(n *node, now time.Time) bool { return now.Sub(n.lastSeen) <= r.timeout }
 
-func countsAgainstQuota(state string) bool {
-	return state != stateDestroyed && state != stateFailed && state != stateLost
-}
+func countsAgainstQuota(state string) bool { return spec.State(state).Live() }
 
 // heartbeat records what a node says about itself.
 func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
@@ -295,7 +284,7 @@ func checkNonNegative(cs ...placement.Capacity) error {
 
 func (p *pendingCreate) summary() *dsecv1.SandboxSummary {
 	return &dsecv1.SandboxSummary{
-		Id: p.id, Tenant: p.tenant, State: stateCreating, Labels: p.labels,
+		Id: p.id, Tenant: p.tenant, State: string(spec.StateCreating), Labels: p.labels,
 		MilliCpu: p.use.MilliCPU, MemoryBytes: p.use.MemoryBytes, Backend: string(p.kind),
 	}
 }
@@ -678,7 +667,7 @@ func (r *registry) snapshot() (live []edgeRef, lost []lostEntry) {
 			continue
 		}
 		for _, s := range n.sandboxes {
-			if s.GetState() != stateDestroyed {
+			if s.GetState() != string(spec.StateDestroyed) {
 				lost = append(lost, lostEntry{node: n.id, summary: s, reason: notResponding(n.id)})
 			}
 		}
@@ -762,13 +751,13 @@ func (r *registry) stateCounts() map[[2]string]int {
 		alive := r.alive(n, now)
 		for _, s := range n.sandboxes {
 			st := s.GetState()
-			if !alive && st != stateDestroyed {
-				st = stateLost
+			if !alive && st != string(spec.StateDestroyed) {
+				st = string(spec.StateLost)
 			}
 			out[[2]string{s.GetBackend(), st}]++
 		}
 		for _, l := range n.lost {
-			out[[2]string{l.summary.GetBackend(), stateLost}]++
+			out[[2]string{l.summary.GetBackend(), string(spec.StateLost)}]++
 		}
 	}
 	return out

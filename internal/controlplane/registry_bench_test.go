@@ -7,6 +7,7 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // BenchmarkReserveBurst measures the control plane's share of the paper's
@@ -30,7 +31,7 @@ func BenchmarkReserveBurst(b *testing.B) {
 			if i%3 == 0 {
 				hb.Layers = []string{"sha256:base"}
 			}
-			hb.Sandboxes = []*dsecv1.SandboxSummary{{Id: fmt.Sprintf("node-%03d-00000000000000aa", i), Tenant: "trainer", State: stateRunning}}
+			hb.Sandboxes = []*dsecv1.SandboxSummary{{Id: fmt.Sprintf("node-%03d-00000000000000aa", i), Tenant: "trainer", State: string(spec.StateRunning)}}
 			if err := r.heartbeat(hb); err != nil {
 				b.Fatal(err)
 			}

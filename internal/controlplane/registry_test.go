@@ -11,6 +11,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 )
 
 // clock is a hand-driven time source so node expiry is tested without
@@ -96,7 +97,7 @@ func TestReserveChargesPendingUntilHeartbeat(t *testing.T) {
 		t.Fatalf("slot not freed by release: %v", res4[0].err)
 	}
 	// Once the heartbeat reports the first, it is counted once, not twice.
-	sum := &dsecv1.SandboxSummary{Id: res1[0].id, Tenant: "alice", State: stateRunning, MilliCpu: 100, Backend: "container"}
+	sum := &dsecv1.SandboxSummary{Id: res1[0].id, Tenant: "alice", State: string(spec.StateRunning), MilliCpu: 100, Backend: "container"}
 	hb := beat("n1", "b1", 2, sum)
 	hb.Capacity[0].UsedSandboxes = 1
 	if err := r.heartbeat(hb); err != nil {
@@ -123,9 +124,9 @@ func TestReserveChargesPendingUntilHeartbeat(t *testing.T) {
 
 func TestReserveQuota(t *testing.T) {
 	r, _ := testRegistry()
-	running := &dsecv1.SandboxSummary{Id: "n1-0000000000000001", Tenant: "alice", State: stateRunning, MilliCpu: 1000}
-	gone := &dsecv1.SandboxSummary{Id: "n1-0000000000000002", Tenant: "alice", State: stateDestroyed, MilliCpu: 1000}
-	other := &dsecv1.SandboxSummary{Id: "n1-0000000000000003", Tenant: "bob", State: stateRunning, MilliCpu: 1000}
+	running := &dsecv1.SandboxSummary{Id: "n1-0000000000000001", Tenant: "alice", State: string(spec.StateRunning), MilliCpu: 1000}
+	gone := &dsecv1.SandboxSummary{Id: "n1-0000000000000002", Tenant: "alice", State: string(spec.StateDestroyed), MilliCpu: 1000}
+	other := &dsecv1.SandboxSummary{Id: "n1-0000000000000003", Tenant: "bob", State: string(spec.StateRunning), MilliCpu: 1000}
 	if err := r.heartbeat(beat("n1", "b1", 100, running, gone, other)); err != nil {
 		t.Fatal(err)
 	}
@@ -176,8 +177,8 @@ func TestReserveQuota(t *testing.T) {
 
 func TestNodeDeathAndRestart(t *testing.T) {
 	r, c := testRegistry()
-	s1 := &dsecv1.SandboxSummary{Id: "n1-00000000000000aa", Tenant: "alice", State: stateRunning, Backend: "container"}
-	s2 := &dsecv1.SandboxSummary{Id: "n2-00000000000000bb", Tenant: "bob", State: stateRunning, Backend: "container"}
+	s1 := &dsecv1.SandboxSummary{Id: "n1-00000000000000aa", Tenant: "alice", State: string(spec.StateRunning), Backend: "container"}
+	s2 := &dsecv1.SandboxSummary{Id: "n2-00000000000000bb", Tenant: "bob", State: string(spec.StateRunning), Backend: "container"}
 	if err := r.heartbeat(beat("n1", "b1", 10, s1)); err != nil {
 		t.Fatal(err)
 	}
@@ -216,12 +217,12 @@ func TestNodeDeathAndRestart(t *testing.T) {
 		r.release(out[0].id)
 	}
 	counts := r.stateCounts()
-	if counts[[2]string{"container", stateLost}] != 1 || counts[[2]string{"container", stateRunning}] != 1 {
+	if counts[[2]string{"container", string(spec.StateLost)}] != 1 || counts[[2]string{"container", string(spec.StateRunning)}] != 1 {
 		t.Fatalf("state counts %v", counts)
 	}
 
 	// n1 comes back as a new process: its old sandbox stays lost.
-	s3 := &dsecv1.SandboxSummary{Id: "n1-00000000000000cc", Tenant: "alice", State: stateRunning}
+	s3 := &dsecv1.SandboxSummary{Id: "n1-00000000000000cc", Tenant: "alice", State: string(spec.StateRunning)}
 	if err := r.heartbeat(beat("n1", "b2", 10, s3)); err != nil {
 		t.Fatal(err)
 	}

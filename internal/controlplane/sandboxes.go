@@ -407,7 +407,7 @@ func (s *Server) locate(p iam.Principal, field, id string) (route, error) {
 }
 
 func lostView(node string, sum *dsecv1.SandboxSummary, reason string) *dsecv1.Sandbox {
-	return summaryToSandbox(node, sum, stateLost, reason)
+	return summaryToSandbox(node, sum, string(spec.StateLost), reason)
 }
 
 func summaryToSandbox(node string, sum *dsecv1.SandboxSummary, state, reason string) *dsecv1.Sandbox {
@@ -514,7 +514,7 @@ func (ss *sandboxService) List(ctx context.Context, req *connect.Request[dsecv1.
 }
 
 func infraResult(reason string) *dsecv1.ExecResult {
-	return &dsecv1.ExecResult{Outcome: "infra_error", InfraError: reason}
+	return &dsecv1.ExecResult{Outcome: string(spec.OutcomeInfraError), InfraError: reason}
 }
 
 // validateExec checks an exec request as its edge will (limits.Exec), so

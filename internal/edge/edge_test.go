@@ -235,7 +235,7 @@ func TestEdge(t *testing.T) {
 		s.Labels = map[string]string{"job": "lifecycle"}
 		s.Env = []string{"GREETING=hello"}
 		sb := n.mustCreate(t, tenant("a"), s)
-		if sb.State != edge.StateRunning || sb.Node != "n1" || sb.Tenant != "a" || sb.Spec.Backend != "container" {
+		if sb.State != string(edge.StateRunning) || sb.Node != "n1" || sb.Tenant != "a" || sb.Spec.Backend != "container" {
 			t.Fatalf("created sandbox: %v", sb)
 		}
 		if len(sb.Layers) != 1 || sb.Layers[0] != w.layer {
@@ -246,21 +246,21 @@ func TestEdge(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res.Outcome != edge.OutcomeOK || res.ExitCode != 0 || string(res.Stdout) != "hello\n"+testsuite.BaseMarkerContent {
+		if res.Outcome != string(edge.OutcomeOK) || res.ExitCode != 0 || string(res.Stdout) != "hello\n"+testsuite.BaseMarkerContent {
 			t.Fatalf("echo: %v", res)
 		}
 		res, err = n.exec(t, tenant("a"), sb.Id, &dsecv1.ExecRequest{Argv: []string{"sh", "-c", "echo oops >&2; exit 3"}})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res.Outcome != edge.OutcomeFailed || res.ExitCode != 3 || string(res.Stderr) != "oops\n" {
+		if res.Outcome != string(edge.OutcomeFailed) || res.ExitCode != 3 || string(res.Stderr) != "oops\n" {
 			t.Fatalf("exit 3: %v", res)
 		}
 		res, err = n.exec(t, tenant("a"), sb.Id, &dsecv1.ExecRequest{Argv: []string{"sleep", "60"}, Timeout: durationpb.New(100 * time.Millisecond)})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res.Outcome != edge.OutcomeTimeout || !res.TimedOut {
+		if res.Outcome != string(edge.OutcomeTimeout) || !res.TimedOut {
 			t.Fatalf("sleep past timeout: %v", res)
 		}
 
@@ -309,7 +309,7 @@ func TestEdge(t *testing.T) {
 		if err := stream.Err(); err != nil {
 			t.Fatal(err)
 		}
-		if out.String() != "out\n" || errOut.String() != "err\n" || final == nil || final.ExitCode != 4 || final.Outcome != edge.OutcomeFailed {
+		if out.String() != "out\n" || errOut.String() != "err\n" || final == nil || final.ExitCode != 4 || final.Outcome != string(edge.OutcomeFailed) {
 			t.Fatalf("stream: stdout %q stderr %q result %v", out.String(), errOut.String(), final)
 		}
 
@@ -340,7 +340,7 @@ func TestEdge(t *testing.T) {
 		if err := n.destroy(t, tenant("a"), sb.Id); err != nil {
 			t.Fatal(err)
 		}
-		if got := n.waitState(t, sb.Id, edge.StateDestroyed); got.Id != sb.Id {
+		if got := n.waitState(t, sb.Id, string(edge.StateDestroyed)); got.Id != sb.Id {
 			t.Fatal(got)
 		}
 		if _, err := os.Stat(filepath.Join(w.stateDir, sb.Id)); !errors.Is(err, os.ErrNotExist) {
@@ -437,7 +437,7 @@ func TestEdge(t *testing.T) {
 		if err != nil || len(list.Msg.Sandboxes) != 0 {
 			t.Fatalf("tenant b lists %v (%v)", list.Msg.GetSandboxes(), err)
 		}
-		if got, err := n.get(t, tenant("a"), sb.Id); err != nil || got.State != edge.StateRunning {
+		if got, err := n.get(t, tenant("a"), sb.Id); err != nil || got.State != string(edge.StateRunning) {
 			t.Fatalf("owner's get after b's attempts: %v %v", got, err)
 		}
 		if _, err := n.get(t, admin, sb.Id); err != nil {
@@ -492,7 +492,7 @@ func TestEdge(t *testing.T) {
 		s := spec()
 		s.Ttl = durationpb.New(200 * time.Millisecond)
 		sb := n.mustCreate(t, tenant("a"), s)
-		got := n.waitState(t, sb.Id, edge.StateDestroyed)
+		got := n.waitState(t, sb.Id, string(edge.StateDestroyed))
 		if !strings.Contains(got.Reason, "ttl") {
 			t.Errorf("reason %q does not mention the ttl", got.Reason)
 		}
@@ -511,10 +511,10 @@ func TestEdge(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res.Outcome != edge.OutcomeOK || string(res.Stdout) != "done\n" {
+		if res.Outcome != string(edge.OutcomeOK) || string(res.Stdout) != "done\n" {
 			t.Fatalf("long exec in a sandbox with a short idle timeout: %v", res)
 		}
-		got := n.waitState(t, sb.Id, edge.StateDestroyed)
+		got := n.waitState(t, sb.Id, string(edge.StateDestroyed))
 		if !strings.Contains(got.Reason, "idle") {
 			t.Errorf("reason %q does not mention idleness", got.Reason)
 		}
@@ -533,10 +533,10 @@ func TestEdge(t *testing.T) {
 		if err != nil {
 			t.Fatalf("exec in a sandbox whose agent died: %v; want an infra_error result", err)
 		}
-		if res.Outcome != edge.OutcomeInfraError || res.InfraError == "" {
+		if res.Outcome != string(edge.OutcomeInfraError) || res.InfraError == "" {
 			t.Fatalf("exec result %v, want outcome infra_error with a reason", res)
 		}
-		got := n.waitState(t, sb.Id, edge.StateLost)
+		got := n.waitState(t, sb.Id, string(edge.StateLost))
 		if got.Reason == "" {
 			t.Error("lost sandbox has no reason")
 		}
@@ -559,7 +559,7 @@ func TestEdge(t *testing.T) {
 		if err := n.destroy(t, tenant("a"), sb.Id); err != nil {
 			t.Fatal(err)
 		}
-		n.waitState(t, sb.Id, edge.StateDestroyed)
+		n.waitState(t, sb.Id, string(edge.StateDestroyed))
 	})
 
 	t.Run("close-destroys-all", func(t *testing.T) {
@@ -643,7 +643,7 @@ func TestHeartbeats(t *testing.T) {
 	for i, rec := range []*recorder{rec1, rec2} {
 		// Measured memory lags by up to a sample interval.
 		beat := rec.waitFor(t, func(b *dsecv1.HeartbeatRequest) bool {
-			return len(b.Sandboxes) == 1 && b.Sandboxes[0].State == edge.StateRunning &&
+			return len(b.Sandboxes) == 1 && b.Sandboxes[0].State == string(edge.StateRunning) &&
 				len(b.Capacity) == 1 && b.Capacity[0].UsedMemoryBytes > 0
 		})
 		if beat.NodeId != "hb" || beat.Url != n.url || beat.BootId == "" {
@@ -672,7 +672,7 @@ func TestHeartbeats(t *testing.T) {
 			t.Errorf("server %d: layers %v, want [%s]", i, beat.Layers, w.layer)
 		}
 		got := beat.Sandboxes[0]
-		if got.Id != sb.Id || got.Tenant != "a" || got.State != edge.StateRunning || got.Labels["k"] != "v" ||
+		if got.Id != sb.Id || got.Tenant != "a" || got.State != string(edge.StateRunning) || got.Labels["k"] != "v" ||
 			got.MilliCpu != 500 || got.MemoryBytes != 64<<20 || got.Backend != "container" {
 			t.Errorf("server %d: summary %v", i, got)
 		}
@@ -701,17 +701,17 @@ func TestHeartbeats(t *testing.T) {
 	if v, ok := seen["dsec_edge_node_full"]; !ok || v != 0 {
 		t.Errorf("dsec_edge_node_full = %v (present %v), want 0", v, ok)
 	}
-	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", edge.StateRunning); v != 1 {
+	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", string(edge.StateRunning)); v != 1 {
 		t.Errorf("sandboxes{state=running} = %v, want 1", v)
 	}
 	// A create leaves creating where it was (it once went -1 per create).
-	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", edge.StateCreating); v != 0 {
+	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", string(edge.StateCreating)); v != 0 {
 		t.Errorf("sandboxes{state=creating} after a create = %v, want 0", v)
 	}
 	if err := n.destroy(t, tenant("a"), sb.Id); err != nil {
 		t.Fatal(err)
 	}
-	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", edge.StateRunning); v != 0 {
+	if v := metricValue(t, n.reg, "dsec_edge_sandboxes", "state", string(edge.StateRunning)); v != 0 {
 		t.Errorf("sandboxes{state=running} after destroy = %v, want 0", v)
 	}
 	beat := rec1.waitFor(t, func(b *dsecv1.HeartbeatRequest) bool { return len(b.Sandboxes) == 0 })

@@ -59,14 +59,14 @@ func TestRuntimeErrorClassification(t *testing.T) {
 		{name: "NUL in a path", op: read("/etc/\x00passwd", 0), code: connect.CodeInvalidArgument, mention: "NUL"},
 		{name: "argv of 3 MiB", op: exec(&dsecv1.ExecRequest{Argv: []string{"echo", big}}), code: connect.CodeInvalidArgument, mention: "argv[1] is 3145728 bytes"},
 		{name: "timeout of 9.3e9 s", op: exec(&dsecv1.ExecRequest{Argv: []string{"echo", "ok"}, Timeout: &durationpb.Duration{Seconds: 9_300_000_000}}), code: connect.CodeInvalidArgument, mention: "timeout"},
-		{name: "missing program", op: exec(&dsecv1.ExecRequest{Argv: []string{"/no/such/program"}}), outcome: edge.OutcomeFailed},
+		{name: "missing program", op: exec(&dsecv1.ExecRequest{Argv: []string{"/no/such/program"}}), outcome: string(edge.OutcomeFailed)},
 		{
 			// Four sleeps, then the user cgroup's limit lowered to what it
 			// holds: as a fork bomb leaves it, without a race.
 			name: "exec with the pids limit full", fill: true,
 			setup:   "for i in 1 2 3 4; do sleep 1000 >/dev/null 2>&1 </dev/null & done",
 			op:      exec(&dsecv1.ExecRequest{Argv: []string{"true"}}),
-			outcome: edge.OutcomeFailed,
+			outcome: string(edge.OutcomeFailed),
 			check: func(t *testing.T, res *dsecv1.ExecResult) {
 				if !res.PidsExhausted || res.ExitCode != 126 || !strings.Contains(string(res.Stderr), "process limit") {
 					t.Errorf("want pids_exhausted, exit 126 and the reason on stderr; got %v", res)
@@ -79,9 +79,9 @@ func TestRuntimeErrorClassification(t *testing.T) {
 		{name: "ReadFile EIO", op: read("/proc/self/mem", 0), code: connect.CodeFailedPrecondition, mention: "input/output error"},
 		{name: "ReadFile over max_bytes", setup: "echo 0123456789 >/tmp/ten", op: read("/tmp/ten", 4), code: connect.CodeInvalidArgument, mention: "max_bytes"},
 		{name: "WriteFile to /proc/self/oom_score_adj", op: write("/proc/self/oom_score_adj"), code: connect.CodePermissionDenied, mention: "procfs"},
-		{name: "passwd is /dev/zero, exec without HOME", setup: "ln -sf /dev/zero /etc/passwd", op: exec(&dsecv1.ExecRequest{Shell: "echo $HOME"}), outcome: edge.OutcomeOK},
+		{name: "passwd is /dev/zero, exec without HOME", setup: "ln -sf /dev/zero /etc/passwd", op: exec(&dsecv1.ExecRequest{Shell: "echo $HOME"}), outcome: string(edge.OutcomeOK)},
 		{name: "passwd is /dev/zero, exec as a user", setup: "ln -sf /dev/zero /etc/passwd", op: exec(&dsecv1.ExecRequest{Argv: []string{"true"}, User: "nobody"}), code: connect.CodeFailedPrecondition, mention: "not a regular file"},
-		{name: "passwd is a FIFO, exec without HOME", setup: "rm /etc/passwd && mkfifo /etc/passwd", op: exec(&dsecv1.ExecRequest{Shell: "echo $HOME"}), outcome: edge.OutcomeOK},
+		{name: "passwd is a FIFO, exec without HOME", setup: "rm /etc/passwd && mkfifo /etc/passwd", op: exec(&dsecv1.ExecRequest{Shell: "echo $HOME"}), outcome: string(edge.OutcomeOK)},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -113,7 +113,7 @@ func TestRuntimeErrorClassification(t *testing.T) {
 			if restore != nil {
 				restore()
 			}
-			if res, err := n.exec(t, a, sb.Id, &dsecv1.ExecRequest{Argv: []string{"cat", "/proc/1/oom_score_adj"}}); err != nil || res.Outcome != edge.OutcomeOK {
+			if res, err := n.exec(t, a, sb.Id, &dsecv1.ExecRequest{Argv: []string{"cat", "/proc/1/oom_score_adj"}}); err != nil || res.Outcome != string(edge.OutcomeOK) {
 				t.Fatalf("the sandbox after the row: %v, %v", res, err)
 			} else if tc.name == "WriteFile to /proc/self/oom_score_adj" && strings.TrimSpace(string(res.Stdout)) == "500" {
 				t.Errorf("the refused write changed the agent's oom_score_adj to 500")

@@ -140,13 +140,13 @@ func TestBatchOnEdge(t *testing.T) {
 	if len(r) != 3 {
 		t.Fatalf("%d results for 3 requests", len(r))
 	}
-	if r[0].Result.GetOutcome() != edge.OutcomeOK || string(r[0].Result.GetStdout()) != "a\n" || r[0].SandboxId != a.Id {
+	if r[0].Result.GetOutcome() != string(edge.OutcomeOK) || string(r[0].Result.GetStdout()) != "a\n" || r[0].SandboxId != a.Id {
 		t.Errorf("item 0: %v", r[0])
 	}
 	if r[1].Error.GetCode() != connect.CodeNotFound.String() || r[1].Result != nil {
 		t.Errorf("item 1 (unknown sandbox): %v, want a not_found item error", r[1])
 	}
-	if r[2].Result.GetExitCode() != 3 || r[2].Result.GetOutcome() != edge.OutcomeFailed {
+	if r[2].Result.GetExitCode() != 3 || r[2].Result.GetOutcome() != string(edge.OutcomeFailed) {
 		t.Errorf("item 2: %v", r[2])
 	}
 

@@ -103,7 +103,7 @@ func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*san
 			delete(e.sandboxes, sb.id)
 			forgotten = append(forgotten, sb.id)
 			if sb.state != StateDestroyed {
-				e.metrics.live.WithLabelValues(string(sb.kind), sb.state).Dec()
+				e.metrics.live.WithLabelValues(string(sb.kind), string(sb.state)).Dec()
 			}
 		}
 	}

@@ -69,7 +69,7 @@ func TestRebase(t *testing.T) {
 	if got := testutil.MemoryLimit(t, agent); got != strconv.Itoa(96<<20) {
 		t.Fatalf("rebased sandbox's memory limit is %s, want spec B's %d", got, 96<<20)
 	}
-	if got, err := n.get(t, tenant("a"), b.Id); err != nil || got.State != edge.StateRunning || len(got.Layers) != 2 {
+	if got, err := n.get(t, tenant("a"), b.Id); err != nil || got.State != string(edge.StateRunning) || len(got.Layers) != 2 {
 		t.Fatalf("rebased sandbox: %v, %v", got, err)
 	}
 	if st := onlyRebasePool(t, n, "a"); st.InUse != 0 || st.Ready != 0 || st.Detached != 1 {

@@ -25,15 +25,15 @@ import (
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
-// Sandbox states as reported in Get, List and heartbeats.
+// Sandbox states as reported in Get, List and heartbeats (the contract's,
+// spec.State).
 const (
-	StateCreating  = "creating"
-	StateRunning   = "running"
-	StateLost      = "lost"
-	StateDestroyed = "destroyed"
-	StateFailed    = "failed"
-	// StateFrozen is a running sandbox whose processes are frozen.
-	StateFrozen = "frozen"
+	StateCreating  = spec.StateCreating
+	StateRunning   = spec.StateRunning
+	StateLost      = spec.StateLost
+	StateDestroyed = spec.StateDestroyed
+	StateFailed    = spec.StateFailed
+	StateFrozen    = spec.StateFrozen
 )
 
 // Idle actions (SandboxSpec.idle_action).
@@ -69,7 +69,7 @@ type sandbox struct {
 	ttl       time.Duration
 	idle      time.Duration
 
-	state      string
+	state      spec.State
 	reason     string
 	lastActive time.Time
 	// inflight counts operations in progress; a sandbox busy in a long exec
@@ -103,7 +103,7 @@ type sandbox struct {
 
 // visibleState is the state Get, List and heartbeats report: a frozen
 // running sandbox shows as frozen. The caller holds Edge.mu.
-func (sb *sandbox) visibleState() string {
+func (sb *sandbox) visibleState() spec.State {
 	if sb.state == StateRunning && sb.frozen {
 		return StateFrozen
 	}
@@ -128,7 +128,7 @@ func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
 		Node:         e.cfg.NodeID,
 		Tenant:       sb.tenant,
 		Spec:         sb.spec,
-		State:        sb.visibleState(),
+		State:        string(sb.visibleState()),
 		CreatedAt:    timestamppb.New(sb.createdAt),
 		LastActiveAt: timestamppb.New(sb.lastActive),
 		Layers:       sb.layers,
@@ -493,13 +493,13 @@ func (e *Edge) uncharge(sb *sandbox) {
 // setState moves sb to state, keeping the live gauge and the tombstones;
 // the caller holds mu. A record is counted in the gauge from admission
 // until it is destroyed or forgotten.
-func (e *Edge) setState(sb *sandbox, state, reason string) {
+func (e *Edge) setState(sb *sandbox, state spec.State, reason string) {
 	old := sb.state
 	if old != "" && old != StateDestroyed && old != state {
-		e.metrics.live.WithLabelValues(string(sb.kind), old).Dec()
+		e.metrics.live.WithLabelValues(string(sb.kind), string(old)).Dec()
 	}
 	if state != StateDestroyed && old != state {
-		e.metrics.live.WithLabelValues(string(sb.kind), state).Inc()
+		e.metrics.live.WithLabelValues(string(sb.kind), string(state)).Inc()
 	}
 	sb.state = state
 	if reason != "" {
@@ -821,7 +821,7 @@ func (e *Edge) summaries() []*dsecv1.SandboxSummary {
 		out = append(out, &dsecv1.SandboxSummary{
 			Id:     sb.id,
 			Tenant: sb.tenant,
-			State:  sb.visibleState(),
+			State:  string(sb.visibleState()),
 			Labels: maps.Clone(sb.spec.Labels),
 			// The tenant's quota is charged the limits.
 			MilliCpu:    sb.spec.GetResources().GetMilliCpu(),

@@ -18,15 +18,16 @@ import (
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
 
-// Exec outcomes (ExecResult.outcome).
+// Exec outcomes (ExecResult.outcome; the contract's, spec.Outcome).
 const (
-	OutcomeOK         = "ok"
-	OutcomeFailed     = "failed"
-	OutcomeTimeout    = "timeout"
-	OutcomeInfraError = "infra_error"
+	OutcomeOK         = spec.OutcomeOK
+	OutcomeFailed     = spec.OutcomeFailed
+	OutcomeTimeout    = spec.OutcomeTimeout
+	OutcomeInfraError = spec.OutcomeInfraError
 )
 
 // service adapts the Edge to the generated EdgeService handler.
@@ -384,7 +385,7 @@ func (e *Edge) runExec(ctx context.Context, sb *sandbox, rreq runtime.ExecReques
 }
 
 func infraResult(err error) *dsecv1.ExecResult {
-	return &dsecv1.ExecResult{Outcome: OutcomeInfraError, InfraError: err.Error(), ExitCode: -1}
+	return &dsecv1.ExecResult{Outcome: string(OutcomeInfraError), InfraError: err.Error(), ExitCode: -1}
 }
 
 // toRuntimeExec checks an exec request as the server does (limits.Exec)
@@ -415,7 +416,7 @@ func toProtoResult(r runtime.ExecResult) *dsecv1.ExecResult {
 		outcome = OutcomeFailed
 	}
 	return &dsecv1.ExecResult{
-		Outcome:         outcome,
+		Outcome:         string(outcome),
 		ExitCode:        int32(r.ExitCode),
 		Signal:          int32(r.Signal),
 		Stdout:          r.Stdout,

@@ -129,7 +129,7 @@ func TestSnapshotCheckpointRollback(t *testing.T) {
 			n.sh(t, a.Id, "echo scribble > /work/sub/new.txt")
 		}
 		got, err := n.get(t, admin, a.Id)
-		if err != nil || got.State != edge.StateRunning || got.Id != a.Id {
+		if err != nil || got.State != string(edge.StateRunning) || got.Id != a.Id {
 			t.Fatalf("after rollback: %+v %v", got, err)
 		}
 
@@ -246,7 +246,7 @@ func TestSnapshotCheckpointRollback(t *testing.T) {
 		for _, id := range []string{a.Id, b.Id} {
 			_, err := n.exec(t, admin, id, &dsecv1.ExecRequest{Shell: "true"})
 			wantCode(t, err, connect.CodeFailedPrecondition, "frozen")
-			if got, _ := n.get(t, admin, id); got.GetState() != edge.StateFrozen {
+			if got, _ := n.get(t, admin, id); got.GetState() != string(edge.StateFrozen) {
 				t.Errorf("%s state %q, want frozen", id, got.GetState())
 			}
 		}
@@ -289,7 +289,7 @@ func TestIdleFreeze(t *testing.T) {
 	sb := n.mustCreate(t, admin, &dsecv1.SandboxSpec{Image: baseImage,
 		IdleTimeout: durationpb.New(300 * time.Millisecond), IdleAction: edge.IdleFreeze})
 	n.sh(t, sb.Id, "echo kept > /root/kept")
-	n.waitState(t, sb.Id, edge.StateFrozen)
+	n.waitState(t, sb.Id, string(edge.StateFrozen))
 	_, err := n.exec(t, admin, sb.Id, &dsecv1.ExecRequest{Shell: "true"})
 	wantCode(t, err, connect.CodeFailedPrecondition, "frozen")
 	if _, err := n.client.ThawOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: admin, SandboxId: sb.Id})); err != nil {

@@ -301,7 +301,7 @@ func TestTrajectoryAcrossRestart(t *testing.T) {
 	e2, c2, stop2 := start()
 	defer stop2()
 	n2 := &node{edge: e2, id: "rs1", client: c2}
-	got := n2.waitState(t, sb.Id, edge.StateDestroyed)
+	got := n2.waitState(t, sb.Id, string(edge.StateDestroyed))
 	if got.Spec.GetImage() != baseImage || len(got.Layers) != 1 {
 		t.Errorf("recovered sandbox %+v", got)
 	}

@@ -31,6 +31,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/image"
+	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
 // ErrInvalid is matched by every error this package returns about a spec.
@@ -51,14 +52,6 @@ func (e *FieldError) Unwrap() error { return ErrInvalid }
 func fieldErr(field, format string, args ...any) error {
 	return &FieldError{Field: field, Problem: fmt.Sprintf(format, args...)}
 }
-
-// Backends a spec may name ("" is Container).
-const (
-	Container = "container"
-	FnCall    = "fncall"
-	MicroVM   = "microvm"
-	FullVM    = "fullvm"
-)
 
 // Idle actions (SandboxSpec.idle_action; "" is IdleDestroy).
 const (
@@ -167,9 +160,9 @@ func Validate(in *dsecv1.SandboxSpec) (*dsecv1.SandboxSpec, error) {
 	}
 	s := proto.CloneOf(in)
 	if s.Backend == "" {
-		s.Backend = Container
+		s.Backend = string(Container)
 	}
-	switch s.Backend {
+	switch runtime.Kind(s.Backend) {
 	case Container, FnCall, MicroVM, FullVM:
 	default:
 		return nil, fieldErr("spec.backend", "unknown backend %q (want %s, %s, %s or %s)", s.Backend, Container, FnCall, MicroVM, FullVM)

@@ -51,7 +51,7 @@ func TestValidate(t *testing.T) {
 				if err != nil {
 					t.Fatalf("Validate: %v", err)
 				}
-				if got.Backend != Container {
+				if got.Backend != string(Container) {
 					t.Errorf("backend %q, want %q by default", got.Backend, Container)
 				}
 				return
@@ -136,5 +136,14 @@ func BenchmarkValidate(b *testing.B) {
 			b.Fatal(err)
 		}
 		Resolve(s, Resources{}, Builtin)
+	}
+}
+
+// TestStateLive: what counts against a quota and holds a node.
+func TestStateLive(t *testing.T) {
+	for s, live := range map[State]bool{StateCreating: true, StateRunning: true, StateFrozen: true, StateLost: false, StateDestroyed: false, StateFailed: false} {
+		if s.Live() != live {
+			t.Errorf("%s.Live() = %v, want %v", s, s.Live(), live)
+		}
 	}
 }
