@@ -136,7 +136,7 @@ func mainErr() error {
 		mem        = flag.String("mem", "8g", "idle: memory limit of each sandbox")
 		createC    = flag.Int("create-c", 8, "idle: creates in flight")
 		createWait = flag.Duration("create-wait", 10*time.Second, "idle: how long one create may wait for room before it counts as refused (the node is then full)")
-		execC      = flag.Int("exec-c", 16, "idle: execs in flight over the held sandboxes (peer too)")
+		execC      = flag.Int("exec-c", 4, "idle: execs in flight over the held sandboxes (peer too); the p50 includes waiting behind the others in flight")
 		peer       = flag.String("peer", "crun", "idle: peer, crun or none")
 		peerN      = flag.Int("peer-n", 0, "idle: idle crun containers (0: -n, the target, whatever DSec held)")
 
