@@ -39,6 +39,11 @@ type IdleRow struct {
 	// HostMiBPerSandbox is the drop of MemAvailable from before the first
 	// create to after the exec sweep, divided by Held.
 	HostMiBPerSandbox float64 `json:"host_mib_per_sandbox"`
+	// HostReleasedMiBPerSandbox is the rise of MemAvailable from there
+	// to after every one was destroyed, over Held: a second reading of
+	// the same cost. Other work on the machine moves MemAvailable too;
+	// when the two disagree, that is the noise.
+	HostReleasedMiBPerSandbox float64 `json:"host_released_mib_per_sandbox"`
 	// CgroupMiBPerSandbox is the memory charged to the sandboxes' cgroups
 	// (summed) divided by Held.
 	CgroupMiBPerSandbox *float64 `json:"cgroup_mib_per_sandbox,omitempty"`
@@ -98,8 +103,9 @@ func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) 
 		Resources: dsec.Resources{MilliCPU: cfg.MilliCPU, MemoryBytes: cfg.MemBytes}}
 
 	var (
-		mu  sync.Mutex
-		sbs []*dsec.Sandbox
+		mu     sync.Mutex
+		sbs    []*dsec.Sandbox
+		avail1 int64 // MemAvailable with every sandbox held, 0 until read
 	)
 	defer func() {
 		// Destroyed also when interrupted; dsec up would destroy the rest
@@ -111,6 +117,12 @@ func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) 
 			err = errors.Join(err, derr)
 		}
 		row.DestroySeconds = time.Since(t0).Seconds()
+		if avail1 > 0 && row.Held > 0 {
+			debug.FreeOSMemory()
+			if avail2, aerr := memAvailable(); aerr == nil {
+				row.HostReleasedMiBPerSandbox = toMiB(avail2-avail1) / float64(row.Held)
+			}
+		}
 	}()
 
 	debug.FreeOSMemory()
@@ -203,8 +215,7 @@ func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) 
 	slog.Info("idle sandboxes answered", "ok", row.ExecOK, "failed", failed, "p50_ms", row.ExecP50Ms, "p99_ms", row.ExecP99Ms)
 
 	debug.FreeOSMemory()
-	avail1, err := memAvailable()
-	if err != nil {
+	if avail1, err = memAvailable(); err != nil {
 		return err
 	}
 	if row.Held > 0 {

@@ -29,7 +29,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -39,6 +38,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	"github.com/dsec-dev/dsec/cmd/dsec/cli/flagval"
@@ -129,6 +130,7 @@ func main() {
 func mainErr() error {
 	var (
 		phases = flag.String("phases", "idle,wave", "phases to run, in order: idle, wave, pressure")
+		settle = flag.Float64("settle", 0, "before each phase, wait (at most 10 min) until the 1-minute load average is below this (0: do not wait); MemAvailable figures need a quiet machine")
 		upArgs = flag.String("up-args", "", "extra dsec up arguments for every phase, space-separated (e.g. \"--overcommit-cpu 1000 --overcommit-memory 100\")")
 
 		n          = flag.Int("n", 1000, "idle: sandboxes to hold (target 3000)")
@@ -264,7 +266,11 @@ func mainErr() error {
 		if ctx.Err() != nil {
 			break
 		}
-		slog.Info("phase", "phase", p)
+		if *settle > 0 {
+			waitLoad(ctx, *settle, 10*time.Minute)
+		}
+		rep.PhaseLoads = append(rep.PhaseLoads, PhaseLoad{p, load1()})
+		slog.Info("phase", "phase", p, "load", load1())
 		var err error
 		switch p {
 		case phaseIdle:
@@ -338,8 +344,29 @@ func parseDurRange(name, s string) (float64, float64, error) {
 	return lo.Seconds(), hi.Seconds(), nil
 }
 
-// mustJSON is v as compact JSON (for logs).
-func mustJSON(v any) string {
-	b, _ := json.Marshal(v)
-	return string(b)
+// load1 is the 1-minute load average.
+func load1() float64 {
+	var si unix.Sysinfo_t
+	if unix.Sysinfo(&si) != nil {
+		return 0
+	}
+	return float64(si.Loads[0]) / (1 << 16) // SI_LOAD_SHIFT
+}
+
+// waitLoad waits until the 1-minute load average is below limit, for at
+// most bound; it goes on anyway after that (the report has the load).
+func waitLoad(ctx context.Context, limit float64, bound time.Duration) {
+	deadline := time.Now().Add(bound)
+	for l := load1(); l >= limit; l = load1() {
+		if time.Now().After(deadline) {
+			slog.Warn("machine still busy; measuring anyway", "load", l, "waited", bound)
+			return
+		}
+		slog.Info("waiting for the load to drop", "load", l, "below", limit)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(10 * time.Second):
+		}
+	}
 }

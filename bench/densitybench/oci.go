@@ -110,6 +110,11 @@ func ociWorkerMain(args []string) error {
 	t0 := time.Now()
 	err = errors.Join(err, o.teardown(tctx))
 	row.DestroySeconds = time.Since(t0).Seconds()
+	if o.avail1 > 0 && row.Held > 0 {
+		if avail2, aerr := memAvailable(); aerr == nil {
+			row.HostReleasedMiBPerSandbox = toMiB(avail2-o.avail1) / float64(row.Held)
+		}
+	}
 	if err != nil {
 		row.Err = err.Error()
 	}
@@ -120,6 +125,7 @@ func ociWorkerMain(args []string) error {
 type ociIdle struct {
 	bin, rootfs, work, state, cgroup string
 	milliCPU, mem                    int64
+	avail1                           int64 // MemAvailable with every container held
 
 	mu   sync.Mutex
 	pids map[string]int // id -> init pid, alive
@@ -196,12 +202,11 @@ func (o *ociIdle) measure(ctx context.Context, n, execC int, row *IdleRow) error
 	row.ExecP50Ms, row.ExecP99Ms, row.ExecMaxMs = dsecup.Ms(st.Median), dsecup.Ms(st.P99), dsecup.Ms(st.Max)
 
 	debug.FreeOSMemory()
-	avail1, err := memAvailable()
-	if err != nil {
+	if o.avail1, err = memAvailable(); err != nil {
 		return err
 	}
 	if row.Held > 0 {
-		row.HostMiBPerSandbox = toMiB(avail0-avail1) / float64(row.Held)
+		row.HostMiBPerSandbox = toMiB(avail0-o.avail1) / float64(row.Held)
 		if u, err := cgroupUsage(filepath.Join(memoryHierarchy(), o.cgroup)); err == nil {
 			v := toMiB(u) / float64(row.Held)
 			row.CgroupMiBPerSandbox = &v

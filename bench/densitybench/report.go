@@ -13,18 +13,33 @@ import (
 
 // Report is one run: the phases it ran.
 type Report struct {
-	Config      config          `json:"config"`
-	Host        string          `json:"host"`
-	Started     string          `json:"started"`
-	WallSeconds float64         `json:"wall_seconds"`
-	UpPIDs      []int           `json:"dsec_up_pids"`
-	Idle        *IdleReport     `json:"idle,omitempty"`
-	Wave        *WaveReport     `json:"wave,omitempty"`
-	Pressure    *PressureReport `json:"pressure,omitempty"`
+	Config      config  `json:"config"`
+	Host        string  `json:"host"`
+	Started     string  `json:"started"`
+	WallSeconds float64 `json:"wall_seconds"`
+	UpPIDs      []int   `json:"dsec_up_pids"`
+	// PhaseLoads is the 1-minute load average as each phase started.
+	PhaseLoads []PhaseLoad     `json:"phase_loads"`
+	Idle       *IdleReport     `json:"idle,omitempty"`
+	Wave       *WaveReport     `json:"wave,omitempty"`
+	Pressure   *PressureReport `json:"pressure,omitempty"`
+}
+
+// PhaseLoad is the load average as a phase started.
+type PhaseLoad struct {
+	Phase string  `json:"phase"`
+	Load  float64 `json:"load1"`
 }
 
 func (rep *Report) print(w io.Writer) {
 	fmt.Fprintf(w, "host: %s\nstarted %s, total wall time %.0f s\n", rep.Host, rep.Started, rep.WallSeconds)
+	if len(rep.PhaseLoads) > 0 {
+		fmt.Fprint(w, "load average as each phase started:")
+		for _, l := range rep.PhaseLoads {
+			fmt.Fprintf(w, " %s %.1f", l.Phase, l.Load)
+		}
+		fmt.Fprintln(w)
+	}
 	if len(rep.Config.UpArgs) > 0 {
 		fmt.Fprintf(w, "dsec up extra arguments: %s\n", strings.Join(rep.Config.UpArgs, " "))
 	}
@@ -50,14 +65,14 @@ func (r *IdleReport) print(w io.Writer) {
 	fmt.Fprintf(w, "\nidle: sandboxes created with cpu %s / memory %s limits, held at once, each then running `echo ok`\n",
 		flagval.FormatCPU(r.MilliCPU), flagval.FormatSize(r.MemBytes))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "system\twanted\theld\tcreate s\tcreates/s\texec ok\texec p50 ms\texec p99 ms\thost MiB/sb\tcgroup MiB/sb\tdaemon fds/sb\tdaemon RSS MiB/sb\tdestroy s\t")
+	fmt.Fprintln(tw, "system\twanted\theld\tcreate s\tcreates/s\texec ok\texec p50 ms\texec p99 ms\thost MiB/sb\treleased MiB/sb\tcgroup MiB/sb\tdaemon fds/sb\tdaemon RSS MiB/sb\tdestroy s\t")
 	rows := []*IdleRow{&r.DSec}
 	if r.Peer != nil {
 		rows = append(rows, r.Peer)
 	}
 	for _, x := range rows {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.1f\t%d\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\t%.1f\t\n", x.System, x.Requested, x.Held,
-			x.CreateSeconds, x.CreatesPerSec, x.ExecOK, x.ExecP50Ms, x.ExecP99Ms, x.HostMiBPerSandbox,
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.1f\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\t%.1f\t\n", x.System, x.Requested, x.Held,
+			x.CreateSeconds, x.CreatesPerSec, x.ExecOK, x.ExecP50Ms, x.ExecP99Ms, x.HostMiBPerSandbox, x.HostReleasedMiBPerSandbox,
 			opt(x.CgroupMiBPerSandbox, "%.2f"), opt(x.DaemonFDsPerSandbox, "%.1f"), opt(x.DaemonRSSMiBPerSandbox, "%.3f"), x.DestroySeconds)
 	}
 	tw.Flush()
