@@ -40,8 +40,8 @@ type IdleRow struct {
 	// create to after the exec sweep, divided by Held.
 	HostMiBPerSandbox float64 `json:"host_mib_per_sandbox"`
 	// HostReleasedMiBPerSandbox is the rise of MemAvailable from there
-	// to after every one was destroyed, over Held: a second reading of
-	// the same cost. Other work on the machine moves MemAvailable too;
+	// to after every one was destroyed (DSec: and dsec up stopped), over
+	// Held: a second reading of the same cost. Other work on the machine moves MemAvailable too;
 	// when the two disagree, that is the noise.
 	HostReleasedMiBPerSandbox float64 `json:"host_released_mib_per_sandbox"`
 	// CgroupMiBPerSandbox is the memory charged to the sandboxes' cgroups
@@ -52,8 +52,11 @@ type IdleRow struct {
 	// same span, per held sandbox (DSec only).
 	DaemonFDsPerSandbox    *float64 `json:"daemon_fds_per_sandbox,omitempty"`
 	DaemonRSSMiBPerSandbox *float64 `json:"daemon_rss_mib_per_sandbox,omitempty"`
-	DestroySeconds         float64  `json:"destroy_seconds"`
-	Err                    string   `json:"error,omitempty"`
+	// DestroySeconds is the destroy calls' time (DSec: DestroyMany of 50
+	// at a time, 4 calls in flight, which may return before the node has
+	// torn everything down).
+	DestroySeconds float64 `json:"destroy_seconds"`
+	Err            string  `json:"error,omitempty"`
 }
 
 // IdleReport is the idle phase: DSec and its peer, same limits.
@@ -73,12 +76,23 @@ func (rn *run) idle(ctx context.Context) (*IdleReport, error) {
 	cfg := rn.cfg.Idle
 	rep := &IdleReport{MilliCPU: cfg.MilliCPU, MemBytes: cfg.MemBytes}
 	rep.DSec = IdleRow{System: "dsec", Requested: cfg.N}
-	var errs []error
+	var (
+		errs   []error
+		avail1 int64
+	)
 	leaks, err := rn.withUp(ctx, "idle", nil, func(up *dsecup.Up) error {
 		rep.UpPID = up.PID()
-		return idleDSec(ctx, cfg, up, &rep.DSec)
+		return idleDSec(ctx, cfg, up, &rep.DSec, &avail1)
 	})
 	rep.Leaks = leaks
+	// Read once dsec up has stopped: a destroy returns before the node
+	// has freed everything (it may keep destroyed sandboxes to recycle).
+	if avail1 > 0 && rep.DSec.Held > 0 {
+		debug.FreeOSMemory()
+		if avail2, aerr := memAvailable(); aerr == nil {
+			rep.DSec.HostReleasedMiBPerSandbox = toMiB(avail2-avail1) / float64(rep.DSec.Held)
+		}
+	}
 	if err != nil {
 		rep.DSec.Err = err.Error()
 		errs = append(errs, fmt.Errorf("dsec: %w", err))
@@ -93,8 +107,9 @@ func (rn *run) idle(ctx context.Context) (*IdleReport, error) {
 	return rep, errors.Join(errs...)
 }
 
-// idleDSec fills the node through the API and always destroys what it made.
-func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) (err error) {
+// idleDSec fills the node through the API and always destroys what it
+// made. It sets *avail1 to MemAvailable with every sandbox held.
+func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow, avail1 *int64) (err error) {
 	c := dsec.New(up.Endpoint, up.Token)
 	if _, err := c.Images().Get(ctx, "busybox:latest"); err != nil {
 		return fmt.Errorf("seeded image: %w", err)
@@ -103,9 +118,8 @@ func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) 
 		Resources: dsec.Resources{MilliCPU: cfg.MilliCPU, MemoryBytes: cfg.MemBytes}}
 
 	var (
-		mu     sync.Mutex
-		sbs    []*dsec.Sandbox
-		avail1 int64 // MemAvailable with every sandbox held, 0 until read
+		mu  sync.Mutex
+		sbs []*dsec.Sandbox
 	)
 	defer func() {
 		// Destroyed also when interrupted; dsec up would destroy the rest
@@ -117,12 +131,6 @@ func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) 
 			err = errors.Join(err, derr)
 		}
 		row.DestroySeconds = time.Since(t0).Seconds()
-		if avail1 > 0 && row.Held > 0 {
-			debug.FreeOSMemory()
-			if avail2, aerr := memAvailable(); aerr == nil {
-				row.HostReleasedMiBPerSandbox = toMiB(avail2-avail1) / float64(row.Held)
-			}
-		}
 	}()
 
 	debug.FreeOSMemory()
@@ -215,12 +223,12 @@ func idleDSec(ctx context.Context, cfg idleConfig, up *dsecup.Up, row *IdleRow) 
 	slog.Info("idle sandboxes answered", "ok", row.ExecOK, "failed", failed, "p50_ms", row.ExecP50Ms, "p99_ms", row.ExecP99Ms)
 
 	debug.FreeOSMemory()
-	if avail1, err = memAvailable(); err != nil {
+	if *avail1, err = memAvailable(); err != nil {
 		return err
 	}
 	if row.Held > 0 {
 		n := float64(row.Held)
-		row.HostMiBPerSandbox = toMiB(avail0-avail1) / n
+		row.HostMiBPerSandbox = toMiB(avail0-*avail1) / n
 		if fds1, err := procFDs(up.PID()); err == nil {
 			v := float64(fds1-fds0) / n
 			row.DaemonFDsPerSandbox = &v
