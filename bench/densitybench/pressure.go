@@ -163,17 +163,13 @@ func pressureRun(ctx context.Context, cfg pressureConfig, nodeBytes int64, up *d
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	if rep.Held <= cfg.Touchers {
-		return fmt.Errorf("the node held %d sandboxes of %s, not more than the %d touchers (%s)",
-			rep.Held, flagval.FormatSize(cfg.MemBytes), cfg.Touchers, rep.StopReason)
-	}
 	cgs, err := sandboxMemCgroups(up.PID())
 	if err != nil {
 		return err
 	}
 	// More cgroups than sandboxes: the edge's pre-started agents have
 	// theirs already.
-	if len(cgs) < rep.Held {
+	if len(cgs) < max(1, rep.Held) {
 		return fmt.Errorf("found %d sandbox memory cgroups for %d sandboxes", len(cgs), rep.Held)
 	}
 	bound, where := nodeBound(cgs[0])
@@ -183,6 +179,10 @@ func pressureRun(ctx context.Context, cfg pressureConfig, nodeBytes int64, up *d
 			"(issue 14: the node bound is being made real); not touching memory, which would press on the whole host", cfg.NodeMemory, cgs[0])
 		slog.Warn("pressure phase skipped", "why", rep.Skipped)
 		return nil
+	}
+	if rep.Held <= cfg.Touchers {
+		return fmt.Errorf("the node held %d sandboxes of %s, not more than the %d touchers (%s)",
+			rep.Held, flagval.FormatSize(cfg.MemBytes), cfg.Touchers, rep.StopReason)
 	}
 	if m, err := meminfo("SwapTotal"); err == nil {
 		rep.SwapTotalBytes = m["SwapTotal"]
