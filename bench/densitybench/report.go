@@ -120,6 +120,8 @@ func (r *WaveReport) print(w io.Writer, cfg waveConfig) {
 	}
 	tw.Flush()
 	for _, x := range rows {
+		fmt.Fprintf(w, "%s: last create returned %.1f s into the wave; the %d steps after it: p50 %.1f ms, p99 %.1f ms\n",
+			x.Backend, x.LastCreateS, x.SteadySteps, x.SteadyStepP50Ms, x.SteadyStepP99Ms)
 		for _, kinds := range []map[string]int{x.InfraErrorKinds, x.FailureKinds} {
 			for _, k := range sortedKeys(kinds) {
 				fmt.Fprintf(w, "%s: %d x %s\n", x.Backend, kinds[k], k)

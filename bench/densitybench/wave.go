@@ -43,24 +43,30 @@ type EmptyFigures struct {
 // WaveRow is one system's wave, as wave.py reports it, plus the untimed
 // preparation.
 type WaveRow struct {
-	Backend          string         `json:"backend"`
-	R                int            `json:"r"`
-	Seed             int64          `json:"seed"`
-	Empty            EmptyFigures   `json:"empty"`
-	PeakAlive        int            `json:"peak_alive"`
-	Created          int            `json:"created"`
-	Completed        int            `json:"completed"`
-	FailedRollouts   int            `json:"failed_rollouts"`
-	WallS            float64        `json:"wall_s"`
-	IdealS           float64        `json:"ideal_s"`
-	WallOverIdeal    float64        `json:"wall_over_ideal"`
-	RolloutsPerS     float64        `json:"rollouts_per_s"`
-	StepsPlanned     int            `json:"steps_planned"`
-	StepsRun         int            `json:"steps_run"`
-	ThinkTotalS      float64        `json:"think_total_s"`
-	StepP50Ms        float64        `json:"step_p50_ms"`
-	StepP99Ms        float64        `json:"step_p99_ms"`
-	StepMaxMs        float64        `json:"step_max_ms"`
+	Backend        string       `json:"backend"`
+	R              int          `json:"r"`
+	Seed           int64        `json:"seed"`
+	Empty          EmptyFigures `json:"empty"`
+	PeakAlive      int          `json:"peak_alive"`
+	Created        int          `json:"created"`
+	Completed      int          `json:"completed"`
+	FailedRollouts int          `json:"failed_rollouts"`
+	WallS          float64      `json:"wall_s"`
+	IdealS         float64      `json:"ideal_s"`
+	WallOverIdeal  float64      `json:"wall_over_ideal"`
+	RolloutsPerS   float64      `json:"rollouts_per_s"`
+	StepsPlanned   int          `json:"steps_planned"`
+	StepsRun       int          `json:"steps_run"`
+	ThinkTotalS    float64      `json:"think_total_s"`
+	StepP50Ms      float64      `json:"step_p50_ms"`
+	StepP99Ms      float64      `json:"step_p99_ms"`
+	StepMaxMs      float64      `json:"step_max_ms"`
+	// Steady*: the steps that started after the last create returned
+	// (LastCreateS into the wave), apart from the creation burst.
+	SteadySteps      int            `json:"steady_steps"`
+	SteadyStepP50Ms  float64        `json:"steady_step_p50_ms"`
+	SteadyStepP99Ms  float64        `json:"steady_step_p99_ms"`
+	LastCreateS      float64        `json:"last_create_s"`
 	StepP50OverEmpty float64        `json:"step_p50_over_empty"`
 	StepP99OverEmpty float64        `json:"step_p99_over_empty"`
 	CreateP50Ms      float64        `json:"create_p50_ms"`

@@ -249,6 +249,8 @@ class Wave:
         self.refusals = 0
         self.create_lat = []
         self.step_lat = []
+        self.step_at = []  # each step's start, perf_counter
+        self.last_create = 0.0
         self.destroy_lat = []
         self.infra = collections.Counter()
         self.failures = collections.Counter()
@@ -278,6 +280,7 @@ class Wave:
         ok = True
         try:
             h, dt = await self.create(i, name)
+            self.last_create = max(self.last_create, time.perf_counter())
             self.create_lat.append(dt)
             self.created += 1
             self.alive += 1
@@ -287,6 +290,7 @@ class Wave:
                 t = time.perf_counter()
                 bad = await self.b.step(h, name, k)
                 self.step_lat.append(time.perf_counter() - t)
+                self.step_at.append(t)
                 if bad:
                     ok = False
                     self.failures[bad[:160]] += 1
@@ -384,6 +388,9 @@ async def main_async(args):
         ideal = max(ideals)
         steps_planned = sum(len(t) for t in thinks)
         step_p50, step_p99 = pct(w.step_lat, 50) * 1e3, pct(w.step_lat, 99) * 1e3
+        # Steps that started once every create had returned: the steady
+        # state, apart from the interference of the creation burst.
+        steady = [d for d, at in zip(w.step_lat, w.step_at) if at >= w.last_create]
         return {
             "backend": args.backend,
             "r": args.r,
@@ -403,6 +410,10 @@ async def main_async(args):
             "step_p50_ms": step_p50,
             "step_p99_ms": step_p99,
             "step_max_ms": max(w.step_lat, default=0) * 1e3,
+"steady_steps": len(steady),
+            "steady_step_p50_ms": pct(steady, 50) * 1e3,
+            "steady_step_p99_ms": pct(steady, 99) * 1e3,
+            "last_create_s": w.last_create - t0 if w.last_create else 0,
             "step_p50_over_empty": step_p50 / empty["step_p50_ms"] if empty["step_p50_ms"] else 0,
             "step_p99_over_empty": step_p99 / empty["step_p99_ms"] if empty["step_p99_ms"] else 0,
             "create_p50_ms": pct(w.create_lat, 50) * 1e3,
