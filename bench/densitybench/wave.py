@@ -40,6 +40,7 @@ import collections
 import json
 import os
 import random
+import resource
 import struct
 import sys
 import time
@@ -456,6 +457,11 @@ def main():
         p.error("--backend dsec needs --endpoint")
     if args.backend == "docker" and not (args.socket and args.image and args.workspace_dir):
         p.error("--backend docker needs --socket, --image and --workspace-dir")
+    # One connection per rollout in flight: a soft limit of 1024
+    # descriptors would cap the wave below the target of 1,000.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     res = asyncio.run(main_async(args))
     json.dump(res, sys.stdout)
     print()
