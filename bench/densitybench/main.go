@@ -59,7 +59,7 @@ const cgroupPrefix = "densitybench-"
 // config is what one run measures.
 type config struct {
 	Phases []string `json:"phases"`
-	// UpArgs are added to every dsec up command line (overcommit ratios,
+	// UpArgs are added to every dsec up command line (request shares,
 	// --max-sandboxes...).
 	UpArgs []string `json:"up_args,omitempty"`
 
@@ -131,7 +131,7 @@ func mainErr() error {
 	var (
 		phases = flag.String("phases", "idle,wave", "phases to run, in order: idle, wave, pressure")
 		settle = flag.Float64("settle", 0, "before each phase, wait (at most 10 min) until the 1-minute load average is below this (0: do not wait); MemAvailable figures need a quiet machine")
-		upArgs = flag.String("up-args", "", "extra dsec up arguments for every phase, space-separated (e.g. \"--overcommit-cpu 1000 --overcommit-memory 100\")")
+		upArgs = flag.String("up-args", "", "extra dsec up arguments for every phase, space-separated (e.g. \"--request-share-memory 0.01 --max-sandboxes 3500\")")
 
 		n          = flag.Int("n", 1000, "idle: sandboxes to hold (target 3000)")
 		cpu        = flag.String("cpu", "4", "idle: CPU limit of each sandbox, cores")
