@@ -54,6 +54,7 @@ import (
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
 	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
+	"github.com/dsec-dev/dsec/internal/swap"
 )
 
 // LayerMounts is the node's shared cache of read-only layer mounts
@@ -215,6 +216,9 @@ func New(opts Options) (*Backend, error) {
 	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{},
 		warm: make(chan *agentProc, opts.Warm), refillCh: make(chan struct{}, 1), stop: make(chan struct{})}
 	b.cleanStale()
+	if total, _, err := swap.Total(); err == nil {
+		hostSwap.Store(total > 0)
+	}
 	if opts.Warm > 0 {
 		b.fillerDone = make(chan struct{})
 		go b.fillWarm()
