@@ -97,7 +97,50 @@ type cgroup interface {
 	// paths lists the cgroup's directories (for leak checks).
 	paths() []string
 	delete() error
+
+	// What the node's QoS loop (qos.go) reads and writes.
+
+	// setWeight sets the sandbox's CPU weight among the node's sandboxes.
+	setWeight(w weight) error
+	// threadsFile lists the threads of the user cgroup, one ID a line (on
+	// v1 the agent's spawner thread among them).
+	threadsFile() string
+	// cpuTime is the CPU time the sandbox's processes have used so far,
+	// the agent's included.
+	cpuTime() (time.Duration, error)
+	// userMemory is the user cgroup's memory charge (RAM, page cache
+	// included; not what is in swap).
+	userMemory() (int64, error)
+	// reclaim has the kernel take up to n bytes of the user cgroup's
+	// memory back (anonymous pages to swap, page cache dropped), the user's
+	// memory limit in force being limit (0: none), and returns how much
+	// its charge went down.
+	reclaim(n, limit int64) (int64, error)
 }
+
+// weight is a sandbox's CPU weight level among the node's sandboxes: CFS
+// shares the CPU between sibling cgroups in proportion to their weights
+// when they all want it, and a weight changes nothing on an idle CPU.
+type weight int
+
+const (
+	// weightNormal: requests in flight; the kernel's default weight.
+	weightNormal weight = iota
+	// weightHog: requests in flight past the sandbox's share (qos.go):
+	// an eighth of normal, so that short steps of other sandboxes go
+	// first while it still progresses.
+	weightHog
+	// weightIdle: no request in flight: only what earlier execs left
+	// running can want the CPU, and it gets the least the kernel allows.
+	weightIdle
+)
+
+// v1Shares and v2Weights are the cpu.shares (default 1024, least 2) and
+// cpu.weight (default 100, least 1) of each weight level.
+var (
+	v1Shares  = [...]string{weightNormal: "1024", weightHog: "128", weightIdle: "2"}
+	v2Weights = [...]string{weightNormal: "100", weightHog: "12", weightIdle: "1"}
+)
 
 // cgroupMode says which cgroup layout to use: v2 when the host is unified,
 // v1 otherwise (hybrid hosts like the CI machines keep their controllers in v1).
@@ -463,6 +506,69 @@ func (c *cgroupV1) delete() error {
 	return err
 }
 
+func (c *cgroupV1) setWeight(w weight) error {
+	return os.WriteFile(filepath.Join(cgroupRoot, "cpu", c.group, "cpu.shares"), []byte(v1Shares[w]), 0)
+}
+
+func (c *cgroupV1) threadsFile() string {
+	return filepath.Join(cgroupRoot, "cpu", c.group, "user", "tasks")
+}
+
+func (c *cgroupV1) cpuTime() (time.Duration, error) {
+	n, err := readInt(filepath.Join(cgroupRoot, "cpuacct", c.group, "cpuacct.usage"))
+	return time.Duration(n), err
+}
+
+func (c *cgroupV1) userMemory() (int64, error) {
+	return readInt(filepath.Join(cgroupRoot, "memory", c.group, "user", "memory.usage_in_bytes"))
+}
+
+// reclaim lowers the user cgroup's memory limit to its charge less n and
+// puts it back. cgroup v1 has no memory.reclaim, but a lower limit makes
+// the writer reclaim the cgroup's own pages (swapping anonymous ones out,
+// the coldest first) until the charge fits or nothing more can go: the
+// write returns EBUSY and leaves the limit as it was, having taken what it
+// could. The limit is only in force between the two writes, after the
+// charge already fits under it, so the sandbox's processes are never held
+// to it (bench/reclaimbench compares this with soft limits, force_empty
+// and process_madvise). The memsw limit, which bounds RAM and swap
+// together, is not touched: what goes to swap still counts.
+func (c *cgroupV1) reclaim(n, limit int64) (int64, error) {
+	dir := filepath.Join(cgroupRoot, "memory", c.group, "user")
+	before, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	target := max(before-n, 0)
+	file := filepath.Join(dir, "memory.limit_in_bytes")
+	err = os.WriteFile(file, []byte(strconv.FormatInt(target, 10)), 0)
+	if err == nil {
+		restore := "-1"
+		if limit > 0 {
+			restore = strconv.FormatInt(limit, 10)
+		}
+		if err := os.WriteFile(file, []byte(restore), 0); err != nil {
+			return 0, fmt.Errorf("restore memory limit after reclaim: %w", err)
+		}
+	} else if !errors.Is(err, unix.EBUSY) {
+		return 0, err
+	}
+	after, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	return max(before-after, 0), nil
+}
+
+// readInt reads a cgroup file holding one integer.
+func readInt(file string) (int64, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+}
+
 type cgroupV2 struct {
 	group string
 	m     *cgroup2.Manager
@@ -653,6 +759,90 @@ func (c *cgroupV2) delete() error {
 		}
 	}
 	return c.m.Delete()
+}
+
+func (c *cgroupV2) setWeight(w weight) error {
+	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "cpu.weight"), []byte(v2Weights[w]), 0)
+}
+
+func (c *cgroupV2) threadsFile() string {
+	return filepath.Join(cgroupRoot, c.group, "user", "cgroup.threads")
+}
+
+func (c *cgroupV2) cpuTime() (time.Duration, error) {
+	file := filepath.Join(cgroupRoot, c.group, "cpu.stat")
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	us, err := parseKV(b, file, "usage_usec")
+	return time.Duration(us) * time.Microsecond, err
+}
+
+func (c *cgroupV2) userMemory() (int64, error) {
+	return readInt(filepath.Join(cgroupRoot, c.group, "user", "memory.current"))
+}
+
+// reclaim writes memory.reclaim, which does what it says (EAGAIN when it
+// took less than asked).
+func (c *cgroupV2) reclaim(n, _ int64) (int64, error) {
+	before, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	err = os.WriteFile(filepath.Join(cgroupRoot, c.group, "user", "memory.reclaim"), []byte(strconv.FormatInt(n, 10)), 0)
+	if err != nil && !errors.Is(err, unix.EAGAIN) {
+		return 0, err
+	}
+	after, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	return max(before-after, 0), nil
+}
+
+// setNodeMemory bounds the RAM of every sandbox under parent together at
+// bytes (0: no bound), the edge's --memory: the parent cgroup's memory
+// limit, so that the kernel reclaims within the node's sandboxes (to swap)
+// when they reach it, and the rest of the host never feels them. Swap is
+// not bounded by it (v1 memsw, v2 memory.swap.max are left as they are):
+// what the node may swap is the swap area's size, and a RAM+swap bound at
+// the same value would make swap useless (a page swapped out would still
+// count against it).
+func setNodeMemory(parent string, bytes int64) error {
+	if cgroupMode() == cgroups.Unified {
+		dir := filepath.Join(cgroupRoot, parent)
+		if bytes == 0 {
+			if err := os.WriteFile(filepath.Join(dir, "memory.max"), []byte("max"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return err
+			}
+			return nil
+		}
+		// NewManager makes the directory and enables the memory
+		// controller in the cgroups above it.
+		_, err := cgroup2.NewManager(cgroupRoot, "/"+parent, &cgroup2.Resources{Memory: &cgroup2.Memory{Max: &bytes}})
+		return err
+	}
+	dir := filepath.Join(cgroupRoot, "memory", parent)
+	if bytes == 0 {
+		if err := os.WriteFile(filepath.Join(dir, "memory.limit_in_bytes"), []byte("-1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		return nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "memory.limit_in_bytes"), []byte(strconv.FormatInt(bytes, 10)), 0)
+}
+
+// nodeMemoryUsage is the memory charged to parent's cgroup: every
+// sandbox's RAM and page cache, and what removed cgroups left to it.
+func nodeMemoryUsage(parent string) (int64, error) {
+	if cgroupMode() == cgroups.Unified {
+		return readInt(filepath.Join(cgroupRoot, parent, "memory.current"))
+	}
+	return readInt(filepath.Join(cgroupRoot, "memory", parent, "memory.usage_in_bytes"))
 }
 
 // parseKV returns key's value from "key value" lines b read from path.
