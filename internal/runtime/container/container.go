@@ -28,6 +28,11 @@
 // /proc and /sys and a fresh /dev, and made its root with pivot_root,
 // which moves the agent along. The old overlay goes with the old root; its
 // directories are removed in the background.
+//
+// A node holds far more sandboxes than its limits add up to (qos.go): a
+// sandbox's memory limit covers RAM and swap together, idle sandboxes
+// (no request in flight) get the least CPU weight and are the first whose
+// memory goes to swap when the node runs short.
 package container
 
 import (
