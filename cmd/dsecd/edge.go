@@ -24,6 +24,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/runtime/container"
 	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 	"github.com/dsec-dev/dsec/internal/spec"
+	"github.com/dsec-dev/dsec/internal/swap"
 )
 
 // edgeFlags are the node's own settings, shared by edge and up.
@@ -49,12 +50,15 @@ type edgeFlags struct {
 	// scratchSize and scratchFile: the sandboxes' writable-layer file
 	// system (scratch.go).
 	scratchSize, scratchFile string
+	// swapSize and swapFile: the node's swap area (swap.go).
+	swapSize, swapFile string
 
 	capacity placement.Capacity // set by validate
 	defaults spec.Resources     // set by validate: every field set
 	mounts   *layer.Mounts      // set by build
 	backend  *container.Backend // set by build
 	scratch  *scratchfs.FS      // set by build, nil with --scratch-size off
+	swap     *swap.Area         // set by build, nil with --swap 0
 }
 
 // warmAgents is how many sandbox agents an edge keeps started ahead of
@@ -70,7 +74,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.nodeID, "node-id", defaultNodeID(), "this node's id (1-32 of [a-z0-9-]); sandbox ids start with it")
 	fl.StringVar(&f.agentPath, "agent", "", "dsec-agent binary (default: next to this executable)")
 	fl.StringVar(&f.cpu, "cpu", "", "CPU cores offered to sandboxes (default: all)")
-	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g (default: all RAM)")
+	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g; it also bounds their RAM together, as a cgroup (default: all RAM, no bound)")
 	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~20 descriptors each)", edge.DefaultMaxSandboxes))
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
 	fl.DurationVar(&f.usage, "usage-interval", edge.DefaultUsageInterval, "how often to read every running sandbox's CPU and memory use (what sandbox ls shows; its CPU is averaged over it); longer when a pass costs more than 2% of a core")
@@ -86,6 +90,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.Int64Var(&f.defPids, "default-pids", 0, fmt.Sprintf("process limit a sandbox gets when neither its spec nor its tenant say (default %d)", spec.Builtin.Pids))
 	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
 	f.registerScratch(cmd)
+	f.registerSwap(cmd)
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -120,6 +125,9 @@ func (f *edgeFlags) validate() error {
 		if f.reserve, err = cli.ParseSize("memory-reserve", f.memReserve); err != nil {
 			return cli.UsageError{Err: err}
 		}
+	}
+	if _, err := f.swapBytes(); err != nil {
+		return err
 	}
 	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -175,6 +183,12 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 	if f.scratch, err = f.openScratch(dataDir, log); err != nil {
 		return nil, err
 	}
+	// Before the backend: it splits v2 memory limits between RAM and swap
+	// only when the host has swap.
+	if err := f.openSwap(dataDir, log); err != nil {
+		f.closeScratch(log)
+		return nil, err
+	}
 	backend, err := container.New(container.Options{
 		StateDir: filepath.Join(dataDir, "sandboxes"),
 		Scratch:  f.scratch,
@@ -185,8 +199,12 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		Layers:           mounts,
 		Logger:           log,
 		Warm:             warmAgents,
+		// --memory bounds the sandboxes' RAM together (their parent
+		// cgroup), not only the capacity the edge advertises.
+		MemoryBytes: f.capacity.MemoryBytes,
 	})
 	if err != nil {
+		f.closeSwap(log)
 		f.closeScratch(log)
 		return nil, err
 	}
@@ -215,6 +233,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 	})
 	if err != nil {
 		backend.Close()
+		f.closeSwap(log)
 		f.closeScratch(log)
 	}
 	return e, err
@@ -249,6 +268,7 @@ func (f *edgeFlags) close(ctx context.Context, e *edge.Edge, log *slog.Logger) {
 		}
 	}
 	f.closeScratch(log)
+	f.closeSwap(log)
 }
 
 func newEdgeCmd() *cobra.Command {

@@ -96,6 +96,8 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		{[]string{"server", "--max-import-size", "big"}, "--max-import-size \"big\""},
 		{[]string{"up", "--scratch-size", "10m"}, "--scratch-size 10m: at least 256 MiB, or off"},
 		{[]string{"edge", "--server", "http://127.0.0.1:1", "--scratch-size", "big"}, "scratch-size"},
+		{[]string{"up", "--swap", "1m"}, "--swap 1m: at least 16 MiB, or 0 for none"},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--swap", "big"}, "--swap \"big\""},
 	} {
 		data := filepath.Join(t.TempDir(), "data")
 		args := append(tc.args, "--data-dir", data, "--listen", "127.0.0.1:0")

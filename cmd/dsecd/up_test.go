@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"os"
@@ -17,6 +18,7 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/runtime/testsuite"
+	"github.com/dsec-dev/dsec/internal/swap"
 	dsectest "github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -229,4 +231,28 @@ func scrape(t *testing.T, base, token, name string) map[string]float64 {
 		t.Fatalf("no %s in /metrics", name)
 	}
 	return out
+}
+
+// TestUpSwap: `dsecd up --swap` makes its swap file in the data directory
+// and enables it while it runs, and turns it off and removes it at stop.
+func TestUpSwap(t *testing.T) {
+	dsectest.RequireRoot(t)
+	agent := dsectest.BuildBinary(t, "./cmd/dsec-agent")
+	data := t.TempDir()
+	file := filepath.Join(data, "swap.img")
+	// Registered before startUp's cleanup, so it runs after the stop.
+	t.Cleanup(func() {
+		if on, _, err := swap.Enabled(file); on || err != nil {
+			t.Errorf("after stop: swap file still enabled (%v)", err)
+		}
+		if _, err := os.Stat(file); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("after stop: swap file left: %v", err)
+		}
+	})
+	startUp(t, "up", "--data-dir", data, "--listen", "127.0.0.1:0", "--agent", agent,
+		"--node-id", "swap-test", "--log-level", "warn", "--swap", "32m")
+	on, size, err := swap.Enabled(file)
+	if err != nil || !on || size != 32<<20-int64(os.Getpagesize()) {
+		t.Fatalf("while up: swap file enabled %v, %d bytes, %v", on, size, err)
+	}
 }

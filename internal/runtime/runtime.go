@@ -60,7 +60,8 @@ type Layer struct {
 type Resources struct {
 	// MilliCPU is the CPU quota in thousandths of a core (1000 = one core).
 	MilliCPU int64
-	// MemoryBytes is the memory limit (RAM; no swap).
+	// MemoryBytes is the memory limit: RAM and swap together (the node
+	// decides how much of it stays resident).
 	MemoryBytes int64
 	// Pids bounds the number of tasks (a fork bomb stops there).
 	Pids int64

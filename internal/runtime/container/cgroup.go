@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -96,7 +97,50 @@ type cgroup interface {
 	// paths lists the cgroup's directories (for leak checks).
 	paths() []string
 	delete() error
+
+	// What the node's QoS loop (qos.go) reads and writes.
+
+	// setWeight sets the sandbox's CPU weight among the node's sandboxes.
+	setWeight(w weight) error
+	// threadsFile lists the threads of the user cgroup, one ID a line (on
+	// v1 the agent's spawner thread among them).
+	threadsFile() string
+	// cpuTime is the CPU time the sandbox's processes have used so far,
+	// the agent's included.
+	cpuTime() (time.Duration, error)
+	// userMemory is the user cgroup's memory charge (RAM, page cache
+	// included; not what is in swap).
+	userMemory() (int64, error)
+	// reclaim has the kernel take up to n bytes of the user cgroup's
+	// memory back (anonymous pages to swap, page cache dropped), the user's
+	// memory limit in force being limit (0: none), and returns how much
+	// its charge went down.
+	reclaim(n, limit int64) (int64, error)
 }
+
+// weight is a sandbox's CPU weight level among the node's sandboxes: CFS
+// shares the CPU between sibling cgroups in proportion to their weights
+// when they all want it, and a weight changes nothing on an idle CPU.
+type weight int
+
+const (
+	// weightNormal: requests in flight; the kernel's default weight.
+	weightNormal weight = iota
+	// weightHog: requests in flight past the sandbox's share (qos.go):
+	// an eighth of normal, so that short steps of other sandboxes go
+	// first while it still progresses.
+	weightHog
+	// weightIdle: no request in flight: only what earlier execs left
+	// running can want the CPU, and it gets the least the kernel allows.
+	weightIdle
+)
+
+// v1Shares and v2Weights are the cpu.shares (default 1024, least 2) and
+// cpu.weight (default 100, least 1) of each weight level.
+var (
+	v1Shares  = [...]string{weightNormal: "1024", weightHog: "128", weightIdle: "2"}
+	v2Weights = [...]string{weightNormal: "100", weightHog: "12", weightIdle: "1"}
+)
 
 // cgroupMode says which cgroup layout to use: v2 when the host is unified,
 // v1 otherwise (hybrid hosts like the CI machines keep their controllers in v1).
@@ -110,10 +154,13 @@ func newCgroup(parent, id string, r rt.Resources) (cgroup, error) {
 	return newCgroup1(group, r)
 }
 
-// toSpec is the sandbox cgroup's limits for r: the CPU quota covers
-// every process of the sandbox, the agent included; pids and memory leave
-// the agent room above the user's limits (agentPids, agentMemory), which
-// the "user" child cgroup holds its processes to.
+// toSpec is the sandbox cgroup's CPU and pids limits for r: the CPU quota
+// covers every process of the sandbox, the agent included; pids leave the
+// agent room above the user's limit (agentPids), which the "user" child
+// cgroup holds its processes to. Memory is written by v1MemoryWrites, not
+// by containerd: its Update writes memory.limit_in_bytes before
+// memory.memsw.limit_in_bytes whichever way they move, and the kernel
+// refuses a memory limit above the memsw one.
 func toSpec(r rt.Resources) *specs.LinuxResources {
 	pids := r.Pids + agentPids
 	res := &specs.LinuxResources{Pids: &specs.LinuxPids{Limit: &pids}}
@@ -121,10 +168,6 @@ func toSpec(r rt.Resources) *specs.LinuxResources {
 		period := uint64(cpuPeriod)
 		quota := r.MilliCPU * int64(period) / 1000
 		res.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota}
-	}
-	if r.MemoryBytes > 0 {
-		limit := r.MemoryBytes + agentMemory
-		res.Memory = &specs.LinuxMemory{Limit: &limit}
 	}
 	return res
 }
@@ -225,33 +268,86 @@ func newCgroup1(group string, r rt.Resources) (*cgroupV1, error) {
 			return nil, fmt.Errorf("create cgroup %s: %w", dir, err)
 		}
 	}
-	if err := c.setUser(nil, r); err != nil {
+	if err := writeAll(v1InitWrites(group, r)); err != nil {
 		c.delete()
-		return nil, fmt.Errorf("set user limits: %w", err)
+		return nil, fmt.Errorf("set memory and user limits: %w", err)
 	}
 	return c, nil
 }
 
-// v1UserWrites are the writes that give the user cgroups (pids, memory)
-// the limits to, where they differ from from (nil: all). Raising a memory
-// limit raises the sandbox's first, lowering it lowers the user's first:
-// a child's limit above its parent's is allowed but pointless, and the
-// order keeps the agent's headroom whichever way the limit moves.
+// v1InitWrites give a cgroup just made from toSpec(r), with no memory
+// limit in force, the rest of r: the memory limits of the sandbox and
+// user cgroups and the user's pids limit.
+func v1InitWrites(group string, r rt.Resources) []cgroupWrite {
+	return append(v1MemoryWrites(group, 0, true, r.MemoryBytes),
+		cgroupWrite{filepath.Join(cgroupRoot, "pids", group, "user", "pids.max"), strconv.FormatInt(r.Pids, 10)})
+}
+
+// v1MemoryWrites are the writes that move the memory limit of the user
+// cgroup from from to to (0: none; known false: not known) and the
+// sandbox cgroup's with it (to plus agentMemory). Each cgroup's limit
+// bounds RAM (memory.limit_in_bytes) and RAM and swap together
+// (memory.memsw.limit_in_bytes) at the same value: a sandbox may use its
+// limit and no more whether its pages are resident or swapped out, and
+// the node, not the sandbox, decides which (qos.go). The kernel keeps
+// limit <= memsw in each cgroup, so a limit that rises moves memsw first
+// and one that falls moves it last; across the two cgroups, a rise moves
+// the sandbox's first and a fall the user's first (a child's limit above
+// its parent's is allowed but pointless, and the order keeps the agent's
+// headroom whichever way the limit moves). Without swap accounting (no
+// memsw files: swapaccount=0) only the RAM limits are written.
+func v1MemoryWrites(group string, from int64, known bool, to int64) []cgroupWrite {
+	user := filepath.Join(cgroupRoot, "memory", group, "user")
+	sb := filepath.Join(cgroupRoot, "memory", group)
+	val := func(n, extra int64) string {
+		if n == 0 {
+			return "-1"
+		}
+		return strconv.FormatInt(n+extra, 10)
+	}
+	// one cgroup's two files, RAM limit first or last.
+	one := func(dir, v string, ramFirst bool) []cgroupWrite {
+		ram := cgroupWrite{filepath.Join(dir, "memory.limit_in_bytes"), v}
+		if !memswAccounting() {
+			return []cgroupWrite{ram}
+		}
+		sw := cgroupWrite{filepath.Join(dir, "memory.memsw.limit_in_bytes"), v}
+		if ramFirst {
+			return []cgroupWrite{ram, sw}
+		}
+		return []cgroupWrite{sw, ram}
+	}
+	var w []cgroupWrite
+	if !known {
+		// Lift both, then set from none: whatever was in force, every
+		// write is then allowed.
+		w = append(one(sb, "-1", false), one(user, "-1", false)...)
+		from = 0
+	}
+	if to == 0 || from != 0 && to > from { // rising
+		w = append(w, one(sb, val(to, agentMemory), false)...)
+		return append(w, one(user, val(to, 0), false)...)
+	}
+	w = append(w, one(user, val(to, 0), true)...)
+	return append(w, one(sb, val(to, agentMemory), true)...)
+}
+
+// memswAccounting reports whether the v1 memory controller accounts swap
+// (memory.memsw.* exist: swapaccount=1, the default since Linux 5.8).
+var memswAccounting = sync.OnceValue(func() bool {
+	_, err := os.Stat(filepath.Join(cgroupRoot, "memory", "memory.memsw.limit_in_bytes"))
+	return err == nil
+})
+
+// v1UserWrites are the writes that move the sandbox's memory and pids
+// limits (its own cgroups and the user's) from from to to, where they
+// differ (nil: all).
 func v1UserWrites(group string, from *rt.Resources, to rt.Resources) []cgroupWrite {
 	var w []cgroupWrite
-	if from == nil || from.MemoryBytes != to.MemoryBytes {
-		user, sb := "-1", "-1"
-		if to.MemoryBytes > 0 {
-			user, sb = strconv.FormatInt(to.MemoryBytes, 10), strconv.FormatInt(to.MemoryBytes+agentMemory, 10)
-		}
-		dir := filepath.Join(cgroupRoot, "memory", group)
-		userW := cgroupWrite{filepath.Join(dir, "user", "memory.limit_in_bytes"), user}
-		sbW := cgroupWrite{filepath.Join(dir, "memory.limit_in_bytes"), sb}
-		if from != nil && (to.MemoryBytes == 0 || from.MemoryBytes != 0 && to.MemoryBytes > from.MemoryBytes) {
-			w = append(w, sbW, userW)
-		} else {
-			w = append(w, userW, sbW)
-		}
+	if from == nil {
+		w = v1MemoryWrites(group, 0, false, to.MemoryBytes)
+	} else if from.MemoryBytes != to.MemoryBytes {
+		w = v1MemoryWrites(group, from.MemoryBytes, true, to.MemoryBytes)
 	}
 	if from == nil || from.Pids != to.Pids {
 		w = append(w,
@@ -261,29 +357,16 @@ func v1UserWrites(group string, from *rt.Resources, to rt.Resources) []cgroupWri
 	return w
 }
 
-// setUser writes the user cgroups' limits only (the sandbox cgroup's are
-// containerd's, through toSpec).
-func (c *cgroupV1) setUser(from *rt.Resources, to rt.Resources) error {
-	var w []cgroupWrite
-	for _, x := range v1UserWrites(c.group, from, to) {
-		if filepath.Base(filepath.Dir(x.file)) == "user" {
-			w = append(w, x)
-		}
-	}
-	return writeAll(w)
-}
-
 func (c *cgroupV1) freeze() error { return c.cg.Freeze() }
 func (c *cgroupV1) thaw() error   { return c.cg.Thaw() }
 
 // update applies r to a pre-started agent's cgroups, which hold the
-// warm pool's limits (pids only): the sandbox cgroup's first, so that the
-// user's memory limit is never above the sandbox's.
+// warm pool's limits (pids only, no memory limit).
 func (c *cgroupV1) update(r rt.Resources) error {
 	if err := c.cg.Update(toSpec(r)); err != nil {
 		return err
 	}
-	return c.setUser(nil, r)
+	return writeAll(v1InitWrites(c.group, r))
 }
 
 func (c *cgroupV1) set(from *rt.Resources, to rt.Resources) error {
@@ -423,6 +506,69 @@ func (c *cgroupV1) delete() error {
 	return err
 }
 
+func (c *cgroupV1) setWeight(w weight) error {
+	return os.WriteFile(filepath.Join(cgroupRoot, "cpu", c.group, "cpu.shares"), []byte(v1Shares[w]), 0)
+}
+
+func (c *cgroupV1) threadsFile() string {
+	return filepath.Join(cgroupRoot, "cpu", c.group, "user", "tasks")
+}
+
+func (c *cgroupV1) cpuTime() (time.Duration, error) {
+	n, err := readInt(filepath.Join(cgroupRoot, "cpuacct", c.group, "cpuacct.usage"))
+	return time.Duration(n), err
+}
+
+func (c *cgroupV1) userMemory() (int64, error) {
+	return readInt(filepath.Join(cgroupRoot, "memory", c.group, "user", "memory.usage_in_bytes"))
+}
+
+// reclaim lowers the user cgroup's memory limit to its charge less n and
+// puts it back. cgroup v1 has no memory.reclaim, but a lower limit makes
+// the writer reclaim the cgroup's own pages (swapping anonymous ones out,
+// the coldest first) until the charge fits or nothing more can go: the
+// write returns EBUSY and leaves the limit as it was, having taken what it
+// could. The limit is only in force between the two writes, after the
+// charge already fits under it, so the sandbox's processes are never held
+// to it (bench/reclaimbench compares this with soft limits, force_empty
+// and process_madvise). The memsw limit, which bounds RAM and swap
+// together, is not touched: what goes to swap still counts.
+func (c *cgroupV1) reclaim(n, limit int64) (int64, error) {
+	dir := filepath.Join(cgroupRoot, "memory", c.group, "user")
+	before, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	target := max(before-n, 0)
+	file := filepath.Join(dir, "memory.limit_in_bytes")
+	err = os.WriteFile(file, []byte(strconv.FormatInt(target, 10)), 0)
+	if err == nil {
+		restore := "-1"
+		if limit > 0 {
+			restore = strconv.FormatInt(limit, 10)
+		}
+		if err := os.WriteFile(file, []byte(restore), 0); err != nil {
+			return 0, fmt.Errorf("restore memory limit after reclaim: %w", err)
+		}
+	} else if !errors.Is(err, unix.EBUSY) {
+		return 0, err
+	}
+	after, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	return max(before-after, 0), nil
+}
+
+// readInt reads a cgroup file holding one integer.
+func readInt(file string) (int64, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+}
+
 type cgroupV2 struct {
 	group string
 	m     *cgroup2.Manager
@@ -448,11 +594,37 @@ func v2Resources(r rt.Resources) *cgroup2.Resources {
 		res.CPU = &cgroup2.CPU{Max: cgroup2.NewCPUMax(&quota, &period)}
 	}
 	if r.MemoryBytes > 0 {
-		limit := r.MemoryBytes + agentMemory
-		zero := int64(0)
-		res.Memory = &cgroup2.Memory{Max: &limit, Swap: &zero}
+		ram, swap := v2Memory(r.MemoryBytes)
+		ram += agentMemory
+		res.Memory = &cgroup2.Memory{Max: &ram, Swap: &swap}
 	}
 	return res
+}
+
+// v2SwapShare is the part of a sandbox's memory limit that may be in swap
+// on cgroup v2 when the host has swap. v2 has no limit on RAM and swap
+// together (v1's memsw): memory.max bounds RAM and memory.swap.max swap,
+// each alone, so the limit is split between them and their sum is the
+// limit, as v1's memsw makes it. A fixed split caps RAM below the limit,
+// so the share is small: a sandbox touching its whole limit has a quarter
+// of it in swap even on an empty node, and an idle one can give back up
+// to a quarter of its limit, which for the mostly idle agents DSec holds
+// (a few hundred MiB used of GiBs allowed) is all they use. Without swap
+// the whole limit is RAM.
+const v2SwapShare = 4
+
+// hostSwap is whether the host had swap when the last backend was made
+// (New): v2Memory splits limits only then.
+var hostSwap atomic.Bool
+
+// v2Memory splits a user memory limit into memory.max and memory.swap.max
+// (see v2SwapShare).
+func v2Memory(limit int64) (ram, swap int64) {
+	if !hostSwap.Load() {
+		return limit, 0
+	}
+	swap = limit / v2SwapShare
+	return limit - swap, swap
 }
 
 func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
@@ -507,12 +679,7 @@ func v2UserWrites(dir string, from *rt.Resources, to rt.Resources) []cgroupWrite
 	user := filepath.Join(dir, "user")
 	var w []cgroupWrite
 	if from == nil || from.MemoryBytes != to.MemoryBytes {
-		limit := "max"
-		if to.MemoryBytes > 0 {
-			limit = strconv.FormatInt(to.MemoryBytes, 10)
-			w = append(w, cgroupWrite{filepath.Join(user, "memory.swap.max"), "0"})
-		}
-		w = append(w, cgroupWrite{filepath.Join(user, "memory.max"), limit})
+		w = append(w, v2MemoryWrites(user, to.MemoryBytes, 0)...)
 	}
 	if from == nil || from.Pids != to.Pids {
 		w = append(w, cgroupWrite{filepath.Join(user, "pids.max"), strconv.FormatInt(to.Pids, 10)})
@@ -520,8 +687,20 @@ func v2UserWrites(dir string, from *rt.Resources, to rt.Resources) []cgroupWrite
 	return w
 }
 
-// set writes "max" for lifted limits (v2 has no -1), and no swap with a
-// memory limit, as update does.
+// v2MemoryWrites give the cgroup dir the memory limit limit (0: none)
+// plus extra RAM (the agent's headroom in the sandbox's cgroup): RAM and
+// swap split by v2Memory; v2 has no -1, a lifted limit is "max".
+func v2MemoryWrites(dir string, limit, extra int64) []cgroupWrite {
+	ram, swap := "max", "max"
+	if limit > 0 {
+		r, s := v2Memory(limit)
+		ram, swap = strconv.FormatInt(r+extra, 10), strconv.FormatInt(s, 10)
+	}
+	return []cgroupWrite{{filepath.Join(dir, "memory.swap.max"), swap}, {filepath.Join(dir, "memory.max"), ram}}
+}
+
+// set writes "max" for lifted limits (v2 has no -1), and memory limits
+// split between RAM and swap as update does.
 func (c *cgroupV2) set(from *rt.Resources, to rt.Resources) error {
 	dir := filepath.Join(cgroupRoot, c.group)
 	var w []cgroupWrite
@@ -533,12 +712,7 @@ func (c *cgroupV2) set(from *rt.Resources, to rt.Resources) error {
 		w = append(w, cgroupWrite{filepath.Join(dir, "cpu.max"), cpuMax})
 	}
 	if from == nil || from.MemoryBytes != to.MemoryBytes {
-		if to.MemoryBytes > 0 {
-			w = append(w, cgroupWrite{filepath.Join(dir, "memory.swap.max"), "0"},
-				cgroupWrite{filepath.Join(dir, "memory.max"), strconv.FormatInt(to.MemoryBytes+agentMemory, 10)})
-		} else {
-			w = append(w, cgroupWrite{filepath.Join(dir, "memory.max"), "max"})
-		}
+		w = append(w, v2MemoryWrites(dir, to.MemoryBytes, agentMemory)...)
 	}
 	if from == nil || from.Pids != to.Pids {
 		w = append(w, cgroupWrite{filepath.Join(dir, "pids.max"), strconv.FormatInt(to.Pids+agentPids, 10)})
@@ -585,6 +759,90 @@ func (c *cgroupV2) delete() error {
 		}
 	}
 	return c.m.Delete()
+}
+
+func (c *cgroupV2) setWeight(w weight) error {
+	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "cpu.weight"), []byte(v2Weights[w]), 0)
+}
+
+func (c *cgroupV2) threadsFile() string {
+	return filepath.Join(cgroupRoot, c.group, "user", "cgroup.threads")
+}
+
+func (c *cgroupV2) cpuTime() (time.Duration, error) {
+	file := filepath.Join(cgroupRoot, c.group, "cpu.stat")
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	us, err := parseKV(b, file, "usage_usec")
+	return time.Duration(us) * time.Microsecond, err
+}
+
+func (c *cgroupV2) userMemory() (int64, error) {
+	return readInt(filepath.Join(cgroupRoot, c.group, "user", "memory.current"))
+}
+
+// reclaim writes memory.reclaim, which does what it says (EAGAIN when it
+// took less than asked).
+func (c *cgroupV2) reclaim(n, _ int64) (int64, error) {
+	before, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	err = os.WriteFile(filepath.Join(cgroupRoot, c.group, "user", "memory.reclaim"), []byte(strconv.FormatInt(n, 10)), 0)
+	if err != nil && !errors.Is(err, unix.EAGAIN) {
+		return 0, err
+	}
+	after, err := c.userMemory()
+	if err != nil {
+		return 0, err
+	}
+	return max(before-after, 0), nil
+}
+
+// setNodeMemory bounds the RAM of every sandbox under parent together at
+// bytes (0: no bound), the edge's --memory: the parent cgroup's memory
+// limit, so that the kernel reclaims within the node's sandboxes (to swap)
+// when they reach it, and the rest of the host never feels them. Swap is
+// not bounded by it (v1 memsw, v2 memory.swap.max are left as they are):
+// what the node may swap is the swap area's size, and a RAM+swap bound at
+// the same value would make swap useless (a page swapped out would still
+// count against it).
+func setNodeMemory(parent string, bytes int64) error {
+	if cgroupMode() == cgroups.Unified {
+		dir := filepath.Join(cgroupRoot, parent)
+		if bytes == 0 {
+			if err := os.WriteFile(filepath.Join(dir, "memory.max"), []byte("max"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return err
+			}
+			return nil
+		}
+		// NewManager makes the directory and enables the memory
+		// controller in the cgroups above it.
+		_, err := cgroup2.NewManager(cgroupRoot, "/"+parent, &cgroup2.Resources{Memory: &cgroup2.Memory{Max: &bytes}})
+		return err
+	}
+	dir := filepath.Join(cgroupRoot, "memory", parent)
+	if bytes == 0 {
+		if err := os.WriteFile(filepath.Join(dir, "memory.limit_in_bytes"), []byte("-1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		return nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "memory.limit_in_bytes"), []byte(strconv.FormatInt(bytes, 10)), 0)
+}
+
+// nodeMemoryUsage is the memory charged to parent's cgroup: every
+// sandbox's RAM and page cache, and what removed cgroups left to it.
+func nodeMemoryUsage(parent string) (int64, error) {
+	if cgroupMode() == cgroups.Unified {
+		return readInt(filepath.Join(cgroupRoot, parent, "memory.current"))
+	}
+	return readInt(filepath.Join(cgroupRoot, "memory", parent, "memory.usage_in_bytes"))
 }
 
 // parseKV returns key's value from "key value" lines b read from path.

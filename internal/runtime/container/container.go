@@ -28,6 +28,11 @@
 // /proc and /sys and a fresh /dev, and made its root with pivot_root,
 // which moves the agent along. The old overlay goes with the old root; its
 // directories are removed in the background.
+//
+// A node holds far more sandboxes than its limits add up to (qos.go): a
+// sandbox's memory limit covers RAM and swap together, idle sandboxes
+// (no request in flight) get the least CPU weight and are the first whose
+// memory goes to swap when the node runs short.
 package container
 
 import (
@@ -54,6 +59,7 @@ import (
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
 	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
+	"github.com/dsec-dev/dsec/internal/swap"
 )
 
 // LayerMounts is the node's shared cache of read-only layer mounts
@@ -102,6 +108,15 @@ type Options struct {
 	Warm int
 	// InitTimeout bounds how long a sandbox may take to come up.
 	InitTimeout time.Duration
+	// MemoryBytes bounds the RAM of all sandboxes together (the edge's
+	// --memory): CgroupParent's memory limit. 0: no bound of DSec's (the
+	// host's RAM). Swap is not counted in it (see setNodeMemory).
+	MemoryBytes int64
+	// IdleAfter is how long a sandbox has had no request in flight before
+	// it counts as idle: its CPU weight is lowered, what its execs left
+	// running gets SCHED_IDLE, and its memory is taken back first when the
+	// node runs short (qos.go). Default DefaultIdleAfter.
+	IdleAfter time.Duration
 	// Logger, default slog.Default().
 	Logger *slog.Logger
 }
@@ -124,6 +139,10 @@ type Backend struct {
 
 	// ipc runs Reset's IPC clearing in sandboxes' IPC namespaces.
 	ipc ipcThread
+
+	// qosDone is closed when the QoS loop (qos.go) has stopped.
+	qosDone  chan struct{}
+	qosStats qosCounters
 }
 
 var _ rt.Backend = (*Backend)(nil)
@@ -179,6 +198,12 @@ func New(opts Options) (*Backend, error) {
 	if opts.InitTimeout == 0 {
 		opts.InitTimeout = 30 * time.Second
 	}
+	if opts.IdleAfter == 0 {
+		opts.IdleAfter = DefaultIdleAfter
+	}
+	if opts.MemoryBytes < 0 || opts.IdleAfter < 0 {
+		return nil, errors.New("container backend: MemoryBytes and IdleAfter must not be negative")
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
@@ -213,8 +238,16 @@ func New(opts Options) (*Backend, error) {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
 	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{},
-		warm: make(chan *agentProc, opts.Warm), refillCh: make(chan struct{}, 1), stop: make(chan struct{})}
+		warm: make(chan *agentProc, opts.Warm), refillCh: make(chan struct{}, 1), stop: make(chan struct{}),
+		qosDone: make(chan struct{})}
 	b.cleanStale()
+	if err := setNodeMemory(opts.CgroupParent, opts.MemoryBytes); err != nil {
+		return nil, fmt.Errorf("container backend: bound the sandboxes' memory at %d bytes (cgroup %s): %w", opts.MemoryBytes, opts.CgroupParent, err)
+	}
+	if total, _, err := swap.Total(); err == nil {
+		hostSwap.Store(total > 0)
+	}
+	go b.qosLoop()
 	if opts.Warm > 0 {
 		b.fillerDone = make(chan struct{})
 		go b.fillWarm()
@@ -373,6 +406,8 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	// Taken before anyone can use the sandbox: what a Reset that finds
 	// nothing changed keeps.
 	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work)
+	sb.qos.lastEnd.Store(time.Now().UnixNano())
+	sb.qos.cpuMark = -1
 	b.mu.Lock()
 	b.live[spec.ID] = sb
 	b.mu.Unlock()
@@ -556,6 +591,7 @@ func (b *Backend) Close() error {
 		if b.fillerDone != nil {
 			<-b.fillerDone
 		}
+		<-b.qosDone
 		for {
 			select {
 			case p := <-b.warm:
@@ -675,6 +711,8 @@ type sandbox struct {
 	// frozen is set from Freeze until a Thaw succeeds: Reset skips the
 	// thaw of a sandbox that was not frozen.
 	frozen atomic.Bool
+	// qos is the sandbox's activity and CPU weight (qos.go).
+	qos activity
 	// forkMu serialises ForkExec (one exec through the fork server at a
 	// time); forkSrvMu guards forkSrv, the running fork server or nil.
 	forkMu    sync.Mutex
@@ -714,6 +752,8 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	if req.User == "" {
 		req.User = s.spec.User
 	}
+	s.begin()
+	defer s.end()
 	before, evErr := s.cg.events()
 	res, err := s.client.Exec(ctx, req, out)
 	if err != nil {
@@ -783,19 +823,27 @@ func (s *sandbox) UpperDir() string {
 }
 
 func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
+	s.begin()
+	defer s.end()
 	return s.gone(s.client.WriteFile(ctx, path, data, mode))
 }
 
 func (s *sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
+	s.begin()
+	defer s.end()
 	b, err := s.client.ReadFile(ctx, path, maxBytes)
 	return b, s.gone(err)
 }
 
 func (s *sandbox) PutArchive(ctx context.Context, dir string, tar io.Reader) error {
+	s.begin()
+	defer s.end()
 	return s.gone(s.client.PutArchive(ctx, dir, tar))
 }
 
 func (s *sandbox) GetArchive(ctx context.Context, dir string, w io.Writer) error {
+	s.begin()
+	defer s.end()
 	return s.gone(s.client.GetArchive(ctx, dir, w))
 }
 

@@ -40,8 +40,9 @@ func newEnv(t testing.TB, warm int) *env {
 	return newEnvRootfs(t, warm, testsuite.BusyboxRootfs(t))
 }
 
-// newEnvRootfs is newEnv over a layer made of the directory rootfs.
-func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
+// newEnvRootfs is newEnv over a layer made of the directory rootfs; opts
+// change the backend's options.
+func newEnvRootfs(t testing.TB, warm int, rootfs string, opts ...func(*container.Options)) *env {
 	t.Helper()
 	testutil.RequireRoot(t)
 	agentBin := testutil.BuildBinary(t, "./cmd/dsec-agent")
@@ -83,14 +84,18 @@ func newEnvRootfs(t testing.TB, warm int, rootfs string) *env {
 		}
 		t.Cleanup(func() { scratch.Close() })
 	}
-	b, err := container.New(container.Options{
+	o := container.Options{
 		StateDir:     filepath.Join(root, "sandboxes"),
 		Scratch:      scratch,
 		AgentPath:    agentBin,
 		Layers:       mounts,
 		CgroupParent: "dsec-test-" + filepath.Base(root),
 		Warm:         warm,
-	})
+	}
+	for _, f := range opts {
+		f(&o)
+	}
+	b, err := container.New(o)
 	if err != nil {
 		t.Fatal(err)
 	}

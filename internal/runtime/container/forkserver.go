@@ -118,6 +118,8 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 	case !slices.Equal(req.Env, d.Env):
 		return rt.ExecResult{}, fmt.Errorf("%w: fork exec: the environment must be the fork server's", rt.ErrInvalidSpec)
 	}
+	s.begin()
+	defer s.end()
 	s.forkMu.Lock()
 	defer s.forkMu.Unlock()
 	f, err := s.forkServerFor(ctx, d)

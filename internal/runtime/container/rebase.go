@@ -18,6 +18,8 @@ var _ rt.Rebaser = (*sandbox)(nil)
 // new root (or Destroy ends it). The fork server goes too: it is an
 // interpreter of the old spec's image.
 func (s *sandbox) Quiesce(ctx context.Context) error {
+	s.begin()
+	defer s.end()
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
 	return s.quiesceLocked(ctx, "quiesce")
@@ -79,6 +81,8 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 		return fmt.Errorf("rebase: %w", err)
 	}
 	s.b.defaults(&spec)
+	s.begin()
+	defer s.end()
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
 	if err := s.quiesceLocked(ctx, "rebase"); err != nil {

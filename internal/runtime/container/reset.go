@@ -114,6 +114,8 @@ var (
 // its atime (once, under relatime), which tells the next user at most that
 // a directory was listed, no more than a fresh root's times tell anyway.
 func (s *sandbox) Reset(ctx context.Context) error {
+	s.begin() // the agent reaps at the sandbox's weight
+	defer s.end()
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
 	select {

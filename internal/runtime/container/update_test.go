@@ -175,3 +175,50 @@ func TestUpdateWritesOnlyChanges(t *testing.T) {
 	check("all changed", 25000, 64<<20, 74, 10)
 	checkAgent("all changed", 64<<20+32<<20)
 }
+
+// TestMemoryLimitCoversSwap: on cgroup v1 a sandbox's memory limit bounds
+// RAM and swap together (memory.memsw.limit_in_bytes at the limit), in
+// the user cgroup and the sandbox's (plus the agent's headroom), through
+// every change: the kernel refuses a RAM limit above the memsw one, so a
+// write in the wrong order fails the Update.
+func TestMemoryLimitCoversSwap(t *testing.T) {
+	e := newEnv(t, 0)
+	if _, err := os.Stat("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes"); err != nil {
+		t.Skipf("no cgroup v1 swap accounting: %v", err)
+	}
+	ctx := context.Background()
+	spec := e.spec(t)
+	spec.Resources = rt.Resources{MemoryBytes: 256 << 20}
+	sb, err := e.backend.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sb.Destroy(ctx) })
+	f := sandboxLimits(t, e, sb.ID())
+	memsw := func(file string) string {
+		return strings.Replace(file, "memory.limit_in_bytes", "memory.memsw.limit_in_bytes", 1)
+	}
+	check := func(step string, limit int64) {
+		t.Helper()
+		for _, c := range []struct {
+			file string
+			want int64
+		}{{f.memory, limit}, {memsw(f.memory), limit}, {f.sbMemory, limit + 32<<20}, {memsw(f.sbMemory), limit + 32<<20}} {
+			g := f
+			g.memory = c.file
+			if _, m, _, _ := g.read(t); limit == 0 && m != 0 || limit != 0 && m != c.want {
+				t.Errorf("%s: %s is %d, want %d", step, c.file, m, c.want)
+			}
+		}
+	}
+	check("after Create", 256<<20)
+	for _, step := range []struct {
+		name  string
+		limit int64
+	}{{"raised", 512 << 20}, {"lowered", 64 << 20}, {"lifted", 0}, {"set from none", 128 << 20}, {"raised again", 1 << 30}} {
+		if err := sb.(rt.Updater).Update(ctx, rt.Resources{MemoryBytes: step.limit}); err != nil {
+			t.Fatalf("%s: %v", step.name, err)
+		}
+		check(step.name, step.limit)
+	}
+}

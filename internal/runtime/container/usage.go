@@ -27,7 +27,7 @@ func (b *Backend) Usage() (rt.Usage, error) {
 		}
 		cur, err := readInt(filepath.Join(dir, "memory.current"))
 		if err != nil {
-			return rt.Usage{}, err
+			return rt.Usage{}, fmt.Errorf("sandboxes' usage: %w", err)
 		}
 		mem, err := statFile(filepath.Join(dir, "memory.stat"))
 		if err != nil {
@@ -38,30 +38,18 @@ func (b *Backend) Usage() (rt.Usage, error) {
 	}
 	cpu, err := readInt(filepath.Join(cgroupRoot, "cpuacct", b.opts.CgroupParent, "cpuacct.usage"))
 	if err != nil {
-		return rt.Usage{}, err
+		return rt.Usage{}, fmt.Errorf("sandboxes' usage: %w", err)
 	}
 	memDir := filepath.Join(cgroupRoot, "memory", b.opts.CgroupParent)
 	cur, err := readInt(filepath.Join(memDir, "memory.usage_in_bytes"))
 	if err != nil {
-		return rt.Usage{}, err
+		return rt.Usage{}, fmt.Errorf("sandboxes' usage: %w", err)
 	}
 	mem, err := statFile(filepath.Join(memDir, "memory.stat"))
 	if err != nil {
 		return rt.Usage{}, err
 	}
 	return rt.Usage{CPUNanos: uint64(cpu), MemoryBytes: max(cur-mem["total_inactive_file"], 0), SwapBytes: mem["total_swap"]}, nil
-}
-
-func readInt(path string) (int64, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0, fmt.Errorf("sandboxes' usage: %w", err)
-	}
-	v, err := strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("sandboxes' usage: %s: %w", path, err)
-	}
-	return v, nil
 }
 
 // statFile reads a cgroup "key value" file.
