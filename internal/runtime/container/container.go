@@ -395,10 +395,11 @@ type agentProc struct {
 	// the sandbox's updateMu once it has one).
 	vol  uint64
 	disk int64
-	cmd  *exec.Cmd
-	// pidfd names the agent process (-1 if the kernel has no pidfds):
-	// Reset joins its namespaces through it, immune to PID reuse.
-	pidfd   int
+	// cmd is the agent's process. Its os.Process holds a pidfd (where
+	// the kernel has them) that Reset joins the agent's namespaces
+	// through (withNS), immune to PID reuse; it is the only descriptor of
+	// the agent's process the edge keeps.
+	cmd     *exec.Cmd
 	conn    net.Conn
 	done    chan struct{}
 	waitErr error
@@ -410,16 +411,40 @@ func (p *agentProc) kill() {
 	p.cmd.Process.Kill()
 	<-p.done
 	p.conn.Close()
-	p.closePidfd()
 	p.cg.delete()
 	p.b.removeSlotDir(p.dir)
 }
 
-func (p *agentProc) closePidfd() {
-	if p.pidfd >= 0 {
-		unix.Close(p.pidfd)
-		p.pidfd = -1
+// withNS calls f with a descriptor that names the agent's namespace name
+// ("mnt", "ipc", ...) for setns: the pidfd its os.Process holds, which
+// names the agent for sure and stays open until f returns, or, where the
+// kernel has no pidfds, the namespace's file opened by PID (the agent is
+// our child: its PID names it until Wait reaps it).
+func (p *agentProc) withNS(name string, f func(fd int) error) error {
+	var ferr error
+	err := p.cmd.Process.WithHandle(func(h uintptr) { ferr = f(int(h)) })
+	switch {
+	case err == nil:
+		return ferr
+	case errors.Is(err, os.ErrProcessDone):
+		return errors.New("init has exited")
+	case !errors.Is(err, os.ErrNoHandle):
+		return err
 	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/%s", p.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s namespace: %w", name, err)
+	}
+	defer unix.Close(fd)
+	return f(fd)
+}
+
+// alive reports whether the agent has not been reaped yet (a zombie
+// counts): through the pidfd where there is one, so a nil answer after
+// something was opened by the agent's PID (/proc/PID/...) means the PID
+// named the agent when it was opened.
+func (p *agentProc) alive() error {
+	return p.cmd.Process.Signal(syscall.Signal(0))
 }
 
 // spawn starts an agent with resources r. One process spawn: the agent is
@@ -435,7 +460,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	}()
 	slot := fmt.Sprintf("s%d-%d", os.Getpid(), b.slots.Add(1))
 	dir := filepath.Join(b.opts.StateDir, slot)
-	p := &agentProc{b: b, slot: slot, dir: dir, pidfd: -1}
+	p := &agentProc{b: b, slot: slot, dir: dir}
 	if err := b.makeSlotDir(p, r.DiskBytes); err != nil {
 		return nil, err
 	}
@@ -465,7 +490,6 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	}
 	undo = append(undo, func() { conn.Close() })
 
-	pidfd := -1
 	cmd := &exec.Cmd{
 		Path:       b.opts.AgentPath,
 		Args:       []string{"dsec-agent", "container-init"},
@@ -474,8 +498,9 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 		SysProcAttr: &syscall.SysProcAttr{
 			Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWIPC |
 				syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET | syscall.CLONE_NEWCGROUP,
+			// No PidFD: os.Process then opens the pidfd it keeps itself
+			// (with one of ours, it would keep a duplicate of it).
 			Setsid: true,
-			PidFD:  &pidfd,
 		},
 	}
 	err = cg.spawn(cmd.SysProcAttr, cmd.Start)
@@ -483,7 +508,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("start dsec-agent: %w", err)
 	}
-	p.cg, p.cmd, p.pidfd, p.conn, p.done = cg, cmd, pidfd, conn, make(chan struct{})
+	p.cg, p.cmd, p.conn, p.done = cg, cmd, conn, make(chan struct{})
 	go func() {
 		p.waitErr = cmd.Wait()
 		close(p.done)
@@ -823,7 +848,6 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		s.dropNext() // and no new one is prepared
 		s.bg.Wait()
 		s.closeResetFiles()
-		s.closePidfd()
 		s.resetMu.Unlock()
 		var errs []error
 		if err := s.cg.delete(); err != nil {

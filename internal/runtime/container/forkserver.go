@@ -367,12 +367,7 @@ func (s *sandbox) killStarting(name string) {
 func (s *sandbox) dialAbstract(name string) (*net.UnixConn, int, error) {
 	fd := -1
 	err := onThrowawayThread(func() error {
-		nsfd, done, err := s.nsFD("net")
-		if err != nil {
-			return err
-		}
-		err = unix.Setns(nsfd, unix.CLONE_NEWNET)
-		done()
+		err := s.withNS("net", func(fd int) error { return unix.Setns(fd, unix.CLONE_NEWNET) })
 		if err != nil {
 			return fmt.Errorf("join the sandbox's network namespace: %w", err)
 		}

@@ -380,12 +380,10 @@ func (s *sandbox) unchanged(p *pristine) error {
 	// The mount table and /dev were read through descriptors opened by
 	// the agent's PID (/proc/PID/...) when the state was taken. The agent
 	// is the edge's child, so its PID cannot be reused before the edge
-	// reaps it, and signalling its pidfd fails once it is reaped: if this
-	// succeeds, the PID named the agent all along.
-	if s.pidfd >= 0 {
-		if err := unix.PidfdSendSignal(s.pidfd, 0, nil, 0); err != nil {
-			return fmt.Errorf("agent: %w", err)
-		}
+	// reaps it, and signalling it through its pidfd fails once it is
+	// reaped: if this succeeds, the PID named the agent all along.
+	if err := s.alive(); err != nil {
+		return fmt.Errorf("agent: %w", err)
 	}
 	p.verified = start
 	return nil

@@ -214,12 +214,7 @@ func (s *sandbox) swapRootAndHost(root int, hostname string) (int, error) {
 // setHostname joins the sandbox's UTS namespace and sets its hostname. The
 // calling thread stays there: it must be one that is thrown away.
 func (s *sandbox) setHostname(hostname string) error {
-	fd, done, err := s.nsFD("uts")
-	if err != nil {
-		return err
-	}
-	err = unix.Setns(fd, unix.CLONE_NEWUTS)
-	done()
+	err := s.withNS("uts", func(fd int) error { return unix.Setns(fd, unix.CLONE_NEWUTS) })
 	if err != nil {
 		return fmt.Errorf("join the sandbox's uts namespace: %w", err)
 	}

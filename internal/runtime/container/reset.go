@@ -200,12 +200,7 @@ func (s *sandbox) clearIPCNamespace() error {
 	if s.rf.ipcEmpty(s.mqueue) {
 		return nil
 	}
-	fd, done, err := s.nsFD("ipc")
-	if err != nil {
-		return err
-	}
-	defer done()
-	return s.b.ipc.do(fd, s.clearIPC)
+	return s.withNS("ipc", func(fd int) error { return s.b.ipc.do(fd, s.clearIPC) })
 }
 
 // overlayRoot is a detached overlay mount over its own fresh upper and
@@ -483,12 +478,7 @@ func (s *sandbox) swapRootLocked(root int) (int, error) {
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
 		return -1, fmt.Errorf("unshare fs: %w", err)
 	}
-	fd, done, err := s.nsFD("mnt")
-	if err != nil {
-		return -1, err
-	}
-	err = unix.Setns(fd, unix.CLONE_NEWNS)
-	done()
+	err := s.withNS("mnt", func(fd int) error { return unix.Setns(fd, unix.CLONE_NEWNS) })
 	if err != nil {
 		return -1, fmt.Errorf("join the sandbox's mnt namespace: %w", err)
 	}
@@ -541,21 +531,6 @@ func swapMounts(root int) error {
 		return fmt.Errorf("detach old root: %w", err)
 	}
 	return nil
-}
-
-// nsFD returns a descriptor that names the agent's namespaces for setns:
-// its pidfd, which names the agent for sure (a PID could have been
-// reused), or, on kernels without pidfds, its namespace file name (a
-// /proc/PID/ns name); done releases it.
-func (s *sandbox) nsFD(name string) (fd int, done func(), err error) {
-	if s.pidfd >= 0 {
-		return s.pidfd, func() {}, nil
-	}
-	fd, err = unix.Open(fmt.Sprintf("/proc/%d/ns/%s", s.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, nil, fmt.Errorf("open %s namespace: %w", name, err)
-	}
-	return fd, func() { unix.Close(fd) }, nil
 }
 
 // moveMount moves the mount at from (in the old root) onto to (relative to
