@@ -78,9 +78,13 @@ type cgroup interface {
 	// userDir is the cgroup directory of the user's processes (with the
 	// pids controller; on v1 the agent's spawner thread lives there too).
 	userDir() string
-	// events reads the user cgroup's counters of OOM kills and of forks
-	// refused by its pids limit so far.
-	events() (userEvents, error)
+	// execStart reads the user cgroup's counters of OOM kills and of
+	// forks refused by its pids limit so far, as an exec starts, and
+	// keeps their files open until the matching execEnd (every execStart
+	// has one, whatever it returned), which reads them again if read is
+	// set (see eventFiles).
+	execStart() (userEvents, error)
+	execEnd(read bool) (userEvents, error)
 	// user fills in where the sandbox's user processes are born (see
 	// sandboxinit.Config.UserTasks).
 	user(cfg *sandboxinit.Config)
@@ -134,32 +138,57 @@ type userEvents struct {
 	oomKills, pidsMax uint64
 }
 
-// eventFiles keeps the user cgroup's event files open: an exec reads them
-// before and after it runs (one pread each), to tell whether its
-// processes were OOM-killed or refused a fork.
+// eventFiles are the user cgroup's event files, which an exec reads
+// before and after it runs (one pread each) to tell whether its processes
+// were OOM-killed or refused a fork. They are open only while an exec is
+// in flight: the first to start opens them, the last to end closes them,
+// so an idle sandbox keeps no descriptor for them in the edge (whose
+// open-file limit bounds how many sandboxes a node holds). The paths are
+// the host's cgroup file system, which nothing in a sandbox can change.
 type eventFiles struct {
-	mu       sync.Mutex
-	oom, pid int // descriptors, once open (0: not yet)
+	mu sync.Mutex
+	// execs counts the execs between start and end; oom and pid are the
+	// files' descriptors while open.
+	execs    int
+	open     bool
+	oom, pid int
 	// oomFile, oomKey and pidsFile name what to read.
 	oomFile, oomKey, pidsFile string
 }
 
-func (e *eventFiles) read() (userEvents, error) {
+func (e *eventFiles) start() (userEvents, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.execs++
+	return e.readLocked()
+}
+
+func (e *eventFiles) end(read bool) (ev userEvents, err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if read {
+		ev, err = e.readLocked()
+	}
+	if e.execs--; e.execs <= 0 {
+		e.execs = 0
+		e.closeLocked()
+	}
+	return ev, err
+}
+
+func (e *eventFiles) readLocked() (userEvents, error) {
 	var ev userEvents
-	for _, f := range []struct {
-		fd   *int
-		name string
-	}{{&e.oom, e.oomFile}, {&e.pid, e.pidsFile}} {
-		if *f.fd > 0 {
-			continue
-		}
-		fd, err := unix.Open(f.name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if !e.open {
+		oom, err := unix.Open(e.oomFile, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return ev, fmt.Errorf("open %s: %w", f.name, err)
+			return ev, fmt.Errorf("open %s: %w", e.oomFile, err)
 		}
-		*f.fd = fd
+		pid, err := unix.Open(e.pidsFile, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			unix.Close(oom)
+			return ev, fmt.Errorf("open %s: %w", e.pidsFile, err)
+		}
+		e.oom, e.pid, e.open = oom, pid, true
 	}
 	var err error
 	if ev.oomKills, err = preadKV(e.oom, e.oomFile, e.oomKey); err != nil {
@@ -169,14 +198,19 @@ func (e *eventFiles) read() (userEvents, error) {
 	return ev, err
 }
 
+// close closes the files (the cgroup is being deleted); an exec still in
+// flight opens them again if it can.
 func (e *eventFiles) close() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, fd := range []*int{&e.oom, &e.pid} {
-		if *fd > 0 {
-			unix.Close(*fd)
-			*fd = 0
-		}
+	e.closeLocked()
+}
+
+func (e *eventFiles) closeLocked() {
+	if e.open {
+		unix.Close(e.oom)
+		unix.Close(e.pid)
+		e.open = false
 	}
 }
 
@@ -392,7 +426,8 @@ func threadCgroups() (map[string]string, error) {
 	return m, nil
 }
 
-func (c *cgroupV1) events() (userEvents, error) { return c.ev.read() }
+func (c *cgroupV1) execStart() (userEvents, error)        { return c.ev.start() }
+func (c *cgroupV1) execEnd(read bool) (userEvents, error) { return c.ev.end(read) }
 
 func (c *cgroupV1) unthrottle() error {
 	return os.WriteFile(filepath.Join(cgroupRoot, "cpu", c.group, "cpu.cfs_quota_us"), []byte("-1"), 0)
@@ -566,7 +601,8 @@ func (c *cgroupV2) spawn(attr *syscall.SysProcAttr, start func() error) error {
 	return start()
 }
 
-func (c *cgroupV2) events() (userEvents, error) { return c.ev.read() }
+func (c *cgroupV2) execStart() (userEvents, error)        { return c.ev.start() }
+func (c *cgroupV2) execEnd(read bool) (userEvents, error) { return c.ev.end(read) }
 
 func (c *cgroupV2) unthrottle() error {
 	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "cpu.max"), []byte("max "+strconv.Itoa(cpuPeriod)), 0)

@@ -730,6 +730,12 @@ func (s *sandbox) gone(err error) error {
 }
 
 func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFunc) (rt.ExecResult, error) {
+	return s.exec(ctx, req, true, out)
+}
+
+// exec runs req; events says whether its result reports what the limits
+// did to it (noteEvents).
+func (s *sandbox) exec(ctx context.Context, req rt.ExecRequest, events bool, out rt.OutputFunc) (rt.ExecResult, error) {
 	// The agent resolves duplicates (later K=V wins) and adds PATH and HOME
 	// when missing.
 	req.Env = append(append(make([]string, 0, len(s.spec.Env)+len(req.Env)), s.spec.Env...), req.Env...)
@@ -739,32 +745,37 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	if req.User == "" {
 		req.User = s.spec.User
 	}
-	before, evErr := s.cg.events()
+	var before userEvents
+	var evErr error
+	if events {
+		before, evErr = s.cg.execStart()
+	}
 	res, err := s.client.Exec(ctx, req, out)
+	if events {
+		after, afterErr := s.cg.execEnd(err == nil && evErr == nil)
+		if err == nil && evErr == nil && afterErr == nil {
+			noteEvents(&res, before, after)
+		}
+	}
 	if err != nil {
 		return res, s.gone(err)
-	}
-	if evErr == nil {
-		s.noteEvents(&res, before)
 	}
 	s.noteDiskFull(&res)
 	return res, nil
 }
 
 // noteEvents reports what the sandbox's limits did to the exec, from the
-// user cgroup's counters read before it (before) and now: OOMKilled if
-// the kernel OOM-killed one of the sandbox's processes meanwhile,
-// PidsExhausted if the pids limit refused a fork. Either is the
+// user cgroup's counters read before it (before) and after it (after):
+// OOMKilled if the kernel OOM-killed one of the sandbox's processes
+// meanwhile, PidsExhausted if the pids limit refused a fork. Either is the
 // workload's own trouble, reported as its command's result; the sandbox
 // stays usable (its agent is not in the user cgroup). The kernel does not
 // say which process a kill or a refusal hit, so execs running at the same
 // time each see the other's; one after another, each sees its own. Two
-// preads on descriptors kept open, whatever the exec did.
-func (s *sandbox) noteEvents(res *rt.ExecResult, before userEvents) {
-	after, err := s.cg.events()
-	if err != nil {
-		return
-	}
+// preads a side, whatever the exec did, and the two files opened and
+// closed around them unless another exec in flight holds them open
+// (cgroup.execStart).
+func noteEvents(res *rt.ExecResult, before, after userEvents) {
 	if after.oomKills > before.oomKills {
 		res.OOMKilled = true
 	}

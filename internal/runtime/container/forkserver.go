@@ -136,8 +136,9 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 	if req.Cwd == "" {
 		req.Cwd = "/"
 	}
-	before, evErr := s.cg.events()
+	before, evErr := s.cg.execStart()
 	res, err := f.run(ctx, req)
+	after, afterErr := s.cg.execEnd(evErr == nil && err == nil)
 	if errors.Is(err, errServerLost) {
 		// The program stopped or ended the server it was forked from:
 		// its own doing, reported as its failure, not the sandbox's.
@@ -150,8 +151,8 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 		s.dropForkServer()
 		return res, s.gone(err)
 	}
-	if evErr == nil {
-		s.noteEvents(&res, before)
+	if evErr == nil && afterErr == nil {
+		noteEvents(&res, before, after)
 	}
 	return res, nil
 }
@@ -286,7 +287,9 @@ func (s *sandbox) startForkServer(ctx context.Context, d rt.ForkServer, key stri
 		defer close(f.done)
 		// Not ctx: the server outlives this call. It ends with its
 		// connection, or with the sandbox.
-		res, err := s.Exec(context.Background(), rt.ExecRequest{Argv: append(append([]string(nil), d.Argv...), name), Env: d.Env, Cwd: "/"},
+		// Without the limits' events: the exec runs as long as the
+		// server does, and their files would stay open for it.
+		res, err := s.exec(context.Background(), rt.ExecRequest{Argv: append(append([]string(nil), d.Argv...), name), Env: d.Env, Cwd: "/"}, false,
 			func(st rt.Stream, data []byte) {
 				if st == rt.Stdout && bytes.Contains(data, []byte("ready\n")) {
 					readyOnce.Do(func() { close(ready) })
