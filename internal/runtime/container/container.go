@@ -121,9 +121,6 @@ type Backend struct {
 	stop       chan struct{}
 	fillerDone chan struct{}
 	closeOnce  sync.Once
-
-	// ipc runs Reset's IPC clearing in sandboxes' IPC namespaces.
-	ipc ipcThread
 }
 
 var _ rt.Backend = (*Backend)(nil)
@@ -211,6 +208,10 @@ func New(opts Options) (*Backend, error) {
 	}
 	if err := os.MkdirAll(opts.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("state dir: %w", err)
+	}
+	// Before any thread joins a sandbox's IPC namespace (Reset).
+	if _, err := hostIPC(); err != nil {
+		return nil, err
 	}
 	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{},
 		warm: make(chan *agentProc, opts.Warm), refillCh: make(chan struct{}, 1), stop: make(chan struct{})}
@@ -367,12 +368,17 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	if err != nil {
 		return nil, err
 	}
+	proc, err := p.openProc()
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(proc)
 	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
 		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
 		res: spec.Resources, resKnown: true}
 	// Taken before anyone can use the sandbox: what a Reset that finds
 	// nothing changed keeps.
-	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work)
+	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work, proc)
 	b.mu.Lock()
 	b.live[spec.ID] = sb
 	b.mu.Unlock()
@@ -571,12 +577,10 @@ func (b *Backend) fillWarm() {
 	}
 }
 
-// Close stops the warm pool and removes its agents, and ends the IPC
-// thread. Live sandboxes are the caller's to destroy (a Reset after Close
-// still works, on a thread of its own).
+// Close stops the warm pool and removes its agents. Live sandboxes are
+// the caller's to destroy (a Reset after Close still works).
 func (b *Backend) Close() error {
 	b.closeOnce.Do(func() {
-		b.ipc.close()
 		close(b.stop)
 		if b.fillerDone != nil {
 			<-b.fillerDone
@@ -690,7 +694,7 @@ type sandbox struct {
 	// mqueue is a detached mount of the sandbox's mqueue file system (-1
 	// until the first Reset makes it); only Reset uses it.
 	mqueue int
-	// rf are descriptors Reset keeps open between calls (under resetMu).
+	// rf is what Reset learnt about the sandbox (under resetMu).
 	rf resetFiles
 	// updateMu serialises Update and guards res: the limits in force
 	// (Pids defaulted), when resKnown (a failed Update leaves them unknown).
