@@ -361,7 +361,8 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		NoLockdown: b.opts.Unconfined,
 	}
 	p.cg.user(&cfg)
-	if err := b.initSandbox(ctx, p.conn, &cfg, p.done); err != nil {
+	reply, err := b.initSandbox(ctx, p.conn, &cfg, p.done)
+	if err != nil {
 		return nil, err
 	}
 	attrs, err := captureAgent(p.cmd.Process.Pid)
@@ -374,7 +375,7 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	}
 	defer unix.Close(proc)
 	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
-		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
+		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, agentMqueue: reply.MqueueFD, mqueue: -1,
 		res: spec.Resources, resKnown: true}
 	// Taken before anyone can use the sandbox: what a Reset that finds
 	// nothing changed keeps.
@@ -600,7 +601,7 @@ func (b *Backend) Close() error {
 
 // initSandbox sends the config and waits for the agent's reply, bounded by
 // the context, the init timeout and the agent's death.
-func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxinit.Config, done <-chan struct{}) error {
+func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxinit.Config, done <-chan struct{}) (*sandboxinit.Reply, error) {
 	deadline := time.Now().Add(b.opts.InitTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -610,24 +611,24 @@ func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxin
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
 	defer stop()
 	if err := sandboxinit.WriteMessage(conn, cfg); err != nil {
-		return fmt.Errorf("send sandbox config: %w", err)
+		return nil, fmt.Errorf("send sandbox config: %w", err)
 	}
 	var reply sandboxinit.Reply
 	if err := sandboxinit.ReadMessage(conn, &reply); err != nil {
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return nil, ctx.Err()
 		}
 		select {
 		case <-done:
-			return fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
+			return nil, fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
 		default:
 		}
-		return fmt.Errorf("sandbox setup: %w", err)
+		return nil, fmt.Errorf("sandbox setup: %w", err)
 	}
 	if reply.Error != "" {
-		return fmt.Errorf("sandbox setup: %s", reply.Error)
+		return nil, fmt.Errorf("sandbox setup: %s", reply.Error)
 	}
-	return nil
+	return &reply, nil
 }
 
 // cleanStale removes sandboxes a previous process left behind: their
@@ -691,9 +692,13 @@ type sandbox struct {
 	// bg counts Reset's background work in flight (releasing the old root,
 	// preparing the next); Destroy waits for it.
 	bg sync.WaitGroup
-	// mqueue is a detached mount of the sandbox's mqueue file system (-1
-	// until the first Reset makes it); only Reset uses it.
-	mqueue int
+	// agentMqueue is the agent's descriptor of a detached mount of the
+	// sandbox's mqueue file system (sandboxinit.Reply.MqueueFD), which
+	// Reset looks through (clearAgentMqueues); 0 if it has none. Then
+	// mqueue is the edge's own such mount (-1 until the first Reset makes
+	// it); only Reset uses them.
+	agentMqueue int
+	mqueue      int
 	// rf is what Reset learnt about the sandbox (under resetMu).
 	rf resetFiles
 	// updateMu serialises Update and guards res: the limits in force

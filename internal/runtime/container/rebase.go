@@ -51,7 +51,7 @@ func (s *sandbox) quiesceLocked(ctx context.Context, op string) (proc int, err e
 	if err := s.attrs.restoreWith(s.cmd.Process.Pid, proc); err != nil {
 		return proc, s.gone(fmt.Errorf("%s: %w", op, err))
 	}
-	if err := s.clearIPCNamespace(); err != nil {
+	if err := s.clearIPCNamespace(proc); err != nil {
 		return proc, s.gone(fmt.Errorf("%s: %w", op, err))
 	}
 	return proc, nil

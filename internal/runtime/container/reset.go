@@ -132,7 +132,7 @@ func (s *sandbox) Reset(ctx context.Context) error {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
 	s.checkForkServer()
-	if err := s.clearIPCNamespace(); err != nil {
+	if err := s.clearIPCNamespace(proc); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
 	if s.pristine != nil {
@@ -196,10 +196,29 @@ func (s *sandbox) pristineOrNil(upper, work string, proc int) *pristine {
 	return p
 }
 
-// clearIPCNamespace removes the IPC objects of the sandbox's IPC namespace
-// (clearIPC) from the calling thread, which joins the namespace for it.
-func (s *sandbox) clearIPCNamespace() error {
-	return s.withNS("ipc", func(fd int) error { return inIPCNamespace(fd, s.clearIPC) })
+// clearIPCNamespace removes the IPC objects of the sandbox's IPC
+// namespace: its System V objects from the calling thread, which joins the
+// namespace for it (clearSysV), and its POSIX message queues through the
+// agent's mqueue mount (clearAgentMqueues; proc is the agent's /proc/PID
+// directory, openProc) or, for an agent without one, the edge's own
+// (clearMqueues). Most users make none: then it costs three system calls
+// in the namespace, two to get there and back, and a stat.
+func (s *sandbox) clearIPCNamespace(proc int) error {
+	err := s.withNS("ipc", func(fd int) error {
+		return inIPCNamespace(fd, func() error {
+			if err := clearSysV(); err != nil {
+				return err
+			}
+			if s.agentMqueue > 0 {
+				return nil
+			}
+			return s.clearMqueues()
+		})
+	})
+	if err != nil || s.agentMqueue <= 0 {
+		return err
+	}
+	return s.clearAgentMqueues(proc)
 }
 
 // openProc opens the agent's /proc/PID directory, which a Reset reads the
@@ -668,13 +687,11 @@ const (
 	msgInfo = 12 // MSG_INFO: struct msginfo, msgpool (queues in use) first
 )
 
-// clearIPC removes every System V shared memory segment, semaphore set and
-// message queue, and every POSIX message queue, of the calling thread's IPC
-// namespace (the sandbox's: see inIPCNamespace). Every user process is dead
-// by now, so removed segments are freed at once. Most users make none: then
-// it costs three system calls that count the System V objects and a stat
-// of the mqueue root.
-func (s *sandbox) clearIPC() error {
+// clearSysV removes every System V shared memory segment, semaphore set
+// and message queue of the calling thread's IPC namespace (the sandbox's:
+// see inIPCNamespace). Every user process is dead by now, so removed
+// segments are freed at once.
+func clearSysV() error {
 	for _, k := range []struct {
 		file  string
 		count func() (int, error)
@@ -717,7 +734,7 @@ func (s *sandbox) clearIPC() error {
 			}
 		}
 	}
-	return s.clearMqueues()
+	return nil
 }
 
 // ipcCount calls an *_INFO command (the buffer is the last argument, after
@@ -744,13 +761,83 @@ func ipcCall(trap, a0, a1, a2 uintptr) error {
 	return nil
 }
 
-// clearMqueues unlinks every POSIX message queue of the sandbox's IPC
-// namespace through a detached mount of its mqueue file system, made on
-// the first Reset (a mqueue mount shows the IPC namespace of whoever
-// created it, the sandbox's here) and kept until Destroy. The mqueue root
-// directory's size grows by a fixed amount with each queue made in it and
-// shrinks with each removed (it has no other way in), so its size when
-// empty, learnt on the first call, says there is none to list.
+// mqueueMagic is the mqueue file system's type (statfs).
+const mqueueMagic = 0x19800202
+
+// clearAgentMqueues unlinks every POSIX message queue of the sandbox's IPC
+// namespace through the detached mqueue mount the agent made at its start
+// in that namespace and keeps open (sandboxinit.Reply.MqueueFD), reached
+// through the agent's /proc/PID/fd (proc: openProc) instead of a
+// descriptor the edge would keep per sandbox. The mqueue root directory's
+// size grows by a fixed amount with each queue made in it and shrinks with
+// each removed (it has no other way in), so its size when empty, learnt on
+// the first call, says there is none to list: one stat.
+//
+// Why the descriptor found there is the sandbox's mqueue root. Only the
+// agent changes its descriptor table, and nothing in the sandbox can reach
+// it (the agent is not dumpable, so no process there may ptrace it, read
+// /proc/1/fd or use pidfd_getfd on it); the agent never closes it, so no
+// later file of its gets its number. Were the agent subverted anyway, it
+// could put there only what it can reach, and the only mqueue directory it
+// can reach is its own namespace's root: it cannot mount (no
+// CAP_SYS_ADMIN after it locked itself down), the host's mqueue mounts are
+// not in its mount tree, and no other namespace's is in the sandbox. So the
+// first call checks that it is a directory of an mqueue file system, and
+// later ones that it is the same inode; anything else fails the Reset (the
+// sandbox is destroyed).
+func (s *sandbox) clearAgentMqueues(proc int) error {
+	name := "fd/" + strconv.Itoa(s.agentMqueue)
+	f := &s.rf
+	var st unix.Stat_t
+	if err := unix.Fstatat(proc, name, &st, 0); err != nil {
+		return fmt.Errorf("stat the sandbox's mqueue root: %w", err)
+	}
+	if f.mqueueKnown {
+		if st.Dev != f.mqueueDev || st.Ino != f.mqueueIno {
+			return errors.New("the agent's mqueue descriptor names another file")
+		}
+		if st.Size == f.mqueueEmpty {
+			return nil
+		}
+	}
+	dfd, err := unix.Openat(proc, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open the sandbox's mqueue root: %w", err)
+	}
+	d := os.NewFile(uintptr(dfd), "mqueue")
+	defer d.Close()
+	var sfs unix.Statfs_t
+	if err := errors.Join(unix.Fstatfs(dfd, &sfs), unix.Fstat(dfd, &st)); err != nil {
+		return fmt.Errorf("stat the sandbox's mqueue root: %w", err)
+	}
+	if sfs.Type != mqueueMagic || st.Mode&unix.S_IFMT != unix.S_IFDIR ||
+		f.mqueueKnown && (st.Dev != f.mqueueDev || st.Ino != f.mqueueIno) {
+		return fmt.Errorf("the agent's mqueue descriptor is not an mqueue root (file system %#x, mode %#o)", sfs.Type, st.Mode)
+	}
+	names, err := d.Readdirnames(-1)
+	if err != nil {
+		return fmt.Errorf("list message queues: %w", err)
+	}
+	for _, n := range names {
+		if err := unix.Unlinkat(dfd, n, 0); err != nil && err != unix.ENOENT {
+			return fmt.Errorf("remove message queue %q: %w", n, err)
+		}
+	}
+	// The directory is empty now (no process is left to make a queue):
+	// its size is what the next call compares with.
+	if err := unix.Fstat(dfd, &st); err != nil {
+		return fmt.Errorf("stat mqueue: %w", err)
+	}
+	f.mqueueEmpty, f.mqueueDev, f.mqueueIno, f.mqueueKnown = st.Size, st.Dev, st.Ino, true
+	return nil
+}
+
+// clearMqueues is clearAgentMqueues for an agent without an mqueue mount
+// (an older agent): it goes through a detached mount of the sandbox's
+// mqueue file system that the edge makes on the first Reset, from a thread
+// in the sandbox's IPC namespace (a mqueue mount shows the IPC namespace of
+// whoever created it), and keeps until Destroy: one descriptor more per
+// sandbox.
 func (s *sandbox) clearMqueues() error {
 	if s.mqueue >= 0 && s.rf.mqueueKnown {
 		var st unix.Stat_t
@@ -1059,9 +1146,11 @@ type resetFiles struct {
 	pidsCurrent     string
 
 	// mqueueEmpty is the size of the sandbox's mqueue root directory with
-	// no queue in it.
-	mqueueEmpty int64
-	mqueueKnown bool
+	// no queue in it, and mqueueDev and mqueueIno its device and inode
+	// numbers (clearAgentMqueues).
+	mqueueEmpty          int64
+	mqueueDev, mqueueIno uint64
+	mqueueKnown          bool
 }
 
 // onlyAgent reports whether the user cgroup holds nothing but the agent's
