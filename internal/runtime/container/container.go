@@ -361,6 +361,7 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		NoLockdown: b.opts.Unconfined,
 	}
 	p.cg.user(&cfg)
+	cfg.CgroupFiles = p.cg.files().path[:]
 	reply, err := b.initSandbox(ctx, p.conn, &cfg, p.done)
 	if err != nil {
 		return nil, err
@@ -375,8 +376,8 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 	}
 	defer unix.Close(proc)
 	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
-		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, agentMqueue: reply.MqueueFD, mqueue: -1,
-		res: spec.Resources, resKnown: true}
+		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
+		agentMqueue: reply.MqueueFD, agentFiles: reply.CgroupFDs, res: spec.Resources, resKnown: true}
 	// Taken before anyone can use the sandbox: what a Reset that finds
 	// nothing changed keeps.
 	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work, proc)
@@ -444,6 +445,43 @@ func (p *agentProc) withNS(name string, f func(fd int) error) error {
 	}
 	defer unix.Close(fd)
 	return f(fd)
+}
+
+// borrow returns a duplicate of the agent's descriptor n (pidfd_getfd,
+// close-on-exec).
+func (p *agentProc) borrow(n int) (int, error) {
+	fd, gerr := -1, error(nil)
+	err := p.cmd.Process.WithHandle(func(h uintptr) { fd, gerr = unix.PidfdGetfd(int(h), n, 0) })
+	if err != nil {
+		return -1, err
+	}
+	return fd, gerr
+}
+
+// openUserFile opens file i of the user cgroup's files (userFiles) for
+// reading: a duplicate of the agent's descriptor of it (borrow), which
+// costs a fraction of opening a cgroup file (kernfs), checked to be that
+// very file (its device and inode numbers, from a stat when the cgroup was
+// made: the agent cannot pass anything else off as it); else, when that
+// fails (an agent without it, a kernel or security module that refuses
+// pidfd_getfd, or the check), by its path on the host's cgroup file
+// system, which nothing in a sandbox can change.
+func (s *sandbox) openUserFile(i int) (int, error) {
+	f := s.cg.files()
+	if i < len(s.agentFiles) && s.agentFiles[i] > 0 {
+		if fd, err := s.borrow(s.agentFiles[i]); err == nil {
+			var st unix.Stat_t
+			if unix.Fstat(fd, &st) == nil && (fileID{st.Dev, st.Ino}) == f.id[i] {
+				return fd, nil
+			}
+			unix.Close(fd)
+		}
+	}
+	fd, err := unix.Open(f.path[i], unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open %s: %w", f.path[i], err)
+	}
+	return fd, nil
 }
 
 // alive reports whether the agent has not been reaped yet (a zombie
@@ -699,6 +737,10 @@ type sandbox struct {
 	// it); only Reset uses them.
 	agentMqueue int
 	mqueue      int
+	// agentFiles are the agent's descriptors of the user cgroup's files
+	// (userFiles, sandboxinit.Reply.CgroupFDs), which openUserFile
+	// borrows.
+	agentFiles []int
 	// rf is what Reset learnt about the sandbox (under resetMu).
 	rf resetFiles
 	// updateMu serialises Update and guards res: the limits in force
@@ -757,11 +799,11 @@ func (s *sandbox) exec(ctx context.Context, req rt.ExecRequest, events bool, out
 	var before userEvents
 	var evErr error
 	if events {
-		before, evErr = s.cg.execStart()
+		before, evErr = s.cg.files().execStart(s.openUserFile)
 	}
 	res, err := s.client.Exec(ctx, req, out)
 	if events {
-		after, afterErr := s.cg.execEnd(err == nil && evErr == nil)
+		after, afterErr := s.cg.files().execEnd(s.openUserFile, err == nil && evErr == nil)
 		if err == nil && evErr == nil && afterErr == nil {
 			noteEvents(&res, before, after)
 		}
@@ -783,7 +825,7 @@ func (s *sandbox) exec(ctx context.Context, req rt.ExecRequest, events bool, out
 // time each see the other's; one after another, each sees its own. Two
 // preads a side, whatever the exec did, and the two files opened and
 // closed around them unless another exec in flight holds them open
-// (cgroup.execStart).
+// (userFiles.execStart).
 func noteEvents(res *rt.ExecResult, before, after userEvents) {
 	if after.oomKills > before.oomKills {
 		res.OOMKilled = true

@@ -183,9 +183,9 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 	if req.Cwd == "" {
 		req.Cwd = "/"
 	}
-	before, evErr := s.cg.execStart()
+	before, evErr := s.cg.files().execStart(s.openUserFile)
 	res, err := f.run(ctx, req)
-	after, afterErr := s.cg.execEnd(evErr == nil && err == nil)
+	after, afterErr := s.cg.files().execEnd(s.openUserFile, evErr == nil && err == nil)
 	if errors.Is(err, errServerLost) {
 		// The program stopped or ended the server it was forked from:
 		// its own doing, reported as its failure, not the sandbox's.

@@ -353,7 +353,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 	// The fork server is spared (see forkserver.go); whether it was
 	// left as it should be is checkForkServer's business.
 	spare := s.forkServerPid()
-	if spare == 0 && !s.frozen.Load() && s.rf.onlyAgent() {
+	if spare == 0 && !s.frozen.Load() && s.onlyAgent() {
 		return nil
 	}
 	dir := s.cg.userDir()
@@ -424,7 +424,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 				if spare == 0 {
 					// Only the agent's own threads are left: what
 					// onlyAgent compares with next time.
-					s.rf.learnAgentTasks(dir, tasks)
+					s.rf.agentTasks, s.rf.agentTasksKnown = tasks, true
 				}
 				return nil
 			}
@@ -1140,10 +1140,9 @@ func (at procFiles) threads(buf []byte) ([]string, error) {
 type resetFiles struct {
 	// agentTasks is the pids count of the user cgroup when it held
 	// nothing but the agent's own threads (known once a kill pass saw
-	// it), and pidsCurrent that count's file.
+	// it).
 	agentTasks      int
 	agentTasksKnown bool
-	pidsCurrent     string
 
 	// mqueueEmpty is the size of the sandbox's mqueue root directory with
 	// no queue in it, and mqueueDev and mqueueIno its device and inode
@@ -1154,8 +1153,8 @@ type resetFiles struct {
 }
 
 // onlyAgent reports whether the user cgroup holds nothing but the agent's
-// own threads, known to be agentTasks: its pids count says so (one open,
-// read and close of a file of the host's cgroup file system).
+// own threads, known to be rf.agentTasks: its pids count says so (one
+// read of pids.current, borrowed from the agent: openUserFile).
 //
 // Exact because the pids count charges every task of the cgroup (and of
 // any cgroup below it) from its fork until its parent reaps it, so a
@@ -1167,11 +1166,11 @@ type resetFiles struct {
 // cgroups. So a count equal to agentTasks means no other task; any other
 // count, or an unreadable one, makes the caller do the full pass (which
 // learns agentTasks again).
-func (f *resetFiles) onlyAgent() bool {
-	if !f.agentTasksKnown {
+func (s *sandbox) onlyAgent() bool {
+	if !s.rf.agentTasksKnown {
 		return false
 	}
-	fd, err := unix.Open(f.pidsCurrent, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	fd, err := s.openUserFile(filePidsCurrent)
 	if err != nil {
 		return false
 	}
@@ -1182,14 +1181,7 @@ func (f *resetFiles) onlyAgent() bool {
 		return false
 	}
 	n, err := strconv.Atoi(string(bytes.TrimSpace(b)))
-	return err == nil && n == f.agentTasks
-}
-
-// learnAgentTasks records that the user cgroup dir held only the agent's
-// threads, tasks of them, for onlyAgent.
-func (f *resetFiles) learnAgentTasks(dir string, tasks int) {
-	f.pidsCurrent = filepath.Join(dir, "pids.current")
-	f.agentTasks, f.agentTasksKnown = tasks, true
+	return err == nil && n == s.rf.agentTasks
 }
 
 // closeResetFiles closes what Reset keeps open (Destroy, with resetMu

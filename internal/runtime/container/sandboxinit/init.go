@@ -71,10 +71,17 @@ type Config struct {
 	// storm competes for the sandbox's CPU quota as one group beside the
 	// agent, which keeps its share however many processes the storm has.
 	UserMoreTasks []string `json:"user_more_tasks,omitempty"`
+	// CgroupFiles are files of the user cgroup that the agent opens
+	// read-only before pivot_root and keeps open, unused, for the edge to
+	// read through (Reply.CgroupFDs): an exec and a Reset read them, and
+	// the edge, which keeps no descriptor per sandbox, borrows the
+	// agent's (pidfd_getfd) rather than open a cgroup file each time.
+	CgroupFiles []string `json:"cgroup_files,omitempty"`
 
 	userTasks     *os.File   // opened UserTasks
 	userMoreTasks []*os.File // opened UserMoreTasks
 	userDirFD     int        // opened UserCgroupDir
+	cgroupFDs     []int      // opened CgroupFiles
 }
 
 // Reply is init's answer: empty Error means the sandbox is ready.
@@ -84,6 +91,9 @@ type Reply struct {
 	// sandbox's POSIX message queue file system (openMqueue), which the
 	// agent keeps open and never uses; 0 if it has none.
 	MqueueFD int `json:"mqueue_fd,omitempty"`
+	// CgroupFDs are the agent's descriptors of Config.CgroupFiles, in
+	// their order (0: one it could not open).
+	CgroupFDs []int `json:"cgroup_fds,omitempty"`
 }
 
 // maxMessage bounds an init message, so a confused peer cannot make the
@@ -148,7 +158,7 @@ func Run(conn io.ReadWriter, lock Lockdown) (Fork, error) {
 		return nil, fmt.Errorf("read init config: %w", err)
 	}
 	fork, err := setup(&cfg, lock)
-	reply := Reply{MqueueFD: mq}
+	reply := Reply{MqueueFD: mq, CgroupFDs: cfg.cgroupFDs}
 	if err != nil {
 		reply.Error = err.Error()
 	}
@@ -260,6 +270,13 @@ func startSpawner(cfg *Config, lock Lockdown) (Fork, error) {
 // openUserCgroup opens the user cgroup's files while the host's cgroup file
 // system is still in view (before pivot_root).
 func openUserCgroup(cfg *Config) error {
+	for _, name := range cfg.CgroupFiles {
+		fd, err := unix.Open(name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			fd = 0 // the edge opens it itself
+		}
+		cfg.cgroupFDs = append(cfg.cgroupFDs, fd)
+	}
 	switch {
 	case cfg.UserCgroupDir != "":
 		fd, err := unix.Open(cfg.UserCgroupDir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC, 0)
