@@ -67,7 +67,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.agentPath, "agent", "", "dsec-agent binary (default: next to this executable)")
 	fl.StringVar(&f.cpu, "cpu", "", "CPU cores offered to sandboxes (default: all)")
 	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g (default: all RAM)")
-	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~20 descriptors each)", edge.DefaultMaxSandboxes))
+	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~4 descriptors each)", edge.DefaultMaxSandboxes))
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
 	fl.Float64Var(&f.oc.CPU, "overcommit-cpu", placement.DefaultOvercommit.CPU, "CPU overcommit ratio (must match the servers')")
 	fl.Float64Var(&f.oc.Memory, "overcommit-memory", placement.DefaultOvercommit.Memory, "memory overcommit ratio (must match the servers')")
