@@ -75,7 +75,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.agentPath, "agent", "", "dsec-agent binary (default: next to this executable)")
 	fl.StringVar(&f.cpu, "cpu", "", "CPU cores offered to sandboxes (default: all)")
 	fl.StringVar(&f.memory, "memory", "", "memory offered to sandboxes, e.g. 16g; it also bounds their RAM together, as a cgroup (default: all RAM, no bound)")
-	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~20 descriptors each)", edge.DefaultMaxSandboxes))
+	fl.Int64Var(&f.maxSandboxes, "max-sandboxes", 0, fmt.Sprintf("most sandboxes on this node (default %d, lowered to what the open-file limit holds: ~4 descriptors each)", edge.DefaultMaxSandboxes))
 	fl.DurationVar(&f.heartbeat, "heartbeat-interval", edge.DefaultHeartbeatInterval, "how often to heartbeat to every server")
 	fl.DurationVar(&f.usage, "usage-interval", edge.DefaultUsageInterval, "how often to read every running sandbox's CPU and memory use (what sandbox ls shows; its CPU is averaged over it); longer when a pass costs more than 2% of a core")
 	fl.Float64Var(&f.share.CPU, "request-share-cpu", placement.DefaultShare.CPU, "fraction of a sandbox's requested CPU the node reserves for it on top of measured use, 0..1 (0: place by measured use only; 1: requests are reservations)")

@@ -496,15 +496,18 @@ func (e *Edge) Close(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// Every sandbox holds descriptors in the edge's process: its agent's
-// socket and pidfd, cgroup files and, once reset, its pristine state's
-// directories, mountinfo and IPC files (~18 in all). Past RLIMIT_NOFILE,
-// creates, accepted connections and trajectory writes fail with EMFILE.
-// So a node's sandbox capacity is bounded by what the limit leaves after
-// fdReserve for the process itself (less under small limits), at
-// fdsPerSandbox each.
+// Every sandbox holds descriptors in the edge's process while it waits:
+// at most 4 with the container backend, in every state (its agent's
+// socket and pidfd, once reset the root prepared for its next Reset, a
+// fork server's connection; what an exec, Reset or Rebase reads is opened
+// while it runs: internal/runtime/container's TestDescriptorsPerSandbox).
+// Past RLIMIT_NOFILE, creates, accepted connections and trajectory writes
+// fail with EMFILE. So a node's sandbox capacity is bounded by what the
+// limit leaves after fdReserve for the process itself and for work in
+// flight (an exec holds two more while it runs; less reserve under small
+// limits), at fdsPerSandbox each: 4,744 sandboxes under a limit of 20,000.
 const (
-	fdsPerSandbox = 20
+	fdsPerSandbox = 4
 	fdReserve     = 1024
 )
 

@@ -17,6 +17,9 @@ func TestFDBoundedSandboxes(t *testing.T) {
 	}{
 		{0, 0}, {1024, (1024 - 256) / fdsPerSandbox}, {4096, (4096 - fdReserve) / fdsPerSandbox},
 		{20000, (20000 - fdReserve) / fdsPerSandbox}, {1 << 20, (1<<20 - fdReserve) / fdsPerSandbox},
+		// This host's hard limit (root cannot raise it): issue 14's
+		// 3,000 sandboxes a node fit, with room.
+		{20000, 4744},
 	} {
 		if got := fdBoundedSandboxes(tc.limit); got != tc.want {
 			t.Errorf("fdBoundedSandboxes(%d) = %d, want %d", tc.limit, got, tc.want)

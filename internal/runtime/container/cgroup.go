@@ -79,9 +79,8 @@ type cgroup interface {
 	// userDir is the cgroup directory of the user's processes (with the
 	// pids controller; on v1 the agent's spawner thread lives there too).
 	userDir() string
-	// events reads the user cgroup's counters of OOM kills and of forks
-	// refused by its pids limit so far.
-	events() (userEvents, error)
+	// files are the user cgroup's files an exec and a Reset read.
+	files() *userFiles
 	// user fills in where the sandbox's user processes are born (see
 	// sandboxinit.Config.UserTasks).
 	user(cfg *sandboxinit.Config)
@@ -177,49 +176,127 @@ type userEvents struct {
 	oomKills, pidsMax uint64
 }
 
-// eventFiles keeps the user cgroup's event files open: an exec reads them
-// before and after it runs (one pread each), to tell whether its
-// processes were OOM-killed or refused a fork.
-type eventFiles struct {
-	mu       sync.Mutex
-	oom, pid int // descriptors, once open (0: not yet)
-	// oomFile, oomKey and pidsFile name what to read.
-	oomFile, oomKey, pidsFile string
+// The user cgroup's files an exec and a Reset read (userFiles), in the
+// order of Config.CgroupFiles.
+const (
+	// fileOOM is memory.oom_control (v1) or memory.events (v2): its
+	// oom_kill count.
+	fileOOM = iota
+	// filePidsEvents is pids.events: its max count, forks refused.
+	filePidsEvents
+	// filePidsCurrent is pids.current: tasks charged to the cgroup.
+	filePidsCurrent
+	numUserFiles
+)
+
+// fileID is a file's device and inode numbers.
+type fileID struct{ dev, ino uint64 }
+
+// userFiles are the user cgroup's files that an exec reads before and
+// after it runs (one pread each of fileOOM and filePidsEvents) to tell
+// whether its processes were OOM-killed or refused a fork, and that a
+// Reset reads to tell whether the agent is alone (filePidsCurrent). They
+// are open only while used: an exec's are opened as it starts and closed
+// when the last exec in flight ends, so an idle sandbox keeps no
+// descriptor for them in the edge (whose open-file limit bounds how many
+// sandboxes a node holds). Opening a cgroup file costs (kernfs: tens of
+// microseconds here), so they are borrowed from the agent, which opened
+// them before it pivoted and keeps them (see sandbox.openUserFile).
+type userFiles struct {
+	// path and id name each file and its device and inode numbers (a
+	// stat when the cgroup was made); oomKey is fileOOM's counter.
+	path   [numUserFiles]string
+	id     [numUserFiles]fileID
+	oomKey string
+
+	mu sync.Mutex
+	// execs counts the execs between start and end; oom and pid are
+	// the event files' descriptors while open.
+	execs    int
+	open     bool
+	oom, pid int
 }
 
-func (e *eventFiles) read() (userEvents, error) {
+// newUserFiles names the files of the user cgroup (memory events file
+// oom with its counter key, pids directory pidsDir) and records their
+// identities.
+func newUserFiles(oom, oomKey, pidsDir string) (*userFiles, error) {
+	f := &userFiles{path: [numUserFiles]string{oom, filepath.Join(pidsDir, "pids.events"), filepath.Join(pidsDir, "pids.current")}, oomKey: oomKey}
+	for i, p := range f.path {
+		var st unix.Stat_t
+		if err := unix.Stat(p, &st); err != nil {
+			return nil, fmt.Errorf("stat %s: %w", p, err)
+		}
+		f.id[i] = fileID{st.Dev, st.Ino}
+	}
+	return f, nil
+}
+
+// opener opens file i of userFiles (sandbox.openUserFile).
+type opener func(i int) (int, error)
+
+// execStart reads the user cgroup's counters of OOM kills and of forks
+// refused by its pids limit so far, as an exec starts, and keeps their
+// files open until the matching execEnd (every execStart has one,
+// whatever it returned), which reads them again if read is set.
+func (e *userFiles) execStart(open opener) (userEvents, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var ev userEvents
-	for _, f := range []struct {
-		fd   *int
-		name string
-	}{{&e.oom, e.oomFile}, {&e.pid, e.pidsFile}} {
-		if *f.fd > 0 {
-			continue
-		}
-		fd, err := unix.Open(f.name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return ev, fmt.Errorf("open %s: %w", f.name, err)
-		}
-		*f.fd = fd
+	e.execs++
+	return e.readLocked(open)
+}
+
+func (e *userFiles) execEnd(open opener, read bool) (ev userEvents, err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if read {
+		ev, err = e.readLocked(open)
 	}
-	var err error
-	if ev.oomKills, err = preadKV(e.oom, e.oomFile, e.oomKey); err != nil {
-		return ev, err
+	if e.execs--; e.execs <= 0 {
+		e.execs = 0
+		e.closeLocked()
 	}
-	ev.pidsMax, err = preadKV(e.pid, e.pidsFile, "max")
 	return ev, err
 }
 
-func (e *eventFiles) close() {
+func (e *userFiles) readLocked(open opener) (userEvents, error) {
+	var ev userEvents
+	if !e.open {
+		oom, err := open(fileOOM)
+		if err != nil {
+			return ev, err
+		}
+		pid, err := open(filePidsEvents)
+		if err != nil {
+			unix.Close(oom)
+			return ev, err
+		}
+		e.oom, e.pid, e.open = oom, pid, true
+	}
+	var err error
+	if ev.oomKills, err = preadKV(e.oom, e.path[fileOOM], e.oomKey); err != nil {
+		return ev, err
+	}
+	ev.pidsMax, err = preadKV(e.pid, e.path[filePidsEvents], "max")
+	return ev, err
+}
+
+// close closes the event files (the cgroup is being deleted); an exec
+// still in flight opens them again if it can.
+func (e *userFiles) close() {
+	if e == nil {
+		return
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, fd := range []*int{&e.oom, &e.pid} {
-		if *fd > 0 {
-			unix.Close(*fd)
-			*fd = 0
-		}
+	e.closeLocked()
+}
+
+func (e *userFiles) closeLocked() {
+	if e.open {
+		unix.Close(e.oom)
+		unix.Close(e.pid)
+		e.open = false
 	}
 }
 
@@ -240,7 +317,7 @@ func preadKV(fd int, name, key string) (uint64, error) {
 type cgroupV1 struct {
 	group string
 	cg    cgroup1.Cgroup
-	ev    eventFiles
+	ev    *userFiles
 }
 
 func v1Hierarchy() ([]cgroup1.Subsystem, error) {
@@ -258,15 +335,17 @@ func newCgroup1(group string, r rt.Resources) (*cgroupV1, error) {
 		return nil, fmt.Errorf("create cgroup %s: %w", group, err)
 	}
 	c := &cgroupV1{group: group, cg: cg}
-	memUser := filepath.Join(cgroupRoot, "memory", group, "user")
-	c.ev = eventFiles{oomFile: filepath.Join(memUser, "memory.oom_control"), oomKey: "oom_kill",
-		pidsFile: filepath.Join(c.userDir(), "pids.events")}
 	for _, ctrl := range append([]string{"pids"}, v1UserMore...) {
 		dir := filepath.Join(cgroupRoot, ctrl, group, "user")
 		if err := os.Mkdir(dir, 0o755); err != nil {
 			c.delete()
 			return nil, fmt.Errorf("create cgroup %s: %w", dir, err)
 		}
+	}
+	memUser := filepath.Join(cgroupRoot, "memory", group, "user")
+	if c.ev, err = newUserFiles(filepath.Join(memUser, "memory.oom_control"), "oom_kill", c.userDir()); err != nil {
+		c.delete()
+		return nil, fmt.Errorf("create cgroup %s: %w", group, err)
 	}
 	if err := writeAll(v1InitWrites(group, r)); err != nil {
 		c.delete()
@@ -475,7 +554,7 @@ func threadCgroups() (map[string]string, error) {
 	return m, nil
 }
 
-func (c *cgroupV1) events() (userEvents, error) { return c.ev.read() }
+func (c *cgroupV1) files() *userFiles { return c.ev }
 
 func (c *cgroupV1) unthrottle() error {
 	return os.WriteFile(filepath.Join(cgroupRoot, "cpu", c.group, "cpu.cfs_quota_us"), []byte("-1"), 0)
@@ -572,7 +651,7 @@ func readInt(file string) (int64, error) {
 type cgroupV2 struct {
 	group string
 	m     *cgroup2.Manager
-	ev    eventFiles
+	ev    *userFiles
 }
 
 // v2Controllers are the controllers a sandbox's v2 cgroup gets, whatever
@@ -638,8 +717,6 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 	// the agent lives in "agent", user processes in "user".
 	dir := filepath.Join(cgroupRoot, group)
 	user := filepath.Join(dir, "user")
-	c.ev = eventFiles{oomFile: filepath.Join(user, "memory.events"), oomKey: "oom_kill",
-		pidsFile: filepath.Join(user, "pids.events")}
 	err = func() error {
 		// Every controller, limits or not: a pre-started agent gets its
 		// limits later, and files of a controller not enabled do not exist.
@@ -653,6 +730,9 @@ func newCgroup2(group string, r rt.Resources) (*cgroupV2, error) {
 			if err := os.Mkdir(filepath.Join(dir, child), 0o755); err != nil {
 				return err
 			}
+		}
+		if c.ev, err = newUserFiles(filepath.Join(user, "memory.events"), "oom_kill", user); err != nil {
+			return err
 		}
 		return writeAll(v2UserWrites(dir, nil, r))
 	}()
@@ -740,7 +820,7 @@ func (c *cgroupV2) spawn(attr *syscall.SysProcAttr, start func() error) error {
 	return start()
 }
 
-func (c *cgroupV2) events() (userEvents, error) { return c.ev.read() }
+func (c *cgroupV2) files() *userFiles { return c.ev }
 
 func (c *cgroupV2) unthrottle() error {
 	return os.WriteFile(filepath.Join(cgroupRoot, c.group, "cpu.max"), []byte("max "+strconv.Itoa(cpuPeriod)), 0)

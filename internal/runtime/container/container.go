@@ -137,9 +137,6 @@ type Backend struct {
 	fillerDone chan struct{}
 	closeOnce  sync.Once
 
-	// ipc runs Reset's IPC clearing in sandboxes' IPC namespaces.
-	ipc ipcThread
-
 	// qosDone is closed when the QoS loop (qos.go) has stopped.
 	qosDone  chan struct{}
 	qosStats qosCounters
@@ -236,6 +233,10 @@ func New(opts Options) (*Backend, error) {
 	}
 	if err := os.MkdirAll(opts.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("state dir: %w", err)
+	}
+	// Before any thread joins a sandbox's IPC namespace (Reset).
+	if _, err := hostIPC(); err != nil {
+		return nil, err
 	}
 	b := &Backend{opts: opts, log: opts.Logger, live: map[string]*sandbox{},
 		warm: make(chan *agentProc, opts.Warm), refillCh: make(chan struct{}, 1), stop: make(chan struct{}),
@@ -393,19 +394,26 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		NoLockdown: b.opts.Unconfined,
 	}
 	p.cg.user(&cfg)
-	if err := b.initSandbox(ctx, p.conn, &cfg, p.done); err != nil {
+	cfg.CgroupFiles = p.cg.files().path[:]
+	reply, err := b.initSandbox(ctx, p.conn, &cfg, p.done)
+	if err != nil {
 		return nil, err
 	}
 	attrs, err := captureAgent(p.cmd.Process.Pid)
 	if err != nil {
 		return nil, err
 	}
+	proc, err := p.openProc()
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(proc)
 	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
 		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
-		res: spec.Resources, resKnown: true}
+		agentMqueue: reply.MqueueFD, agentFiles: reply.CgroupFDs, res: spec.Resources, resKnown: true}
 	// Taken before anyone can use the sandbox: what a Reset that finds
 	// nothing changed keeps.
-	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work)
+	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work, proc)
 	sb.qos.lastEnd.Store(time.Now().UnixNano())
 	sb.qos.cpuMark = -1
 	b.mu.Lock()
@@ -430,10 +438,11 @@ type agentProc struct {
 	// the sandbox's updateMu once it has one).
 	vol  uint64
 	disk int64
-	cmd  *exec.Cmd
-	// pidfd names the agent process (-1 if the kernel has no pidfds):
-	// Reset joins its namespaces through it, immune to PID reuse.
-	pidfd   int
+	// cmd is the agent's process. Its os.Process holds a pidfd (where
+	// the kernel has them) that Reset joins the agent's namespaces
+	// through (withNS), immune to PID reuse; it is the only descriptor of
+	// the agent's process the edge keeps.
+	cmd     *exec.Cmd
 	conn    net.Conn
 	done    chan struct{}
 	waitErr error
@@ -445,16 +454,77 @@ func (p *agentProc) kill() {
 	p.cmd.Process.Kill()
 	<-p.done
 	p.conn.Close()
-	p.closePidfd()
 	p.cg.delete()
 	p.b.removeSlotDir(p.dir)
 }
 
-func (p *agentProc) closePidfd() {
-	if p.pidfd >= 0 {
-		unix.Close(p.pidfd)
-		p.pidfd = -1
+// withNS calls f with a descriptor that names the agent's namespace name
+// ("mnt", "ipc", ...) for setns: the pidfd its os.Process holds, which
+// names the agent for sure and stays open until f returns, or, where the
+// kernel has no pidfds, the namespace's file opened by PID (the agent is
+// our child: its PID names it until Wait reaps it).
+func (p *agentProc) withNS(name string, f func(fd int) error) error {
+	var ferr error
+	err := p.cmd.Process.WithHandle(func(h uintptr) { ferr = f(int(h)) })
+	switch {
+	case err == nil:
+		return ferr
+	case errors.Is(err, os.ErrProcessDone):
+		return errors.New("init has exited")
+	case !errors.Is(err, os.ErrNoHandle):
+		return err
 	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/%s", p.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s namespace: %w", name, err)
+	}
+	defer unix.Close(fd)
+	return f(fd)
+}
+
+// borrow returns a duplicate of the agent's descriptor n (pidfd_getfd,
+// close-on-exec).
+func (p *agentProc) borrow(n int) (int, error) {
+	fd, gerr := -1, error(nil)
+	err := p.cmd.Process.WithHandle(func(h uintptr) { fd, gerr = unix.PidfdGetfd(int(h), n, 0) })
+	if err != nil {
+		return -1, err
+	}
+	return fd, gerr
+}
+
+// openUserFile opens file i of the user cgroup's files (userFiles) for
+// reading: a duplicate of the agent's descriptor of it (borrow), which
+// costs a fraction of opening a cgroup file (kernfs), checked to be that
+// very file (its device and inode numbers, from a stat when the cgroup was
+// made: the agent cannot pass anything else off as it); else, when that
+// fails (an agent without it, a kernel or security module that refuses
+// pidfd_getfd, or the check), by its path on the host's cgroup file
+// system, which nothing in a sandbox can change.
+func (s *sandbox) openUserFile(i int) (int, error) {
+	f := s.cg.files()
+	if i < len(s.agentFiles) && s.agentFiles[i] > 0 {
+		if fd, err := s.borrow(s.agentFiles[i]); err == nil {
+			var st unix.Stat_t
+			if unix.Fstat(fd, &st) == nil && (fileID{st.Dev, st.Ino}) == f.id[i] {
+				return fd, nil
+			}
+			unix.Close(fd)
+		}
+	}
+	fd, err := unix.Open(f.path[i], unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open %s: %w", f.path[i], err)
+	}
+	return fd, nil
+}
+
+// alive reports whether the agent has not been reaped yet (a zombie
+// counts): through the pidfd where there is one, so a nil answer after
+// something was opened by the agent's PID (/proc/PID/...) means the PID
+// named the agent when it was opened.
+func (p *agentProc) alive() error {
+	return p.cmd.Process.Signal(syscall.Signal(0))
 }
 
 // spawn starts an agent with resources r. One process spawn: the agent is
@@ -470,7 +540,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	}()
 	slot := fmt.Sprintf("s%d-%d", os.Getpid(), b.slots.Add(1))
 	dir := filepath.Join(b.opts.StateDir, slot)
-	p := &agentProc{b: b, slot: slot, dir: dir, pidfd: -1}
+	p := &agentProc{b: b, slot: slot, dir: dir}
 	if err := b.makeSlotDir(p, r.DiskBytes); err != nil {
 		return nil, err
 	}
@@ -500,7 +570,6 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	}
 	undo = append(undo, func() { conn.Close() })
 
-	pidfd := -1
 	cmd := &exec.Cmd{
 		Path:       b.opts.AgentPath,
 		Args:       []string{"dsec-agent", "container-init"},
@@ -509,8 +578,9 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 		SysProcAttr: &syscall.SysProcAttr{
 			Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWIPC |
 				syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET | syscall.CLONE_NEWCGROUP,
+			// No PidFD: os.Process then opens the pidfd it keeps itself
+			// (with one of ours, it would keep a duplicate of it).
 			Setsid: true,
-			PidFD:  &pidfd,
 		},
 	}
 	err = cg.spawn(cmd.SysProcAttr, cmd.Start)
@@ -518,7 +588,7 @@ func (b *Backend) spawn(r rt.Resources) (_ *agentProc, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("start dsec-agent: %w", err)
 	}
-	p.cg, p.cmd, p.pidfd, p.conn, p.done = cg, cmd, pidfd, conn, make(chan struct{})
+	p.cg, p.cmd, p.conn, p.done = cg, cmd, conn, make(chan struct{})
 	go func() {
 		p.waitErr = cmd.Wait()
 		close(p.done)
@@ -581,12 +651,10 @@ func (b *Backend) fillWarm() {
 	}
 }
 
-// Close stops the warm pool and removes its agents, and ends the IPC
-// thread. Live sandboxes are the caller's to destroy (a Reset after Close
-// still works, on a thread of its own).
+// Close stops the warm pool and removes its agents. Live sandboxes are
+// the caller's to destroy (a Reset after Close still works).
 func (b *Backend) Close() error {
 	b.closeOnce.Do(func() {
-		b.ipc.close()
 		close(b.stop)
 		if b.fillerDone != nil {
 			<-b.fillerDone
@@ -607,7 +675,7 @@ func (b *Backend) Close() error {
 
 // initSandbox sends the config and waits for the agent's reply, bounded by
 // the context, the init timeout and the agent's death.
-func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxinit.Config, done <-chan struct{}) error {
+func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxinit.Config, done <-chan struct{}) (*sandboxinit.Reply, error) {
 	deadline := time.Now().Add(b.opts.InitTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -617,24 +685,24 @@ func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxin
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
 	defer stop()
 	if err := sandboxinit.WriteMessage(conn, cfg); err != nil {
-		return fmt.Errorf("send sandbox config: %w", err)
+		return nil, fmt.Errorf("send sandbox config: %w", err)
 	}
 	var reply sandboxinit.Reply
 	if err := sandboxinit.ReadMessage(conn, &reply); err != nil {
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return nil, ctx.Err()
 		}
 		select {
 		case <-done:
-			return fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
+			return nil, fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
 		default:
 		}
-		return fmt.Errorf("sandbox setup: %w", err)
+		return nil, fmt.Errorf("sandbox setup: %w", err)
 	}
 	if reply.Error != "" {
-		return fmt.Errorf("sandbox setup: %s", reply.Error)
+		return nil, fmt.Errorf("sandbox setup: %s", reply.Error)
 	}
-	return nil
+	return &reply, nil
 }
 
 // cleanStale removes sandboxes a previous process left behind: their
@@ -698,10 +766,18 @@ type sandbox struct {
 	// bg counts Reset's background work in flight (releasing the old root,
 	// preparing the next); Destroy waits for it.
 	bg sync.WaitGroup
-	// mqueue is a detached mount of the sandbox's mqueue file system (-1
-	// until the first Reset makes it); only Reset uses it.
-	mqueue int
-	// rf are descriptors Reset keeps open between calls (under resetMu).
+	// agentMqueue is the agent's descriptor of a detached mount of the
+	// sandbox's mqueue file system (sandboxinit.Reply.MqueueFD), which
+	// Reset looks through (clearAgentMqueues); 0 if it has none. Then
+	// mqueue is the edge's own such mount (-1 until the first Reset makes
+	// it); only Reset uses them.
+	agentMqueue int
+	mqueue      int
+	// agentFiles are the agent's descriptors of the user cgroup's files
+	// (userFiles, sandboxinit.Reply.CgroupFDs), which openUserFile
+	// borrows.
+	agentFiles []int
+	// rf is what Reset learnt about the sandbox (under resetMu).
 	rf resetFiles
 	// updateMu serialises Update and guards res: the limits in force
 	// (Pids defaulted), when resKnown (a failed Update leaves them unknown).
@@ -743,6 +819,12 @@ func (s *sandbox) gone(err error) error {
 }
 
 func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFunc) (rt.ExecResult, error) {
+	return s.exec(ctx, req, true, out)
+}
+
+// exec runs req; events says whether its result reports what the limits
+// did to it (noteEvents).
+func (s *sandbox) exec(ctx context.Context, req rt.ExecRequest, events bool, out rt.OutputFunc) (rt.ExecResult, error) {
 	// The agent resolves duplicates (later K=V wins) and adds PATH and HOME
 	// when missing.
 	req.Env = append(append(make([]string, 0, len(s.spec.Env)+len(req.Env)), s.spec.Env...), req.Env...)
@@ -754,32 +836,37 @@ func (s *sandbox) Exec(ctx context.Context, req rt.ExecRequest, out rt.OutputFun
 	}
 	s.begin()
 	defer s.end()
-	before, evErr := s.cg.events()
+	var before userEvents
+	var evErr error
+	if events {
+		before, evErr = s.cg.files().execStart(s.openUserFile)
+	}
 	res, err := s.client.Exec(ctx, req, out)
+	if events {
+		after, afterErr := s.cg.files().execEnd(s.openUserFile, err == nil && evErr == nil)
+		if err == nil && evErr == nil && afterErr == nil {
+			noteEvents(&res, before, after)
+		}
+	}
 	if err != nil {
 		return res, s.gone(err)
-	}
-	if evErr == nil {
-		s.noteEvents(&res, before)
 	}
 	s.noteDiskFull(&res)
 	return res, nil
 }
 
 // noteEvents reports what the sandbox's limits did to the exec, from the
-// user cgroup's counters read before it (before) and now: OOMKilled if
-// the kernel OOM-killed one of the sandbox's processes meanwhile,
-// PidsExhausted if the pids limit refused a fork. Either is the
+// user cgroup's counters read before it (before) and after it (after):
+// OOMKilled if the kernel OOM-killed one of the sandbox's processes
+// meanwhile, PidsExhausted if the pids limit refused a fork. Either is the
 // workload's own trouble, reported as its command's result; the sandbox
 // stays usable (its agent is not in the user cgroup). The kernel does not
 // say which process a kill or a refusal hit, so execs running at the same
 // time each see the other's; one after another, each sees its own. Two
-// preads on descriptors kept open, whatever the exec did.
-func (s *sandbox) noteEvents(res *rt.ExecResult, before userEvents) {
-	after, err := s.cg.events()
-	if err != nil {
-		return
-	}
+// preads a side, whatever the exec did, and the two files opened and
+// closed around them unless another exec in flight holds them open
+// (userFiles.execStart).
+func noteEvents(res *rt.ExecResult, before, after userEvents) {
 	if after.oomKills > before.oomKills {
 		res.OOMKilled = true
 	}
@@ -871,7 +958,6 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 		s.dropNext() // and no new one is prepared
 		s.bg.Wait()
 		s.closeResetFiles()
-		s.closePidfd()
 		s.resetMu.Unlock()
 		var errs []error
 		if err := s.cg.delete(); err != nil {

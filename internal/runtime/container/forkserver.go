@@ -71,9 +71,11 @@ const outputGrace = 100 * time.Millisecond
 
 // forkServer is a sandbox's running fork server.
 type forkServer struct {
-	key   string // what it was started from (argv and env)
-	conn  *net.UnixConn
-	pid   int // in the host's PID namespace
+	key  string // what it was started from (argv and env)
+	conn *net.UnixConn
+	pid  int // in the host's PID namespace
+	// pidfd is -1 but on kernels without SO_PEERPIDFD (before Linux 6.5),
+	// where it is the server's pidfd, kept: see pidFD.
 	pidfd int
 	attrs *agentAttrs
 	// userDir is the sandbox's user cgroup, where the server and its
@@ -86,7 +88,47 @@ type forkServer struct {
 // close drops the connection (the server then exits) and the pidfd.
 func (f *forkServer) close() {
 	f.conn.Close()
-	unix.Close(f.pidfd)
+	if f.pidfd >= 0 {
+		unix.Close(f.pidfd)
+	}
+}
+
+// pidFD returns a pidfd of the server, to be closed after use (release).
+// It comes from the connection (SO_PEERPIDFD: the process that listened,
+// the server, whose struct pid the kernel keeps with the socket, so the
+// pidfd names the server even once its PID was reused), made for each
+// use, so that a sandbox's fork server costs the edge one descriptor, its
+// connection, between execs; on older kernels it is the one kept since
+// the server started.
+func (f *forkServer) pidFD() (fd int, release func(), err error) {
+	if f.pidfd >= 0 {
+		return f.pidfd, func() {}, nil
+	}
+	if fd, err = peerPidfd(f.conn); err != nil {
+		return -1, nil, err
+	}
+	return fd, func() { unix.Close(fd) }, nil
+}
+
+// peerPidfd asks the kernel for a pidfd of c's peer (close-on-exec).
+func peerPidfd(c *net.UnixConn) (int, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd, serr := -1, error(nil)
+	if err := rc.Control(func(s uintptr) { fd, serr = unix.GetsockoptInt(int(s), unix.SOL_SOCKET, unix.SO_PEERPIDFD) }); err != nil {
+		return -1, err
+	}
+	return fd, serr
+}
+
+// kill sends the server SIGKILL.
+func (f *forkServer) kill() {
+	if fd, release, err := f.pidFD(); err == nil {
+		unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+		release()
+	}
 }
 
 // alive reports whether the server process still exists.
@@ -96,8 +138,13 @@ func (f *forkServer) alive() bool {
 		return false
 	default:
 	}
+	fd, release, err := f.pidFD()
+	if err != nil {
+		return false // gone: no pidfd for a process that was reaped
+	}
+	defer release()
 	// A pidfd polls readable once the process has exited.
-	fds := []unix.PollFd{{Fd: int32(f.pidfd), Events: unix.POLLIN}}
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
 	n, err := unix.Poll(fds, 0)
 	return err == nil && n == 0
 }
@@ -138,8 +185,9 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 	if req.Cwd == "" {
 		req.Cwd = "/"
 	}
-	before, evErr := s.cg.events()
+	before, evErr := s.cg.files().execStart(s.openUserFile)
 	res, err := f.run(ctx, req)
+	after, afterErr := s.cg.files().execEnd(s.openUserFile, evErr == nil && err == nil)
 	if errors.Is(err, errServerLost) {
 		// The program stopped or ended the server it was forked from:
 		// its own doing, reported as its failure, not the sandbox's.
@@ -152,8 +200,8 @@ func (s *sandbox) ForkExec(ctx context.Context, d rt.ForkServer, req rt.ExecRequ
 		s.dropForkServer()
 		return res, s.gone(err)
 	}
-	if evErr == nil {
-		s.noteEvents(&res, before)
+	if evErr == nil && afterErr == nil {
+		noteEvents(&res, before, after)
 	}
 	return res, nil
 }
@@ -188,7 +236,7 @@ func (s *sandbox) dropForkServer() {
 	if f == nil {
 		return
 	}
-	unix.PidfdSendSignal(f.pidfd, unix.SIGKILL, nil, 0)
+	f.kill()
 	f.close()
 }
 
@@ -288,7 +336,9 @@ func (s *sandbox) startForkServer(ctx context.Context, d rt.ForkServer, key stri
 		defer close(f.done)
 		// Not ctx: the server outlives this call. It ends with its
 		// connection, or with the sandbox.
-		res, err := s.Exec(context.Background(), rt.ExecRequest{Argv: append(append([]string(nil), d.Argv...), name), Env: d.Env, Cwd: "/"},
+		// Without the limits' events: the exec runs as long as the
+		// server does, and their files would stay open for it.
+		res, err := s.exec(context.Background(), rt.ExecRequest{Argv: append(append([]string(nil), d.Argv...), name), Env: d.Env, Cwd: "/"}, false,
 			func(st rt.Stream, data []byte) {
 				if st == rt.Stdout && bytes.Contains(data, []byte("ready\n")) {
 					readyOnce.Do(func() { close(ready) })
@@ -339,12 +389,17 @@ func (s *sandbox) startForkServer(ctx context.Context, d rt.ForkServer, key stri
 		return nil, failed(err.Error())
 	}
 	f.conn, f.pid = conn, pid
-	if f.pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
+	if fd, err := peerPidfd(conn); err == nil {
+		unix.Close(fd)
+	} else if !errors.Is(err, unix.ENOPROTOOPT) {
+		conn.Close()
+		return nil, failed(fmt.Sprintf("pidfd of %d: %v", pid, err))
+	} else if f.pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
 		conn.Close()
 		return nil, failed(fmt.Sprintf("pidfd of %d: %v", pid, err))
 	}
 	if f.attrs, err = captureAgent(pid); err != nil {
-		unix.PidfdSendSignal(f.pidfd, unix.SIGKILL, nil, 0)
+		f.kill()
 		f.close()
 		return nil, failed(err.Error())
 	}
@@ -369,12 +424,7 @@ func (s *sandbox) killStarting(name string) {
 func (s *sandbox) dialAbstract(name string) (*net.UnixConn, int, error) {
 	fd := -1
 	err := onThrowawayThread(func() error {
-		nsfd, done, err := s.nsFD("net")
-		if err != nil {
-			return err
-		}
-		err = unix.Setns(nsfd, unix.CLONE_NEWNET)
-		done()
+		err := s.withNS("net", func(fd int) error { return unix.Setns(fd, unix.CLONE_NEWNET) })
 		if err != nil {
 			return fmt.Errorf("join the sandbox's network namespace: %w", err)
 		}

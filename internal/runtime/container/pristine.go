@@ -32,12 +32,12 @@ import (
 //   - the free blocks and inodes of the /dev and /dev/shm tmpfs.
 //
 // The comparison walks the stored entries, not the trees: one fstatat per
-// entry, relative to a descriptor kept open with the state, stopping at the
-// first difference. An entry's extended attributes and a directory's names
-// are read again only where its times do not already tell (see recent):
-// every entry is stat'ed, but a Reset of a sandbox whose entries have not
-// changed for a second reads no directory and no attribute but those of
-// /dev/pts.
+// entry, relative to a descriptor of its tree opened for the comparison,
+// stopping at the first difference. An entry's extended attributes and a
+// directory's names are read again only where its times do not already
+// tell (see recent): every entry is stat'ed, but a Reset of a sandbox
+// whose entries have not changed for a second reads no directory and no
+// attribute but those of /dev/pts.
 //
 // A tree that holds a non-empty regular file (or more than
 // maxPristineEntries entries) has no pristine state: the fingerprint holds
@@ -47,16 +47,22 @@ import (
 // marker overlayfs keeps in the work directory of a volatile mount
 // (work/incompat/volatile/dirty), which no sandbox process can reach.
 type pristine struct {
-	// Descriptors the state is read through, open as long as it is kept
-	// (close releases them): the sandbox's directory on the host, which
-	// holds the upper and work directories (O_PATH), the sandbox's /dev
-	// and /dev/shm (O_PATH, opened through /proc/PID/root: they stay the
-	// mounts the mount table names), and the agent's mountinfo (reread
-	// from offset 0 each time; it shows the mounts from the agent's root
-	// at the time it was opened, which only a full Reset changes).
-	sdir, dev, shm, mountsFD int
-	// sdirPath and devPath name sdir and dev, for kernels without
-	// listxattrat (attributes are then read by path).
+	// Descriptors the state is read through, opened for each comparison
+	// and closed after it (open, close), so that a sandbox keeps none in
+	// the edge between Resets: the sandbox's directory on the host, which
+	// holds the upper and work directories (O_PATH, by its path: the
+	// edge's own directories), the sandbox's /dev (O_PATH, through the
+	// agent's /proc/PID directory and its root: the agent's root now),
+	// and the agent's mountinfo (the mounts seen from the agent's root).
+	// Nothing a sandbox process does can redirect them: the /dev mount
+	// point cannot be renamed or replaced without mounting, the entry
+	// "." of the /dev tree pins the mount found there (its device and
+	// inode numbers are compared first), and by the time a comparison
+	// runs every user process is dead.
+	sdir, dev, mountsFD int
+	// sdirPath names sdir; devPath names dev while it is open (through
+	// this process's /proc/self/fd), for statfs of /dev/shm and for
+	// kernels without listxattrat (attributes are then read by path).
 	sdirPath, devPath string
 
 	entries []fsEntry
@@ -165,23 +171,43 @@ func coarseSecond() (int64, error) {
 	return ts.Sec, nil
 }
 
-// close releases the state's descriptors.
+// open opens the descriptors the state is read through, with proc the
+// agent's /proc/PID directory (openProc); close closes them.
+func (p *pristine) open(proc int) (err error) {
+	p.sdir, p.dev, p.mountsFD = -1, -1, -1
+	defer func() {
+		if err != nil {
+			p.close()
+		}
+	}()
+	const dirFlags = unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
+	if p.sdir, err = unix.Open(p.sdirPath, dirFlags, 0); err != nil {
+		return fmt.Errorf("open %s: %w", p.sdirPath, err)
+	}
+	if p.dev, err = unix.Openat(proc, "root/dev", dirFlags, 0); err != nil {
+		return fmt.Errorf("open the sandbox's /dev: %w", err)
+	}
+	if p.mountsFD, err = unix.Openat(proc, "mountinfo", unix.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
+		return fmt.Errorf("open the agent's mountinfo: %w", err)
+	}
+	p.devPath = "/proc/self/fd/" + strconv.Itoa(p.dev)
+	return nil
+}
+
 func (p *pristine) close() {
-	for _, fd := range []*int{&p.sdir, &p.dev, &p.shm, &p.mountsFD} {
+	for _, fd := range []*int{&p.sdir, &p.dev, &p.mountsFD} {
 		if *fd >= 0 {
 			unix.Close(*fd)
 			*fd = -1
 		}
 	}
+	p.devPath = ""
 }
 
 // dropPristine discards the sandbox's pristine state (the next Reset
 // builds a new root).
 func (s *sandbox) dropPristine() {
-	if s.pristine != nil {
-		s.pristine.close()
-		s.pristine = nil
-	}
+	s.pristine = nil
 }
 
 // treeFD and treePath are the descriptor and the path entries of tree t
@@ -201,9 +227,10 @@ func (p *pristine) treePath(t int) string {
 }
 
 // takePristine fingerprints sandbox s as it is now, with upper and work
-// its overlay directories (both in the sandbox's directory). It fails with
-// errIneligible when the sandbox cannot have one (see pristine).
-func (s *sandbox) takePristine(upper, work string) (_ *pristine, err error) {
+// its overlay directories (both in the sandbox's directory), reading the
+// agent's files through proc (openProc). It fails with errIneligible when
+// the sandbox cannot have one (see pristine).
+func (s *sandbox) takePristine(upper, work string, proc int) (_ *pristine, err error) {
 	sdir := filepath.Dir(upper)
 	if filepath.Dir(work) != sdir {
 		return nil, fmt.Errorf("upper %s and work %s are not in one directory", upper, work)
@@ -211,45 +238,32 @@ func (s *sandbox) takePristine(upper, work string) (_ *pristine, err error) {
 	upperName, workName := filepath.Base(upper), filepath.Base(work)
 	if filepath.Dir(sdir) == s.dir {
 		// A root's own volume (disk.go): named from the sandbox's
-		// directory, so the descriptor kept is the same for every root.
+		// directory, so the directory opened is the same for every root.
 		sdir = s.dir
 		upperName, workName = filepath.Join(filepath.Base(filepath.Dir(upper)), upperName), filepath.Join(filepath.Base(filepath.Dir(work)), workName)
 	}
-	pid := strconv.Itoa(s.cmd.Process.Pid)
-	p := &pristine{sdir: -1, dev: -1, shm: -1, mountsFD: -1, sdirPath: sdir, devPath: "/proc/" + pid + "/root/dev", w: newFSWalker()}
-	defer func() {
-		if err != nil {
-			p.close()
-		}
-	}()
+	p := &pristine{sdirPath: sdir, w: newFSWalker()}
 	// Read before anything is looked at (see recent).
 	if p.verified, err = coarseSecond(); err != nil {
 		return nil, err
 	}
-	const dirFlags = unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
-	if p.sdir, err = unix.Open(sdir, dirFlags, 0); err != nil {
-		return nil, fmt.Errorf("open %s: %w", sdir, err)
+	if err := p.open(proc); err != nil {
+		return nil, err
 	}
-	if p.dev, err = unix.Open(p.devPath, dirFlags, 0); err != nil {
-		return nil, fmt.Errorf("open the sandbox's /dev: %w", err)
-	}
-	if p.shm, err = unix.Openat(p.dev, "shm", dirFlags, 0); err != nil {
-		return nil, fmt.Errorf("open the sandbox's /dev/shm: %w", err)
-	}
-	if p.mountsFD, err = unix.Open("/proc/"+pid+"/mountinfo", unix.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
-		return nil, fmt.Errorf("open the agent's mountinfo: %w", err)
-	}
+	defer p.close()
 	// The file system of each device number, seeded with those statfs
 	// reads anyway.
 	magic := map[uint64]int64{}
-	for i, fd := range []int{p.dev, p.shm, p.sdir} {
+	for i, fd := range []int{p.dev, -1, p.sdir} {
 		var st unix.Stat_t
 		var sfs unix.Statfs_t
-		if err := unix.Fstat(fd, &st); err != nil {
-			return nil, fmt.Errorf("stat: %w", err)
+		if fd >= 0 {
+			err = errors.Join(unix.Fstat(fd, &st), unix.Fstatfs(fd, &sfs))
+		} else { // /dev/shm
+			err = errors.Join(unix.Stat(p.devPath+"/shm", &st), unix.Statfs(p.devPath+"/shm", &sfs))
 		}
-		if err := unix.Fstatfs(fd, &sfs); err != nil {
-			return nil, fmt.Errorf("statfs: %w", err)
+		if err != nil {
+			return nil, fmt.Errorf("stat: %w", err)
 		}
 		magic[st.Dev] = sfs.Type
 		if i < 2 {
@@ -316,19 +330,23 @@ func (p *pristine) add(t int, rel string, magic map[uint64]int64) error {
 	return nil
 }
 
-// unchanged reports whether sandbox s is still in pristine state p. Any
-// error (a file that cannot be read, an agent that died meanwhile) counts
-// as a change.
+// unchanged reports whether sandbox s is still in pristine state p,
+// reading the agent's files through proc (openProc). Any error (a file
+// that cannot be read, an agent that died meanwhile) counts as a change.
 //
 // Entries are reached by their paths below the trees' descriptors. A path
 // resolves through the entries stored before it (its parent directories),
 // compared first; had one of them been replaced (by a symbolic link, say),
 // the comparison would have stopped there.
-func (s *sandbox) unchanged(p *pristine) error {
+func (s *sandbox) unchanged(p *pristine, proc int) error {
 	start, err := coarseSecond()
 	if err != nil {
 		return err
 	}
+	if err := p.open(proc); err != nil {
+		return fmt.Errorf("%w: %v", errChanged, err)
+	}
+	defer p.close()
 	// The mount table first: cheap, and the paths below mean what they
 	// meant only under the same mounts.
 	mounts, err := p.readMounts()
@@ -368,25 +386,17 @@ func (s *sandbox) unchanged(p *pristine) error {
 			}
 		}
 	}
-	for i, fd := range []int{p.dev, p.shm} {
+	for i, path := range []string{p.devPath, p.devPath + "/shm"} {
 		var st unix.Statfs_t
-		if err := unix.Fstatfs(fd, &st); err != nil {
+		if err := unix.Statfs(path, &st); err != nil {
 			return fmt.Errorf("%w: statfs: %v", errChanged, err)
 		}
 		if [2]uint64{st.Bfree, st.Ffree} != p.free[i] {
 			return fmt.Errorf("%w: tmpfs usage", errChanged)
 		}
 	}
-	// The mount table and /dev were read through descriptors opened by
-	// the agent's PID (/proc/PID/...) when the state was taken. The agent
-	// is the edge's child, so its PID cannot be reused before the edge
-	// reaps it, and signalling its pidfd fails once it is reaped: if this
-	// succeeds, the PID named the agent all along.
-	if s.pidfd >= 0 {
-		if err := unix.PidfdSendSignal(s.pidfd, 0, nil, 0); err != nil {
-			return fmt.Errorf("agent: %w", err)
-		}
-	}
+	// The mount table and /dev were read through proc, which names the
+	// agent (openProc).
 	p.verified = start
 	return nil
 }

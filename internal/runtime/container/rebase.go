@@ -22,26 +22,41 @@ func (s *sandbox) Quiesce(ctx context.Context) error {
 	defer s.end()
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
-	return s.quiesceLocked(ctx, "quiesce")
+	proc, err := s.quiesceLocked(ctx, "quiesce")
+	if proc >= 0 {
+		unix.Close(proc)
+	}
+	return err
 }
 
-func (s *sandbox) quiesceLocked(ctx context.Context, op string) error {
+// quiesceLocked quiesces the sandbox and returns the agent's /proc/PID
+// directory (openProc) for the caller to use and close; -1 with an error.
+func (s *sandbox) quiesceLocked(ctx context.Context, op string) (proc int, err error) {
 	select {
 	case <-s.done:
-		return fmt.Errorf("%w: %s: init has exited", rt.ErrSandboxGone, op)
+		return -1, fmt.Errorf("%w: %s: init has exited", rt.ErrSandboxGone, op)
 	default:
 	}
+	if proc, err = s.openProc(); err != nil {
+		return -1, s.gone(fmt.Errorf("%s: %w", op, err))
+	}
+	defer func() {
+		if err != nil {
+			unix.Close(proc)
+			proc = -1
+		}
+	}()
 	s.dropForkServer()
 	if err := s.killUser(ctx); err != nil {
-		return s.gone(fmt.Errorf("%s: %w", op, err))
+		return proc, s.gone(fmt.Errorf("%s: %w", op, err))
 	}
-	if err := s.attrs.restoreWith(s.cmd.Process.Pid, &s.rf); err != nil {
-		return s.gone(fmt.Errorf("%s: %w", op, err))
+	if err := s.attrs.restoreWith(s.cmd.Process.Pid, proc); err != nil {
+		return proc, s.gone(fmt.Errorf("%s: %w", op, err))
 	}
-	if err := s.clearIPCNamespace(); err != nil {
-		return s.gone(fmt.Errorf("%s: %w", op, err))
+	if err := s.clearIPCNamespace(proc); err != nil {
+		return proc, s.gone(fmt.Errorf("%s: %w", op, err))
 	}
-	return nil
+	return proc, nil
 }
 
 // Rebase implements runtime.Rebaser. It costs what a Reset that builds a
@@ -85,10 +100,12 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	defer s.end()
 	s.resetMu.Lock()
 	defer s.resetMu.Unlock()
-	if err := s.quiesceLocked(ctx, "rebase"); err != nil {
+	proc, err := s.quiesceLocked(ctx, "rebase")
+	if err != nil {
 		return err
 	}
-	if sameLayers(s.spec.Layers, spec.Layers) && s.pristine != nil && s.unchanged(s.pristine) == nil {
+	defer unix.Close(proc)
+	if sameLayers(s.spec.Layers, spec.Layers) && s.pristine != nil && s.unchanged(s.pristine, proc) == nil {
 		// The root is what a new overlay over these layers would be (the
 		// argument is Reset's for keeping it): only the hostname, limits
 		// and exec defaults change.
@@ -175,7 +192,7 @@ func (s *sandbox) Rebase(ctx context.Context, spec rt.Spec) error {
 	// without it every Reset there would build a new root (2-3 ms and
 	// four directory operations; measured: repeated runs of the --distinct
 	// SDK loop, where every spec is hot, fell from 143 to 88 cycles/s).
-	s.pristine = s.pristineOrNil(root.upper, root.work)
+	s.pristine = s.pristineOrNil(root.upper, root.work, proc)
 	return nil
 }
 
@@ -218,12 +235,7 @@ func (s *sandbox) swapRootAndHost(root int, hostname string) (int, error) {
 // setHostname joins the sandbox's UTS namespace and sets its hostname. The
 // calling thread stays there: it must be one that is thrown away.
 func (s *sandbox) setHostname(hostname string) error {
-	fd, done, err := s.nsFD("uts")
-	if err != nil {
-		return err
-	}
-	err = unix.Setns(fd, unix.CLONE_NEWUTS)
-	done()
+	err := s.withNS("uts", func(fd int) error { return unix.Setns(fd, unix.CLONE_NEWUTS) })
 	if err != nil {
 		return fmt.Errorf("join the sandbox's uts namespace: %w", err)
 	}

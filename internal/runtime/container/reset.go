@@ -49,9 +49,8 @@ var (
 //     score: a process of the same user may change them) is put back as it
 //     was after Create (restoreWith).
 //  2. System V IPC objects and POSIX message queues of the sandbox's IPC
-//     namespace are removed, on the backend's IPC thread (ipcThread),
-//     unless reading their listings from here shows there are none
-//     (resetFiles.ipcEmpty).
+//     namespace are removed, from the calling thread while it joins that
+//     namespace (inIPCNamespace), if counting them there finds any.
 //  3. If the sandbox is still in its pristine state (see pristine), that
 //     is all. Otherwise, on a throw-away OS thread of the edge that joins
 //     the sandbox's mount namespace, a new overlay with a fresh upper and
@@ -123,18 +122,23 @@ func (s *sandbox) Reset(ctx context.Context) error {
 		return fmt.Errorf("%w: reset: init has exited", rt.ErrSandboxGone)
 	default:
 	}
+	proc, err := s.openProc()
+	if err != nil {
+		return s.gone(fmt.Errorf("reset: %w", err))
+	}
+	defer unix.Close(proc)
 	if err := s.killUser(ctx); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
-	if err := s.attrs.restoreWith(s.cmd.Process.Pid, &s.rf); err != nil {
+	if err := s.attrs.restoreWith(s.cmd.Process.Pid, proc); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
 	s.checkForkServer()
-	if err := s.clearIPCNamespace(); err != nil {
+	if err := s.clearIPCNamespace(proc); err != nil {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
 	if s.pristine != nil {
-		err := s.unchanged(s.pristine)
+		err := s.unchanged(s.pristine, proc)
 		if err == nil {
 			s.resetsKept.Add(1)
 			// A sandbox that is reset is a pooled one: its next user may
@@ -157,7 +161,6 @@ func (s *sandbox) Reset(ctx context.Context) error {
 	s.dropPristine()
 	root := s.takeNext()
 	if root == nil {
-		var err error
 		if root, err = s.newRoot(); err != nil {
 			return s.gone(fmt.Errorf("reset: %w", err))
 		}
@@ -177,16 +180,17 @@ func (s *sandbox) Reset(ctx context.Context) error {
 		return s.gone(fmt.Errorf("reset: %w", err))
 	}
 	s.resetsRebuilt.Add(1)
-	s.pristine = s.pristineOrNil(root.upper, root.work)
+	s.pristine = s.pristineOrNil(root.upper, root.work, proc)
 
 	s.releaseRoot(oldRoot, oldUpper, oldWork, s.prepareNext)
 	return nil
 }
 
-// pristineOrNil takes the sandbox's pristine state; without one (a tree
-// that cannot have one, or an error), the next Reset takes the full path.
-func (s *sandbox) pristineOrNil(upper, work string) *pristine {
-	p, err := s.takePristine(upper, work)
+// pristineOrNil takes the sandbox's pristine state, reading the agent's
+// files through proc (openProc); without one (a tree that cannot have one,
+// or an error), the next Reset takes the full path.
+func (s *sandbox) pristineOrNil(upper, work string, proc int) *pristine {
+	p, err := s.takePristine(upper, work, proc)
 	if err != nil {
 		s.b.log.Debug("no pristine state: every reset builds a new root", "sandbox", s.id, "err", err)
 		return nil
@@ -194,20 +198,51 @@ func (s *sandbox) pristineOrNil(upper, work string) *pristine {
 	return p
 }
 
-// clearIPCNamespace removes the IPC objects of the sandbox's IPC namespace
-// (clearIPC) on the backend's IPC thread, unless a look from here finds
-// none (resetFiles.ipcEmpty): most users make none, and the thread's round
-// trip (two wake-ups, two setns) costs more than the look.
-func (s *sandbox) clearIPCNamespace() error {
-	if s.rf.ipcEmpty(s.mqueue) {
-		return nil
-	}
-	fd, done, err := s.nsFD("ipc")
-	if err != nil {
+// clearIPCNamespace removes the IPC objects of the sandbox's IPC
+// namespace: its System V objects from the calling thread, which joins the
+// namespace for it (clearSysV), and its POSIX message queues through the
+// agent's mqueue mount (clearAgentMqueues; proc is the agent's /proc/PID
+// directory, openProc) or, for an agent without one, the edge's own
+// (clearMqueues). Most users make none: then it costs three system calls
+// in the namespace, two to get there and back, and a stat.
+func (s *sandbox) clearIPCNamespace(proc int) error {
+	err := s.withNS("ipc", func(fd int) error {
+		return inIPCNamespace(fd, func() error {
+			if err := clearSysV(); err != nil {
+				return err
+			}
+			if s.agentMqueue > 0 {
+				return nil
+			}
+			return s.clearMqueues()
+		})
+	})
+	if err != nil || s.agentMqueue <= 0 {
 		return err
 	}
-	defer done()
-	return s.b.ipc.do(fd, s.clearIPC)
+	return s.clearAgentMqueues(proc)
+}
+
+// openProc opens the agent's /proc/PID directory, which a Reset reads the
+// agent's attributes, mount table and /dev through. Such a descriptor
+// names the process, not the number: what is looked up through it fails
+// once the process is gone, rather than finding another that got the PID.
+// And it is the agent's: the agent is the edge's child, so its PID names
+// it until the edge reaps it, and alive, asked after the open, fails once
+// it is reaped. Opened for each call and closed after it, like every
+// descriptor a Reset reads through: a sandbox keeps none in the edge
+// between calls (the edge's open-file limit bounds how many sandboxes a
+// node holds; see internal/edge).
+func (p *agentProc) openProc() (int, error) {
+	fd, err := unix.Open("/proc/"+strconv.Itoa(p.cmd.Process.Pid), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open the agent's /proc directory: %w", err)
+	}
+	if err := p.alive(); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("agent: %w", err)
+	}
+	return fd, nil
 }
 
 // overlayRoot is a detached overlay mount over its own fresh upper and
@@ -314,13 +349,13 @@ func (s *sandbox) dropNext() {
 // process).
 //
 // Most users leave nothing running, and then one read of the cgroup's pids
-// count settles it (resetFiles.onlyAgent) instead of the listing and the
-// reaping check (three files).
+// count settles it (onlyAgent) instead of the listing and the reaping
+// check (three files).
 func (s *sandbox) killUser(ctx context.Context) error {
 	// The fork server is spared (see forkserver.go); whether it was
 	// left as it should be is checkForkServer's business.
 	spare := s.forkServerPid()
-	if spare == 0 && !s.frozen.Load() && s.rf.onlyAgent() {
+	if spare == 0 && !s.frozen.Load() && s.onlyAgent() {
 		return nil
 	}
 	dir := s.cg.userDir()
@@ -391,7 +426,7 @@ func (s *sandbox) killUser(ctx context.Context) error {
 				if spare == 0 {
 					// Only the agent's own threads are left: what
 					// onlyAgent compares with next time.
-					s.rf.learnAgentTasks(dir, tasks)
+					s.rf.agentTasks, s.rf.agentTasksKnown = tasks, true
 				}
 				return nil
 			}
@@ -485,12 +520,7 @@ func (s *sandbox) swapRootLocked(root int) (int, error) {
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
 		return -1, fmt.Errorf("unshare fs: %w", err)
 	}
-	fd, done, err := s.nsFD("mnt")
-	if err != nil {
-		return -1, err
-	}
-	err = unix.Setns(fd, unix.CLONE_NEWNS)
-	done()
+	err := s.withNS("mnt", func(fd int) error { return unix.Setns(fd, unix.CLONE_NEWNS) })
 	if err != nil {
 		return -1, fmt.Errorf("join the sandbox's mnt namespace: %w", err)
 	}
@@ -543,21 +573,6 @@ func swapMounts(root int) error {
 		return fmt.Errorf("detach old root: %w", err)
 	}
 	return nil
-}
-
-// nsFD returns a descriptor that names the agent's namespaces for setns:
-// its pidfd, which names the agent for sure (a PID could have been
-// reused), or, on kernels without pidfds, its namespace file name (a
-// /proc/PID/ns name); done releases it.
-func (s *sandbox) nsFD(name string) (fd int, done func(), err error) {
-	if s.pidfd >= 0 {
-		return s.pidfd, func() {}, nil
-	}
-	fd, err = unix.Open(fmt.Sprintf("/proc/%d/ns/%s", s.cmd.Process.Pid, name), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, nil, fmt.Errorf("open %s namespace: %w", name, err)
-	}
-	return fd, func() { unix.Close(fd) }, nil
 }
 
 // moveMount moves the mount at from (in the old root) onto to (relative to
@@ -674,15 +689,11 @@ const (
 	msgInfo = 12 // MSG_INFO: struct msginfo, msgpool (queues in use) first
 )
 
-// clearIPC removes every System V shared memory segment, semaphore set and
-// message queue, and every POSIX message queue, of the calling thread's IPC
-// namespace (the sandbox's). Every user process is dead by now, so removed
-// segments are freed at once. It runs on the backend's IPC thread, where it
-// also opens what resetFiles.ipcEmpty reads, once.
-func (s *sandbox) clearIPC() error {
-	if !s.rf.sysvOpen {
-		s.rf.openSysV()
-	}
+// clearSysV removes every System V shared memory segment, semaphore set
+// and message queue of the calling thread's IPC namespace (the sandbox's:
+// see inIPCNamespace). Every user process is dead by now, so removed
+// segments are freed at once.
+func clearSysV() error {
 	for _, k := range []struct {
 		file  string
 		count func() (int, error)
@@ -725,7 +736,7 @@ func (s *sandbox) clearIPC() error {
 			}
 		}
 	}
-	return s.clearMqueues()
+	return nil
 }
 
 // ipcCount calls an *_INFO command (the buffer is the last argument, after
@@ -752,11 +763,90 @@ func ipcCall(trap, a0, a1, a2 uintptr) error {
 	return nil
 }
 
-// clearMqueues unlinks every POSIX message queue of the sandbox's IPC
-// namespace through a detached mount of its mqueue file system, made on
-// the first Reset (a mqueue mount shows the IPC namespace of whoever
-// created it, the sandbox's here) and kept until Destroy.
+// mqueueMagic is the mqueue file system's type (statfs).
+const mqueueMagic = 0x19800202
+
+// clearAgentMqueues unlinks every POSIX message queue of the sandbox's IPC
+// namespace through the detached mqueue mount the agent made at its start
+// in that namespace and keeps open (sandboxinit.Reply.MqueueFD), reached
+// through the agent's /proc/PID/fd (proc: openProc) instead of a
+// descriptor the edge would keep per sandbox. The mqueue root directory's
+// size grows by a fixed amount with each queue made in it and shrinks with
+// each removed (it has no other way in), so its size when empty, learnt on
+// the first call, says there is none to list: one stat.
+//
+// Why the descriptor found there is the sandbox's mqueue root. Only the
+// agent changes its descriptor table, and nothing in the sandbox can reach
+// it (the agent is not dumpable, so no process there may ptrace it, read
+// /proc/1/fd or use pidfd_getfd on it); the agent never closes it, so no
+// later file of its gets its number. Were the agent subverted anyway, it
+// could put there only what it can reach, and the only mqueue directory it
+// can reach is its own namespace's root: it cannot mount (no
+// CAP_SYS_ADMIN after it locked itself down), the host's mqueue mounts are
+// not in its mount tree, and no other namespace's is in the sandbox. So the
+// first call checks that it is a directory of an mqueue file system, and
+// later ones that it is the same inode; anything else fails the Reset (the
+// sandbox is destroyed).
+func (s *sandbox) clearAgentMqueues(proc int) error {
+	name := "fd/" + strconv.Itoa(s.agentMqueue)
+	f := &s.rf
+	var st unix.Stat_t
+	if err := unix.Fstatat(proc, name, &st, 0); err != nil {
+		return fmt.Errorf("stat the sandbox's mqueue root: %w", err)
+	}
+	if f.mqueueKnown {
+		if st.Dev != f.mqueueDev || st.Ino != f.mqueueIno {
+			return errors.New("the agent's mqueue descriptor names another file")
+		}
+		if st.Size == f.mqueueEmpty {
+			return nil
+		}
+	}
+	dfd, err := unix.Openat(proc, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open the sandbox's mqueue root: %w", err)
+	}
+	d := os.NewFile(uintptr(dfd), "mqueue")
+	defer d.Close()
+	var sfs unix.Statfs_t
+	if err := errors.Join(unix.Fstatfs(dfd, &sfs), unix.Fstat(dfd, &st)); err != nil {
+		return fmt.Errorf("stat the sandbox's mqueue root: %w", err)
+	}
+	if sfs.Type != mqueueMagic || st.Mode&unix.S_IFMT != unix.S_IFDIR ||
+		f.mqueueKnown && (st.Dev != f.mqueueDev || st.Ino != f.mqueueIno) {
+		return fmt.Errorf("the agent's mqueue descriptor is not an mqueue root (file system %#x, mode %#o)", sfs.Type, st.Mode)
+	}
+	names, err := d.Readdirnames(-1)
+	if err != nil {
+		return fmt.Errorf("list message queues: %w", err)
+	}
+	for _, n := range names {
+		if err := unix.Unlinkat(dfd, n, 0); err != nil && err != unix.ENOENT {
+			return fmt.Errorf("remove message queue %q: %w", n, err)
+		}
+	}
+	// The directory is empty now (no process is left to make a queue):
+	// its size is what the next call compares with.
+	if err := unix.Fstat(dfd, &st); err != nil {
+		return fmt.Errorf("stat mqueue: %w", err)
+	}
+	f.mqueueEmpty, f.mqueueDev, f.mqueueIno, f.mqueueKnown = st.Size, st.Dev, st.Ino, true
+	return nil
+}
+
+// clearMqueues is clearAgentMqueues for an agent without an mqueue mount
+// (an older agent): it goes through a detached mount of the sandbox's
+// mqueue file system that the edge makes on the first Reset, from a thread
+// in the sandbox's IPC namespace (a mqueue mount shows the IPC namespace of
+// whoever created it), and keeps until Destroy: one descriptor more per
+// sandbox.
 func (s *sandbox) clearMqueues() error {
+	if s.mqueue >= 0 && s.rf.mqueueKnown {
+		var st unix.Stat_t
+		if err := unix.Fstat(s.mqueue, &st); err == nil && st.Size == s.rf.mqueueEmpty {
+			return nil
+		}
+	}
 	if s.mqueue < 0 {
 		fsfd, err := unix.Fsopen("mqueue", unix.FSOPEN_CLOEXEC)
 		if err != nil {
@@ -786,7 +876,7 @@ func (s *sandbox) clearMqueues() error {
 		}
 	}
 	// The directory is empty now (no process is left to make a queue):
-	// its size is what ipcEmpty compares with.
+	// its size is what the next call compares with.
 	var st unix.Stat_t
 	if err := unix.Fstat(s.mqueue, &st); err != nil {
 		return fmt.Errorf("stat mqueue: %w", err)
@@ -921,12 +1011,13 @@ func captureAgent(pid int) (*agentAttrs, error) {
 }
 
 // restore puts the recorded attributes back on process pid and on each of
-// its threads (restoreWith without kept descriptors).
-func (a *agentAttrs) restore(pid int) error { return a.restoreWith(pid, nil) }
+// its threads, reading its /proc files by path.
+func (a *agentAttrs) restore(pid int) error { return a.restoreWith(pid, -1) }
 
 // restoreWith puts the recorded attributes back on process pid and on each
-// of its threads, reading its /proc files through f's descriptors (opened
-// on first use) when f is not nil. Threads that exit meanwhile are skipped.
+// of its threads, reading and writing its /proc files through proc, its
+// /proc/PID directory (openProc), or by path when proc is -1. Threads
+// that exit meanwhile are skipped.
 //
 // The resource limits and the OOM score are process-wide and can be read
 // back exactly, in one read each: /proc/PID/limits prints all sixteen soft
@@ -936,20 +1027,16 @@ func (a *agentAttrs) restore(pid int) error { return a.restoreWith(pid, nil) }
 // read back more cheaply than they are set (three system calls per thread
 // either way, and a thread that joined since would need them too), so they
 // are set on every thread every time.
-func (a *agentAttrs) restoreWith(pid int, f *resetFiles) error {
-	proc := "/proc/" + strconv.Itoa(pid)
-	if f != nil && !f.procOpen {
-		if err := f.openProc(proc); err != nil {
-			return err
-		}
+func (a *agentAttrs) restoreWith(pid, proc int) error {
+	at := procFiles{dir: proc}
+	if proc < 0 {
+		at = procFiles{dir: unix.AT_FDCWD, prefix: "/proc/" + strconv.Itoa(pid) + "/"}
 	}
 	var buf [4096]byte
-	var limits []byte
-	ok := false
-	if f != nil {
-		limits, ok, _ = preadSmall(f.limits, buf[:])
-	} else if b, err := rawfile.Read(proc+"/limits", 2048); err == nil {
-		limits, ok = b, true
+	limits, ok := []byte(nil), false
+	if fd, err := at.open("limits", unix.O_RDONLY); err == nil {
+		limits, ok, _ = preadSmall(fd, buf[:])
+		unix.Close(fd)
 	}
 	// Unreadable or different: set them all (and fail if that fails).
 	if !ok || !bytes.Equal(limits, a.limits) {
@@ -959,18 +1046,19 @@ func (a *agentAttrs) restoreWith(pid int, f *resetFiles) error {
 			}
 		}
 	}
-	if err := a.restoreOOMScore(proc, f, buf[:]); err != nil {
+	// The file takes a whole number per write, wherever it is written.
+	if err := at.restore("oom_score_adj", a.oomScore, a.oomScore, buf[:]); err != nil {
 		return fmt.Errorf("restore agent OOM score: %w", err)
 	}
 	if a.autogroup != nil {
-		if err := restoreProcFile(proc+"/autogroup", fdOf(f, func(f *resetFiles) int { return f.autogroup }), a.autogroup, a.autogroupNice, buf[:]); err != nil {
+		if err := at.restore("autogroup", a.autogroup, a.autogroupNice, buf[:]); err != nil {
 			return fmt.Errorf("restore agent autogroup nice: %w", err)
 		}
 	}
-	if err := restoreProcFile(proc+"/coredump_filter", fdOf(f, func(f *resetFiles) int { return f.coredump }), a.coredumpFilter, a.coredumpValue, buf[:]); err != nil {
+	if err := at.restore("coredump_filter", a.coredumpFilter, a.coredumpValue, buf[:]); err != nil {
 		return fmt.Errorf("restore agent coredump filter: %w", err)
 	}
-	tids, err := a.threads(proc, f, buf[:])
+	tids, err := at.threads(buf[:])
 	if err != nil {
 		return fmt.Errorf("list agent threads: %w", err)
 	}
@@ -996,76 +1084,45 @@ func (a *agentAttrs) restoreWith(pid int, f *resetFiles) error {
 	return nil
 }
 
-// restoreOOMScore writes the recorded OOM score back: through f's
-// descriptor only if it differs, else unconditionally (open, write,
-// close: as cheap as reading it).
-func (a *agentAttrs) restoreOOMScore(proc string, f *resetFiles, buf []byte) error {
-	if f != nil {
-		if b, ok, err := preadSmall(f.oom, buf); err == nil && ok && bytes.Equal(b, a.oomScore) {
-			return nil
-		}
-		// The file takes a whole number per write, wherever it is written.
-		_, err := unix.Pwrite(f.oom, a.oomScore, 0)
-		return err
-	}
-	// Plain system calls: os.WriteFile and os.Open would stat the files
-	// and try to register them with the runtime poller, on every Reset.
-	fd, err := unix.Open(proc+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
-	if err == nil {
-		_, err = unix.Write(fd, a.oomScore)
-		unix.Close(fd)
-	}
-	return err
+// procFiles names a process's /proc files: relative to dir, its
+// /proc/PID directory, or (dir AT_FDCWD) by prefix, "/proc/PID/".
+type procFiles struct {
+	dir    int
+	prefix string
 }
 
-// fdOf is get(f), or -1 without kept descriptors.
-func fdOf(f *resetFiles, get func(*resetFiles) int) int {
-	if f == nil {
-		return -1
-	}
-	return get(f)
+// open opens the file name with plain system calls: os.Open would stat it
+// and try to register it with the runtime poller, on every Reset.
+func (at procFiles) open(name string, flags int) (int, error) {
+	return unix.Openat(at.dir, at.prefix+name, flags|unix.O_CLOEXEC, 0)
 }
 
-// restoreProcFile reads the /proc file name (through fd when it is not
-// -1) and, unless it reads want, writes value into it. These files take
-// no pread (autogroup answers ESPIPE): each access seeks to the start.
-func restoreProcFile(name string, fd int, want, value, buf []byte) error {
-	if fd < 0 {
-		var err error
-		if fd, err = unix.Open(name, unix.O_RDWR|unix.O_CLOEXEC, 0); err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-	}
-	if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
+// restore reads the file name and, unless it reads want, writes value
+// into it. One read from offset 0 of a new descriptor (these files take
+// no pread: autogroup answers ESPIPE).
+func (at procFiles) restore(name string, want, value, buf []byte) error {
+	fd, err := at.open(name, unix.O_RDWR)
+	if err != nil {
 		return err
 	}
+	defer unix.Close(fd)
 	if n, err := unix.Read(fd, buf); err == nil && n < len(buf) && bytes.Equal(buf[:n], want) {
 		return nil
 	}
 	if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
 		return err
 	}
-	_, err := unix.Write(fd, value)
+	_, err = unix.Write(fd, value)
 	return err
 }
 
-// threads lists the thread IDs of process proc, through f's descriptor of
-// its task directory (read again from the start) when f is not nil.
-func (a *agentAttrs) threads(proc string, f *resetFiles, buf []byte) ([]string, error) {
-	fd := -1
-	if f != nil {
-		fd = f.task
-		if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
-			return nil, err
-		}
-	} else {
-		var err error
-		if fd, err = unix.Open(proc+"/task", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
-			return nil, err
-		}
-		defer unix.Close(fd)
+// threads lists the thread IDs of the process.
+func (at procFiles) threads(buf []byte) ([]string, error) {
+	fd, err := at.open("task", unix.O_RDONLY|unix.O_DIRECTORY)
+	if err != nil {
+		return nil, err
 	}
+	defer unix.Close(fd)
 	var tids []string
 	for {
 		n, err := unix.ReadDirent(fd, buf)
@@ -1079,40 +1136,27 @@ func (a *agentAttrs) threads(proc string, f *resetFiles, buf []byte) ([]string, 
 	}
 }
 
-// resetFiles are descriptors Reset keeps open from one call to the next
-// (each saves an open, a path walk and a close per Reset, and some a
-// thread switch), with what Reset learnt about the sandbox. The zero value
-// has none open; closeResetFiles, at Destroy, closes them.
+// resetFiles is what Reset learnt about the sandbox, kept from one call to
+// the next. It holds no descriptor: the files Reset reads are opened for
+// each call (openProc) and closed after it.
 type resetFiles struct {
-	// pids is the user cgroup's pids.current, opened when agentTasks is
-	// first learnt.
-	pids int
 	// agentTasks is the pids count of the user cgroup when it held
-	// nothing but the agent's own threads (known once a kill pass saw it).
+	// nothing but the agent's own threads (known once a kill pass saw
+	// it).
 	agentTasks      int
 	agentTasksKnown bool
-	pidsOpen        bool
 
-	// limits, oom and task are the agent's /proc/PID/limits,
-	// oom_score_adj and task directory, autogroup and coredump its
-	// autogroup (-1 if the kernel has none) and coredump_filter.
-	limits, oom, task   int
-	autogroup, coredump int
-	procOpen            bool
-
-	// sysv are /proc/sysvipc/shm, sem and msg, opened inside the
-	// sandbox's IPC namespace: such a file lists the namespace of whoever
-	// opened it, whichever thread reads it later.
-	sysv     [3]int
-	sysvOpen bool
 	// mqueueEmpty is the size of the sandbox's mqueue root directory with
-	// no queue in it.
-	mqueueEmpty int64
-	mqueueKnown bool
+	// no queue in it, and mqueueDev and mqueueIno its device and inode
+	// numbers (clearAgentMqueues).
+	mqueueEmpty          int64
+	mqueueDev, mqueueIno uint64
+	mqueueKnown          bool
 }
 
 // onlyAgent reports whether the user cgroup holds nothing but the agent's
-// own threads, known to be agentTasks: its pids count says so.
+// own threads, known to be rf.agentTasks: its pids count says so (one
+// read of pids.current, borrowed from the agent: openUserFile).
 //
 // Exact because the pids count charges every task of the cgroup (and of
 // any cgroup below it) from its fork until its parent reaps it, so a
@@ -1124,102 +1168,22 @@ type resetFiles struct {
 // cgroups. So a count equal to agentTasks means no other task; any other
 // count, or an unreadable one, makes the caller do the full pass (which
 // learns agentTasks again).
-func (f *resetFiles) onlyAgent() bool {
-	if !f.agentTasksKnown || !f.pidsOpen {
+func (s *sandbox) onlyAgent() bool {
+	if !s.rf.agentTasksKnown {
+		return false
+	}
+	fd, err := s.openUserFile(filePidsCurrent)
+	if err != nil {
 		return false
 	}
 	var buf [32]byte
-	b, ok, err := preadSmall(f.pids, buf[:])
+	b, ok, err := preadSmall(fd, buf[:])
+	unix.Close(fd)
 	if err != nil || !ok {
 		return false
 	}
 	n, err := strconv.Atoi(string(bytes.TrimSpace(b)))
-	return err == nil && n == f.agentTasks
-}
-
-// learnAgentTasks records that the user cgroup dir held only the
-// agent's threads, tasks of them, and opens its pids count for onlyAgent
-// (once: the descriptors Reset keeps are all open after its first call).
-func (f *resetFiles) learnAgentTasks(dir string, tasks int) {
-	if !f.pidsOpen {
-		fd, err := unix.Open(filepath.Join(dir, "pids.current"), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return // every Reset takes the full kill pass
-		}
-		f.pids, f.pidsOpen = fd, true
-	}
-	f.agentTasks, f.agentTasksKnown = tasks, true
-}
-
-// openProc opens the agent's /proc files restoreWith reads (proc is
-// /proc/PID). They name the process, not the number: once it is gone
-// they fail rather than read another process that got the PID.
-func (f *resetFiles) openProc(proc string) error {
-	fds := [5]int{-1, -1, -1, -1, -1}
-	for i, o := range []struct {
-		name  string
-		flags int
-	}{{"limits", unix.O_RDONLY}, {"oom_score_adj", unix.O_RDWR}, {"task", unix.O_RDONLY | unix.O_DIRECTORY},
-		{"coredump_filter", unix.O_RDWR}, {"autogroup", unix.O_RDWR}} {
-		fd, err := unix.Open(proc+"/"+o.name, o.flags|unix.O_CLOEXEC, 0)
-		if err != nil && o.name == "autogroup" && errors.Is(err, unix.ENOENT) {
-			break // a kernel without CONFIG_SCHED_AUTOGROUP
-		}
-		if err != nil {
-			for _, fd := range fds[:i] {
-				unix.Close(fd)
-			}
-			return fmt.Errorf("open agent %s: %w", o.name, err)
-		}
-		fds[i] = fd
-	}
-	f.limits, f.oom, f.task, f.coredump, f.autogroup = fds[0], fds[1], fds[2], fds[3], fds[4]
-	f.procOpen = true
-	return nil
-}
-
-// openSysV opens the System V IPC listings of the calling thread's IPC
-// namespace. Without them (no /proc/sysvipc), every Reset asks the IPC
-// thread.
-func (f *resetFiles) openSysV() {
-	for i, kind := range []string{"shm", "sem", "msg"} {
-		fd, err := unix.Open("/proc/sysvipc/"+kind, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			for _, fd := range f.sysv[:i] {
-				unix.Close(fd)
-			}
-			return
-		}
-		f.sysv[i] = fd
-	}
-	f.sysvOpen = true
-}
-
-// ipcEmpty reports whether the sandbox's IPC namespace holds no System V
-// object and no POSIX message queue, with mqueue the sandbox's mqueue
-// mount (see clearMqueues). False means "maybe": clearIPC looks for
-// itself.
-//
-// A /proc/sysvipc listing is a header line, then one line per object; read
-// from offset 0, one read returns the header and as many objects as fit
-// (the kernel's seq_file fills the buffer record by record until it is
-// full or the records end), so a read that returns the header line alone
-// means there is none. The mqueue root directory's size grows by a fixed
-// amount with each queue made in it and shrinks with each removed (it has
-// no other way in), so its size when empty means no queue.
-func (f *resetFiles) ipcEmpty(mqueue int) bool {
-	if !f.sysvOpen || !f.mqueueKnown || mqueue < 0 {
-		return false
-	}
-	var buf [1024]byte
-	for _, fd := range f.sysv {
-		b, ok, err := preadSmall(fd, buf[:])
-		if err != nil || !ok || len(b) == 0 || bytes.IndexByte(b, '\n') != len(b)-1 {
-			return false
-		}
-	}
-	var st unix.Stat_t
-	return unix.Fstat(mqueue, &st) == nil && st.Size == f.mqueueEmpty
+	return err == nil && n == s.rf.agentTasks
 }
 
 // closeResetFiles closes what Reset keeps open (Destroy, with resetMu
@@ -1230,21 +1194,5 @@ func (s *sandbox) closeResetFiles() {
 		unix.Close(s.mqueue)
 		s.mqueue = -1
 	}
-	f := &s.rf
-	if f.pidsOpen {
-		unix.Close(f.pids)
-	}
-	if f.procOpen {
-		for _, fd := range []int{f.limits, f.oom, f.task, f.coredump, f.autogroup} {
-			if fd >= 0 {
-				unix.Close(fd)
-			}
-		}
-	}
-	if f.sysvOpen {
-		for _, fd := range f.sysv {
-			unix.Close(fd)
-		}
-	}
-	*f = resetFiles{}
+	s.rf = resetFiles{}
 }

@@ -71,15 +71,29 @@ type Config struct {
 	// storm competes for the sandbox's CPU quota as one group beside the
 	// agent, which keeps its share however many processes the storm has.
 	UserMoreTasks []string `json:"user_more_tasks,omitempty"`
+	// CgroupFiles are files of the user cgroup that the agent opens
+	// read-only before pivot_root and keeps open, unused, for the edge to
+	// read through (Reply.CgroupFDs): an exec and a Reset read them, and
+	// the edge, which keeps no descriptor per sandbox, borrows the
+	// agent's (pidfd_getfd) rather than open a cgroup file each time.
+	CgroupFiles []string `json:"cgroup_files,omitempty"`
 
 	userTasks     *os.File   // opened UserTasks
 	userMoreTasks []*os.File // opened UserMoreTasks
 	userDirFD     int        // opened UserCgroupDir
+	cgroupFDs     []int      // opened CgroupFiles
 }
 
 // Reply is init's answer: empty Error means the sandbox is ready.
 type Reply struct {
 	Error string `json:"error,omitempty"`
+	// MqueueFD is the agent's descriptor of a detached mount of the
+	// sandbox's POSIX message queue file system (openMqueue), which the
+	// agent keeps open and never uses; 0 if it has none.
+	MqueueFD int `json:"mqueue_fd,omitempty"`
+	// CgroupFDs are the agent's descriptors of Config.CgroupFiles, in
+	// their order (0: one it could not open).
+	CgroupFDs []int `json:"cgroup_fds,omitempty"`
 }
 
 // maxMessage bounds an init message, so a confused peer cannot make the
@@ -137,12 +151,14 @@ type Fork func(attr *syscall.SysProcAttr, start func() error) error
 // the caller must then exit. The returned Fork must wrap every process the
 // agent starts.
 func Run(conn io.ReadWriter, lock Lockdown) (Fork, error) {
+	// While a pre-started agent waits for its sandbox.
+	mq := openMqueue()
 	var cfg Config
 	if err := ReadMessage(conn, &cfg); err != nil {
 		return nil, fmt.Errorf("read init config: %w", err)
 	}
 	fork, err := setup(&cfg, lock)
-	reply := Reply{}
+	reply := Reply{MqueueFD: mq, CgroupFDs: cfg.cgroupFDs}
 	if err != nil {
 		reply.Error = err.Error()
 	}
@@ -150,6 +166,31 @@ func Run(conn io.ReadWriter, lock Lockdown) (Fork, error) {
 		err = werr
 	}
 	return fork, err
+}
+
+// openMqueue mounts the POSIX message queue file system of the agent's IPC
+// namespace, the sandbox's, detached (mounted nowhere: the sandbox's mount
+// table does not show it) and returns its descriptor, or 0 where it cannot
+// (a kernel without POSIX message queues). The agent keeps it open for its
+// life and never uses it: the edge looks at the sandbox's queues through
+// it (/proc/PID/fd/N) when it resets the sandbox, so that it need not
+// keep a descriptor of its own per sandbox. Nothing in the sandbox can
+// reach it (the agent is not dumpable) or put something else in its
+// place, and the edge checks what it finds there.
+func openMqueue() int {
+	fsfd, err := unix.Fsopen("mqueue", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return 0
+	}
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return 0
+	}
+	fd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, 0)
+	if err != nil || fd <= 0 {
+		return 0
+	}
+	return fd
 }
 
 func setup(cfg *Config, lock Lockdown) (Fork, error) {
@@ -229,6 +270,13 @@ func startSpawner(cfg *Config, lock Lockdown) (Fork, error) {
 // openUserCgroup opens the user cgroup's files while the host's cgroup file
 // system is still in view (before pivot_root).
 func openUserCgroup(cfg *Config) error {
+	for _, name := range cfg.CgroupFiles {
+		fd, err := unix.Open(name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			fd = 0 // the edge opens it itself
+		}
+		cfg.cgroupFDs = append(cfg.cgroupFDs, fd)
+	}
 	switch {
 	case cfg.UserCgroupDir != "":
 		fd, err := unix.Open(cfg.UserCgroupDir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC, 0)
