@@ -15,7 +15,6 @@
 package edge
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
@@ -43,6 +42,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
+	"github.com/dsec-dev/dsec/internal/rawfile"
 	"github.com/dsec-dev/dsec/internal/redact"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/spec"
@@ -559,20 +559,17 @@ func machineCapacity() (placement.Capacity, error) {
 	}, nil
 }
 
-// meminfo reads one field of /proc/meminfo (in kB there), in bytes.
+// meminfo reads one field of /proc/meminfo, in bytes.
 func meminfo(field string) (int64, error) {
-	b, err := os.ReadFile("/proc/meminfo")
+	m, err := rawfile.Meminfo()
 	if err != nil {
-		return 0, fmt.Errorf("%s: %w", field, err)
+		return 0, err
 	}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		var kb int64
-		if n, _ := fmt.Sscanf(sc.Text(), field+": %d kB", &kb); n == 1 {
-			return kb << 10, nil
-		}
+	v, ok := m[field]
+	if !ok {
+		return 0, fmt.Errorf("no %s in /proc/meminfo", field)
 	}
-	return 0, fmt.Errorf("no %s in /proc/meminfo", field)
+	return v, nil
 }
 
 func memTotal() (int64, error) { return meminfo("MemTotal") }

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/rawfile"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
@@ -91,7 +92,7 @@ type sampler struct {
 // sample takes a new nodeState.
 func (s *sampler) sample() {
 	st := nodeState{at: time.Now(), memSome: -1, memFull: -1, cpuSome: -1}
-	if mi, err := readMeminfo(); err == nil {
+	if mi, err := rawfile.Meminfo(); err == nil {
 		st.memTotal, st.memAvailable = mi["MemTotal"], mi["MemAvailable"]
 		st.swapTotal, st.swapFree = mi["SwapTotal"], mi["SwapFree"]
 	}
@@ -202,30 +203,6 @@ func (e *Edge) sampleLoop(ctx context.Context) {
 			e.state.sample()
 		}
 	}
-}
-
-// readMeminfo returns /proc/meminfo's fields in bytes.
-func readMeminfo() (map[string]int64, error) {
-	b, err := os.ReadFile("/proc/meminfo")
-	if err != nil {
-		return nil, err
-	}
-	out := map[string]int64{}
-	for _, line := range bytes.Split(b, []byte("\n")) {
-		f := bytes.Fields(line)
-		if len(f) < 2 {
-			continue
-		}
-		v, err := strconv.ParseInt(string(f[1]), 10, 64)
-		if err != nil {
-			continue
-		}
-		if len(f) > 2 && string(f[2]) == "kB" {
-			v <<= 10
-		}
-		out[string(bytes.TrimSuffix(f[0], []byte(":")))] = v
-	}
-	return out, nil
 }
 
 // psi reads the avg10 of a /proc/pressure file's "some" and "full" lines;

@@ -69,3 +69,16 @@ func TestReadRegular(t *testing.T) {
 		t.Errorf("ReadRegular /proc/self/status with limit 16: %v, want ErrTooLarge", err)
 	}
 }
+
+func TestMeminfo(t *testing.T) {
+	m, err := Meminfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m["MemTotal"] < 1<<20 || m["MemAvailable"] <= 0 || m["MemAvailable"] > m["MemTotal"] || m["SwapFree"] > m["SwapTotal"] {
+		t.Fatalf("meminfo %v", m)
+	}
+	if _, ok := m["SwapTotal"]; !ok {
+		t.Fatal("no SwapTotal")
+	}
+}

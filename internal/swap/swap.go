@@ -30,6 +30,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/rawfile"
 )
 
 // fsNocowFL is FS_NOCOW_FL of linux/fs.h (x/sys/unix has none).
@@ -226,24 +228,10 @@ func swapoff(file string) error {
 // Total is the host's swap space in bytes and how much of it is free
 // (SwapTotal and SwapFree of /proc/meminfo), whoever set it up.
 func Total() (total, free int64, err error) {
-	b, err := os.ReadFile("/proc/meminfo")
+	m, err := rawfile.Meminfo()
 	if err != nil {
 		return 0, 0, fmt.Errorf("swap: %w", err)
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		k, v, ok := strings.Cut(line, ":")
-		if !ok || (k != "SwapTotal" && k != "SwapFree") {
-			continue
-		}
-		n, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-		if err != nil {
-			return 0, 0, fmt.Errorf("swap: /proc/meminfo %s: %q", k, v)
-		}
-		if k == "SwapTotal" {
-			total = n << 10
-		} else {
-			free = n << 10
-		}
-	}
+	total, free = m["SwapTotal"], m["SwapFree"]
 	return total, free, nil
 }

@@ -2,7 +2,6 @@ package container
 
 import (
 	"cmp"
-	"errors"
 	"os"
 	"runtime"
 	"slices"
@@ -13,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/rawfile"
 )
 
 // Quality of service on a node of mostly idle sandboxes (issue 14).
@@ -293,28 +294,11 @@ func (b *Backend) nodeMemory() (size, free int64, err error) {
 		used, err := nodeMemoryUsage(b.opts.CgroupParent)
 		return b.opts.MemoryBytes, b.opts.MemoryBytes - used, err
 	}
-	data, err := os.ReadFile("/proc/meminfo")
+	m, err := rawfile.Meminfo()
 	if err != nil {
 		return 0, 0, err
 	}
-	for _, line := range strings.Split(string(data), "\n") {
-		k, v, ok := strings.Cut(line, ":")
-		if !ok || k != "MemTotal" && k != "MemAvailable" {
-			continue
-		}
-		n, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-		if err != nil {
-			return 0, 0, err
-		}
-		if k == "MemTotal" {
-			size = n << 10
-		} else {
-			free = n << 10
-		}
-	}
-	if size == 0 {
-		return 0, 0, errors.New("/proc/meminfo has no MemTotal")
-	}
+	size, free = m["MemTotal"], m["MemAvailable"]
 	return size, free, nil
 }
 
