@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 )
 
 // bubblewrap does less than the other peers, and the table should be read
@@ -39,7 +41,7 @@ func (b *bwrap) Setup(_ context.Context, env Env) error {
 	}
 	b.cg = &cg
 	// Killing a sandbox's pid-namespace init orphans its other processes.
-	return becomeSubreaper()
+	return peer.BecomeSubreaper()
 }
 
 func (b *bwrap) Teardown(ctx context.Context) error {

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 )
 
 const cgroupRoot = "/sys/fs/cgroup"
@@ -142,7 +144,7 @@ func removeCgroupTreeOnce(rel string) error {
 			}
 		}
 		if killed {
-			reapOrphans()
+			peer.ReapOrphans()
 		}
 		for _, d := range dirs {
 			if err := unix.Rmdir(d); err != nil && !errors.Is(err, unix.ENOENT) {
@@ -319,37 +321,11 @@ func (c memCgroup) drain(ctx context.Context) error {
 				_ = unix.Kill(pid, unix.SIGKILL)
 			}
 		}
-		reapOrphans()
+		peer.ReapOrphans()
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("cgroup %s still has pids %v: %w", c.rel, pids, ctx.Err())
 		case <-tick.C:
 		}
 	}
-}
-
-// reapOrphans reaps every exited child (what this process inherited as
-// subreaper) without blocking on live ones. Callers run it only when no
-// os/exec command of theirs is in flight, so it cannot steal an exit status
-// that Cmd.Wait is waiting for.
-func reapOrphans() {
-	for {
-		pid, err := unix.Wait4(-1, nil, unix.WNOHANG, nil)
-		if errors.Is(err, unix.EINTR) {
-			continue
-		}
-		if err != nil || pid <= 0 {
-			return
-		}
-	}
-}
-
-// becomeSubreaper makes orphaned descendants (detached containers, bwrap's
-// sandbox init, containerd's shims) re-parent to this process rather than
-// to the host's PID 1, which may be slow to reap them or never do.
-func becomeSubreaper() error {
-	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
-		return fmt.Errorf("become subreaper: %w", err)
-	}
-	return nil
 }

@@ -42,7 +42,7 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 )
 
 // config is what one worker measures.
@@ -255,7 +255,7 @@ func runWorker(ctx context.Context, name string, env Env, cfg config, hideCgroup
 		return res
 	}
 	if hideCgroup2 {
-		if err := hideUnifiedCgroup(); err != nil {
+		if err := peer.HideUnifiedCgroup("dsecbench-no-cgroup2"); err != nil {
 			res.Err = err.Error()
 			return res
 		}
@@ -369,21 +369,4 @@ func joinInts(vs []int) string {
 		ss[i] = strconv.Itoa(v)
 	}
 	return strings.Join(ss, ",")
-}
-
-// hideUnifiedCgroup makes this (private) mount namespace look cgroup
-// v1-only, which crun needs on a hybrid host. The unified mount is replaced
-// by an empty tmpfs rather than just removed: crun still writes a
-// cgroup.procs file per container under that path, and without the tmpfs
-// those writes would land in the host's /sys/fs/cgroup tmpfs, hidden
-// under the host's unified mount and never cleaned up.
-func hideUnifiedCgroup() error {
-	const unified = "/sys/fs/cgroup/unified"
-	if err := unix.Unmount(unified, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
-		return fmt.Errorf("unmount %s in private namespace: %w", unified, err)
-	}
-	if err := unix.Mount("dsecbench-no-cgroup2", unified, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=755,size=16m"); err != nil {
-		return fmt.Errorf("mount scratch tmpfs on %s: %w", unified, err)
-	}
-	return nil
 }

@@ -16,6 +16,8 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 )
 
 // ociRuntime drives an OCI runtime binary (crun or runc) the way a minimal
@@ -53,7 +55,7 @@ func (o *ociRuntime) Setup(ctx context.Context, env Env) error {
 	}
 	// Detached containers are orphaned when `run --detach` returns; as
 	// subreaper the harness inherits them and can reap them.
-	return becomeSubreaper()
+	return peer.BecomeSubreaper()
 }
 
 // bundle makes the bundle directory for container id: an overlay of the

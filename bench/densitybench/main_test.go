@@ -12,6 +12,7 @@ import (
 
 	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	"github.com/dsec-dev/dsec/bench/internal/dsecup/dsecuptest"
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -34,7 +35,7 @@ func assertClean(t *testing.T, cmd *exec.Cmd, tmp string, upPIDs []int) {
 	if cgs, err := dsecup.HarnessCgroups(cgroupPrefix, cmd.Process.Pid); err != nil || len(cgs) > 0 {
 		t.Errorf("harness left cgroups %v (%v)", cgs, err)
 	}
-	if pids := pidsNaming(tmp + "/"); len(pids) > 0 {
+	if pids := peer.PidsNaming(tmp + "/"); len(pids) > 0 {
 		t.Errorf("processes naming the harness's TMPDIR left running: %v", pids)
 	}
 }
@@ -93,10 +94,10 @@ func TestWave(t *testing.T) {
 	}
 	args := []string{"-phases", "wave", "-r", "3", "-steps", "2-3", "-think", "100ms-300ms", "-empty", "1", "-empty-steps", "2",
 		"-docker-r", "2", "-json"}
-	docker := dockerMissing() == ""
+	docker := peer.DockerMissing() == ""
 	if !docker {
 		// The DSec side still runs: wave.py is exercised without Docker.
-		t.Logf("Docker's wave not run: %s", dockerMissing())
+		t.Logf("Docker's wave not run: %s", peer.DockerMissing())
 		args = append(args, "-wave-peer", "none")
 	}
 	before := dockerHostState()
@@ -180,7 +181,7 @@ func TestWaveInterrupt(t *testing.T) {
 	if cgs, err := dsecup.HarnessCgroups(cgroupPrefix, cmd.Process.Pid); err != nil || len(cgs) > 0 {
 		t.Errorf("harness left cgroups %v (%v)", cgs, err)
 	}
-	if pids := pidsNaming(tmp + "/"); len(pids) > 0 {
+	if pids := peer.PidsNaming(tmp + "/"); len(pids) > 0 {
 		t.Errorf("processes naming the harness's TMPDIR left running: %v", pids)
 	}
 }

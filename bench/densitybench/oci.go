@@ -32,6 +32,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/bench/internal/dsecup"
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 )
 
 // ociWorkerFlag, as the first argument, runs the binary as the crun worker.
@@ -133,13 +134,13 @@ type ociIdle struct {
 }
 
 func (o *ociIdle) measure(ctx context.Context, n, execC int, row *IdleRow) error {
-	if err := hideUnifiedCgroup(); err != nil {
+	if err := peer.HideUnifiedCgroup("densitybench-no-cgroup2"); err != nil {
 		return err
 	}
 	// Detached containers are orphaned when `run --detach` returns; as
 	// subreaper the worker inherits their inits and can reap them.
-	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
-		return fmt.Errorf("become subreaper: %w", err)
+	if err := peer.BecomeSubreaper(); err != nil {
+		return err
 	}
 	if err := os.MkdirAll(o.state, 0o700); err != nil {
 		return fmt.Errorf("crun state dir: %w", err)
@@ -331,7 +332,7 @@ func (o *ociIdle) teardown(ctx context.Context) error {
 	for _, pid := range left {
 		_ = unix.Kill(pid, unix.SIGKILL)
 	}
-	reapAll()
+	peer.ReapOrphans()
 	var errs []error
 	if out, err := exec.CommandContext(ctx, o.bin, "--root", o.state, "list", "--quiet").Output(); err == nil {
 		ids := strings.Fields(string(out))
@@ -356,7 +357,7 @@ func (o *ociIdle) teardown(ctx context.Context) error {
 	} else if _, serr := os.Stat(o.state); serr == nil {
 		errs = append(errs, fmt.Errorf("crun list: %w", err))
 	}
-	reapAll()
+	peer.ReapOrphans()
 	if mps, err := dsecup.MountsUnder(o.work); err != nil {
 		errs = append(errs, err)
 	} else {
@@ -379,40 +380,6 @@ func (o *ociIdle) teardown(ctx context.Context) error {
 		errs = append(errs[:3], fmt.Errorf("and %d more teardown errors", len(errs)-3))
 	}
 	return errors.Join(errs...)
-}
-
-// reapAll reaps every exited child (the inits the worker inherited as
-// subreaper) without blocking on live ones. Called only when no os/exec
-// command of the worker is in flight.
-func reapAll() {
-	for {
-		pid, err := unix.Wait4(-1, nil, unix.WNOHANG, nil)
-		if errors.Is(err, unix.EINTR) {
-			continue
-		}
-		if err != nil || pid <= 0 {
-			return
-		}
-	}
-}
-
-// hideUnifiedCgroup replaces the empty cgroup2 mount of this hybrid host
-// with an empty tmpfs in the worker's private mount namespace: crun 1.8
-// refuses the hybrid layout ("cgroups in hybrid mode not supported"), and
-// merely unmounting it makes crun write cgroup.procs files into the host's
-// /sys/fs/cgroup tmpfs, where they would stay (see containerbench).
-func hideUnifiedCgroup() error {
-	const unified = "/sys/fs/cgroup/unified"
-	if _, err := os.Stat(unified); errors.Is(err, os.ErrNotExist) {
-		return nil // not hybrid
-	}
-	if err := unix.Unmount(unified, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
-		return fmt.Errorf("unmount %s in private namespace: %w", unified, err)
-	}
-	if err := unix.Mount("densitybench-no-cgroup2", unified, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=755,size=16m"); err != nil {
-		return fmt.Errorf("mount scratch tmpfs on %s: %w", unified, err)
-	}
-	return nil
 }
 
 // spec is the config `runc spec` generates, as containerbench's, with the

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/dsec-dev/dsec/bench/internal/dsecup"
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 	"github.com/dsec-dev/dsec/sdk/go/dsec"
 )
 
@@ -140,7 +141,7 @@ func (rn *run) waveDSec(ctx context.Context, up *dsecup.Up, row *WaveRow) error 
 // waveDocker runs the same plan on a private dockerd.
 func (rn *run) waveDocker(ctx context.Context, row *WaveRow) (err error) {
 	cfg := rn.cfg.Wave
-	if why := dockerMissing(); why != "" {
+	if why := peer.DockerMissing(); why != "" {
 		return errors.New(why)
 	}
 	dir := filepath.Join(rn.work, "docker")
@@ -149,7 +150,7 @@ func (rn *run) waveDocker(ctx context.Context, row *WaveRow) (err error) {
 		defer func() {
 			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
 			defer cancel()
-			if serr := d.stop(sctx); serr != nil {
+			if serr := d.Stop(sctx); serr != nil {
 				err = errors.Join(err, fmt.Errorf("docker cleanup: %w", serr))
 			}
 			if rn.keep {
@@ -169,7 +170,7 @@ func (rn *run) waveDocker(ctx context.Context, row *WaveRow) (err error) {
 		return err
 	}
 	row.PrepareSeconds = time.Since(t0).Seconds()
-	return rn.runWavePy(ctx, row, cfg.DockerR, "--backend", "docker", "--socket", d.sock, "--image", dockerImage,
+	return rn.runWavePy(ctx, row, cfg.DockerR, "--backend", "docker", "--socket", d.Sock, "--image", dockerImage,
 		"--workspace-dir", wsDir)
 }
 

@@ -30,9 +30,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/dsec-dev/dsec/bench/internal/dsecup"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/bench/internal/dsecup"
+	"github.com/dsec-dev/dsec/bench/internal/peer"
 )
 
 // ociWorkerArg, as the first argument, makes this binary the OCI worker.
@@ -251,7 +253,7 @@ func ociWorkerMain(args []string) error {
 // setup starts n detached containers running `sleep`.
 func (w *ociWorker) setup(ctx context.Context, n int) error {
 	if hybridCgroups() && w.rt == "crun" {
-		if err := hideUnifiedCgroup(); err != nil {
+		if err := peer.HideUnifiedCgroup("statebench-no-cgroup2"); err != nil {
 			return err
 		}
 	}
@@ -417,22 +419,6 @@ func output(ctx context.Context, name string, args ...string) ([]byte, error) {
 		return []byte(stdout.String()), fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, msg)
 	}
 	return []byte(stdout.String()), nil
-}
-
-// hideUnifiedCgroup makes this (private) mount namespace look cgroup
-// v1-only, which crun needs on a hybrid host. The cgroup2 mount is
-// replaced by an empty tmpfs rather than just removed: crun still writes
-// a cgroup.procs file per container under that path, which would
-// otherwise land in the host's /sys/fs/cgroup tmpfs and stay there.
-func hideUnifiedCgroup() error {
-	const unified = cgroupRoot + "/unified"
-	if err := unix.Unmount(unified, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
-		return fmt.Errorf("unmount %s in private namespace: %w", unified, err)
-	}
-	if err := unix.Mount("statebench-no-cgroup2", unified, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=755,size=16m"); err != nil {
-		return fmt.Errorf("mount scratch tmpfs on %s: %w", unified, err)
-	}
-	return nil
 }
 
 // ociSpec is the config `runc spec` generates, changed where the peer
