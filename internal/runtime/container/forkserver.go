@@ -543,6 +543,11 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 	childFd := rights[0]
 	defer unix.Close(childFd)
 	start := time.Now()
+	// The child's PID is its session's ID; read now, while the child
+	// exists: once it is killed and reaped its pidfd names no PID (-1),
+	// and what it started would be left running by the time limit.
+	// A child already gone has 0 here: its session is left to Reset.
+	sid, _ := pidfdPid(childFd)
 
 	// stdin, then EOF; a program that exits without reading it breaks the
 	// pipe, which is not an error.
@@ -586,7 +591,7 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 	lost := func(err error) (rt.ExecResult, error) {
 		state, _ := procState(f.pid)
 		why := fmt.Errorf("%w (%v; server alive %v, state %q)", errServerLost, err, f.alive(), state)
-		killTree(f.userDir, childFd)
+		killTree(f.userDir, childFd, sid)
 		res.Duration = time.Since(start)
 		res.Signal, res.ExitCode = int(syscall.SIGKILL), 128+int(syscall.SIGKILL)
 		collect()
@@ -610,7 +615,7 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 		case !errors.Is(err, os.ErrDeadlineExceeded):
 			return res, fmt.Errorf("fork exec: %w", err)
 		case ctx.Err() != nil:
-			killTree(f.userDir, childFd)
+			killTree(f.userDir, childFd, sid)
 			return res, fmt.Errorf("fork exec: %w", ctx.Err())
 		case res.TimedOut:
 			return lost(fmt.Errorf("no exit status %v after the kill", killTimeout))
@@ -618,7 +623,7 @@ func (f *forkServer) run(ctx context.Context, req rt.ExecRequest) (rt.ExecResult
 			// The time limit: kill the exec's process tree (its session),
 			// then wait for the status.
 			res.TimedOut = true
-			killTree(f.userDir, childFd)
+			killTree(f.userDir, childFd, sid)
 			if !f.healthy() {
 				return lost(err)
 			}
@@ -673,11 +678,11 @@ func readMsg(c *net.UnixConn) (string, []int, error) {
 // killTree SIGKILLs the exec's session (the child called setsid, so its
 // session ID is its PID): every process of the user cgroup (dir; nothing
 // in it can leave) still in it, until none is left. The child is named by
-// its pidfd; the session by its host PID.
-func killTree(dir string, pidfd int) {
+// its pidfd; the session by its host PID, sid, read while the child
+// existed.
+func killTree(dir string, pidfd, sid int) {
 	unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
-	sid, err := pidfdPid(pidfd)
-	if err != nil {
+	if sid <= 0 {
 		return
 	}
 	session := strconv.Itoa(sid)
