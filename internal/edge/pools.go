@@ -8,6 +8,7 @@ import (
 	"maps"
 	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -283,12 +284,15 @@ func (e *Edge) closePools(ctx context.Context) {
 	clear(e.autoPools)
 	clear(e.rebasePools)
 	e.mu.Unlock()
+	// Side by side: each pool's Close waits for its own destroys.
+	var wg sync.WaitGroup
 	for _, wp := range pools {
-		wp.p.Close(ctx)
+		wg.Go(func() { wp.p.Close(ctx) })
 	}
 	for _, rp := range rebase {
-		rp.p.Close(ctx)
+		wg.Go(func() { rp.p.Close(ctx) })
 	}
+	wg.Wait()
 }
 
 // poolSummaries describes the pools for heartbeats, and adds their layers

@@ -71,6 +71,10 @@ const (
 	DefaultRefillDelay = 100 * time.Millisecond
 )
 
+// closeDestroyers is how many workers destroy a closing pool's sandboxes
+// at once (the pool's own workers, if more, all do).
+const closeDestroyers = 16
+
 // Bounds on background work. A failing New is retried after backoffBase,
 // doubling per consecutive failure up to backoffMax. The timeouts stop one
 // wedged sandbox from holding a worker for ever.
@@ -702,6 +706,16 @@ func (p *Pool) Close(ctx context.Context) error {
 		}
 		p.doomed = append(p.doomed, p.ready...)
 		p.ready = nil
+		// A recycling pool may hold thousands of idle sandboxes at a
+		// node's shutdown; its few workers would tear them down one at
+		// a time each (minutes), so more join for the destroys. They
+		// leave once the queues are empty.
+		if extra := min(closeDestroyers-p.o.Fill-p.o.Resets, len(p.doomed)+len(p.dirty)); extra > 0 {
+			p.flight += extra
+			for range extra {
+				go p.worker()
+			}
+		}
 		p.cond.Broadcast()
 		p.checkDoneLocked()
 	}

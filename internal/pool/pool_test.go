@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -681,5 +682,47 @@ func BenchmarkTakePut(b *testing.B) {
 			st := p.Stats()
 			b.ReportMetric(float64(st.Hits)/float64(st.Hits+st.Misses), "hit-ratio")
 		})
+	}
+}
+
+// slowDestroy is a real sandbox whose Destroy takes a while and counts
+// how many run at once.
+type slowDestroy struct {
+	rt.Sandbox
+	now, peak *atomic.Int64
+}
+
+func (s *slowDestroy) Destroy(ctx context.Context) error {
+	n := s.now.Add(1)
+	defer s.now.Add(-1)
+	for {
+		p := s.peak.Load()
+		if n <= p || s.peak.CompareAndSwap(p, n) {
+			break
+		}
+	}
+	time.Sleep(50 * time.Millisecond)
+	return s.Sandbox.Destroy(ctx)
+}
+
+// TestCloseDestroysSideBySide: a pool closed with many ready sandboxes
+// (a node's recycling pool at shutdown) destroys them with more than its
+// two workers at once.
+func TestCloseDestroysSideBySide(t *testing.T) {
+	c := newCreator(t, modes[1])
+	var now, peak atomic.Int64
+	c.wrap = func(sb rt.Sandbox) rt.Sandbox { return &slowDestroy{Sandbox: &plain{sb}, now: &now, peak: &peak} }
+	p, _ := startPool(t, c, pool.Options{Size: 24, Max: 24, Fill: 1, Resets: 1})
+	waitStats(t, p, "24 ready", func(s pool.Stats) bool { return s.Ready == 24 })
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if err := p.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); st.Alive() != 0 {
+		t.Fatalf("after Close: %+v", st)
+	}
+	if got := peak.Load(); got <= 2 {
+		t.Fatalf("Close destroyed at most %d at once; want more than the pool's 2 workers", got)
 	}
 }
