@@ -28,7 +28,8 @@ const (
 // run for an hour. Edges in this process (Config.LocalEdges) are served by
 // calling their handlers, with no socket (internal/inproc).
 type edgeClients struct {
-	http *http.Client
+	http      *http.Client
+	transport *bearerTransport
 	// local serves Config.LocalEdges; nil when there are none.
 	local *inproc.Transport
 	mu    sync.Mutex
@@ -59,11 +60,12 @@ func newEdgeClients(cfg Config) (*edgeClients, error) {
 	}
 	// The token is added before the in-process transport, so a local
 	// edge's handler checks it as a remote edge does.
-	c := &http.Client{Transport: &bearerTransport{base: base, header: "Bearer " + cfg.ClusterToken}}
+	bt := &bearerTransport{base: base, header: "Bearer " + cfg.ClusterToken}
+	c := &http.Client{Transport: bt}
 	if hc != nil {
 		c.CheckRedirect, c.Jar, c.Timeout = hc.CheckRedirect, hc.Jar, hc.Timeout
 	}
-	return &edgeClients{http: c, local: local, m: map[string]dsecv1connect.EdgeServiceClient{}}, nil
+	return &edgeClients{http: c, transport: bt, local: local, m: map[string]dsecv1connect.EdgeServiceClient{}}, nil
 }
 
 func (e *edgeClients) get(url string) dsecv1connect.EdgeServiceClient {
@@ -78,15 +80,22 @@ func (e *edgeClients) get(url string) dsecv1connect.EdgeServiceClient {
 }
 
 // bearerTransport presents the cluster token on every edge call.
+// It also reports every answer: an edge that answers a call is alive
+// whatever its heartbeats say (see registry.answered).
 type bearerTransport struct {
-	base   http.RoundTripper
-	header string
+	base     http.RoundTripper
+	header   string
+	answered func(url string)
 }
 
 func (t *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	req = req.Clone(req.Context())
 	req.Header.Set("Authorization", t.header)
-	return t.base.RoundTrip(req)
+	resp, err := t.base.RoundTrip(req)
+	if err == nil && t.answered != nil {
+		t.answered(req.URL.Scheme + "://" + req.URL.Host)
+	}
+	return resp, err
 }
 
 // callContext bounds a non-exec edge call.

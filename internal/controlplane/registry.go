@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"net/url"
 	"slices"
 	"sort"
 	"sync"
@@ -32,8 +33,10 @@ type registry struct {
 	// completed while no heartbeat has listed it yet.
 	pendingGrace time.Duration
 
-	mu      sync.Mutex
-	nodes   map[string]*node
+	mu    sync.Mutex
+	nodes map[string]*node
+	// byURL finds a node by the scheme://host of its URL.
+	byURL   map[string]*node
 	pending map[string]*pendingCreate
 	// pendingUse is the usage of pending creates per tenant.
 	pendingUse map[string]iam.Usage
@@ -103,6 +106,7 @@ func newRegistry(timeout, retention time.Duration) *registry {
 		retention:    retention,
 		pendingGrace: max(2*timeout, 5*time.Second),
 		nodes:        map[string]*node{},
+		byURL:        map[string]*node{},
 		pending:      map[string]*pendingCreate{},
 		pendingUse:   map[string]iam.Usage{},
 		room:         make(chan struct{}),
@@ -123,6 +127,31 @@ func (r *registry) signalRoomLocked() {
 }
 
 func (r *registry) alive(n *node, now time.Time) bool { return now.Sub(n.lastSeen) <= r.timeout }
+
+// urlKey is the scheme://host of a node's advertised URL, as an edge
+// client's requests name it.
+func urlKey(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return raw
+	}
+	return u.Scheme + "://" + u.Host
+}
+
+// answered records that the edge at url (scheme://host) answered a call:
+// proof of life as good as a heartbeat. A node whose CPU is saturated
+// (a wave of rollouts on two cores) can be seconds late with its beats
+// while it still serves every exec; declaring it dead then turned its
+// sandboxes' steps into infra errors, a platform failure the workload
+// caused. Only liveness is refreshed: what the node reported stays as
+// last reported until its next beat.
+func (r *registry) answered(url string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if n := r.byURL[url]; n != nil {
+		n.lastSeen = r.now()
+	}
+}
 
 func countsAgainstQuota(state string) bool { return spec.State(state).Live() }
 
@@ -207,6 +236,12 @@ func (r *registry) heartbeat(hb *dsecv1.HeartbeatRequest) error {
 				r.dropPendingLocked(p)
 			}
 		}
+	}
+	if n.url != hb.GetUrl() {
+		if r.byURL[urlKey(n.url)] == n {
+			delete(r.byURL, urlKey(n.url))
+		}
+		r.byURL[urlKey(hb.GetUrl())] = n
 	}
 	n.url, n.bootID = hb.GetUrl(), hb.GetBootId()
 	n.capacity, n.usage, n.share, n.layers, n.load = capacity, usage, share, layers, load
@@ -736,6 +771,9 @@ func (r *registry) sweep() (died []string) {
 				}
 			}
 			delete(r.nodes, id)
+			if r.byURL[urlKey(n.url)] == n {
+				delete(r.byURL, urlKey(n.url))
+			}
 		}
 	}
 	return died

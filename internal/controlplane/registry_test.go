@@ -323,3 +323,31 @@ func TestReserveRequestsVsLimits(t *testing.T) {
 		}
 	}
 }
+
+// TestAnswerIsProofOfLife: a node late with its heartbeats (saturated,
+// not gone) stays alive while it answers the calls routed to it; one
+// that answers nothing dies at the timeout as before.
+func TestAnswerIsProofOfLife(t *testing.T) {
+	r, c := testRegistry()
+	s1 := &dsecv1.SandboxSummary{Id: "n1-00000000000000aa", Tenant: "alice", State: string(spec.StateRunning), Backend: "container"}
+	s2 := &dsecv1.SandboxSummary{Id: "n2-00000000000000bb", Tenant: "bob", State: string(spec.StateRunning), Backend: "container"}
+	for _, hb := range []*dsecv1.HeartbeatRequest{beat("n1", "b1", 10, s1), beat("n2", "b1", 10, s2)} {
+		if err := r.heartbeat(hb); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 5 {
+		c.advance(2 * time.Second)
+		r.answered("http://n1")
+		r.answered("http://elsewhere") // no such node: nothing happens
+	}
+	if rt, _ := r.route(s1.Id); !rt.alive || rt.lostReason != "" {
+		t.Fatalf("n1 answered every call but is %+v", rt)
+	}
+	if rt, _ := r.route(s2.Id); rt.alive || rt.lostReason != "node n2 is not responding" {
+		t.Fatalf("n2 answered nothing for 10 s but is %+v", rt)
+	}
+	if died := r.sweep(); len(died) != 1 || died[0] != "n2" {
+		t.Fatalf("sweep reported %v dead, want [n2]", died)
+	}
+}

@@ -189,6 +189,7 @@ func New(cfg Config) (*Server, error) {
 		reg:     newRegistry(cfg.NodeTimeout, cfg.LostRetention),
 		edges:   edges,
 	}
+	edges.transport.answered = s.reg.answered
 	roots := []string{cfg.DataDir}
 	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
 		// The store's own temp dir (spooled uploads, extracted trees) and

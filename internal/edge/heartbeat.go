@@ -69,9 +69,11 @@ func (e *Edge) heartbeatLoop(ctx context.Context, url string) {
 	defer ticker.Stop()
 	failing := false
 	for {
-		// A beat may not outlive the next one: a server that stopped
-		// answering must not pile up requests.
-		cctx, cancel := context.WithTimeout(ctx, max(2*e.cfg.HeartbeatInterval, 2*time.Second))
+		// One beat at a time, each bounded so that a server that stopped
+		// answering is tried again; but not so tightly that a beat on a
+		// saturated node (slow, not lost) is abandoned every time until
+		// the server's node timeout (10 s by default) declares it dead.
+		cctx, cancel := context.WithTimeout(ctx, max(2*e.cfg.HeartbeatInterval, 5*time.Second))
 		_, err := client.Heartbeat(cctx, connect.NewRequest(e.heartbeat()))
 		cancel()
 		switch {
