@@ -330,6 +330,9 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		switch {
 		case errors.Is(err, runtime.ErrInvalidSpec):
 			reason, code = "invalid", connect.CodeInvalidArgument
+		case errors.Is(err, runtime.ErrBusy) && ctx.Err() == nil:
+			// A refusal, as admission's: the server places it again.
+			reason, code = "busy", connect.CodeResourceExhausted
 		case ctx.Err() != nil:
 			reason, code = "canceled", connect.CodeCanceled
 		}

@@ -44,6 +44,11 @@ var (
 	// I/O error of its file system, a full disk): the workload's or the
 	// caller's doing, never a platform failure (Connect FailedPrecondition).
 	ErrFailedPrecondition = errors.New("failed precondition")
+	// ErrBusy: the node was too busy to bring the sandbox up in time (its
+	// CPU saturated by other sandboxes' work). Nothing is wrong with the
+	// spec or the node: the create is refused, and tried again elsewhere
+	// or later (Connect ResourceExhausted), not failed.
+	ErrBusy = errors.New("node too busy")
 )
 
 // Layer is one read-only layer of a sandbox's root filesystem: an EROFS

@@ -685,6 +685,9 @@ func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxin
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
 	defer stop()
 	if err := sandboxinit.WriteMessage(conn, cfg); err != nil {
+		if ctx.Err() == nil && errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, fmt.Errorf("%w: sandbox setup took longer than %v: send sandbox config: %v", rt.ErrBusy, b.opts.InitTimeout, err)
+		}
 		return nil, fmt.Errorf("send sandbox config: %w", err)
 	}
 	var reply sandboxinit.Reply
@@ -696,6 +699,9 @@ func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxin
 		case <-done:
 			return nil, fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
 		default:
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, fmt.Errorf("%w: sandbox setup took longer than %v: %v", rt.ErrBusy, b.opts.InitTimeout, err)
 		}
 		return nil, fmt.Errorf("sandbox setup: %w", err)
 	}

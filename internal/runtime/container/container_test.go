@@ -2,6 +2,7 @@ package container_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -248,5 +249,26 @@ func TestSecurityProfile(t *testing.T) {
 	res, err := sb.Exec(ctx, rt.ExecRequest{Shell: "mknod /tmp/null c 1 3 || echo mknod-denied; mount -t tmpfs x /mnt || echo mount-denied"}, nil)
 	if err != nil || !strings.Contains(string(res.Stdout), "mknod-denied") || !strings.Contains(string(res.Stdout), "mount-denied") {
 		t.Fatalf("mknod/mount inside the sandbox were not denied: %v %q %q", err, res.Stdout, res.Stderr)
+	}
+}
+
+// TestSetupTooSlowIsBusy: a sandbox that does not come up within the init
+// timeout (a node whose CPU other sandboxes saturate) is a refusal the
+// caller may place again (rt.ErrBusy), not a failure of the platform, and
+// leaves nothing behind.
+func TestSetupTooSlowIsBusy(t *testing.T) {
+	e := newEnvRootfs(t, 0, testsuite.BusyboxRootfs(t), func(o *container.Options) { o.InitTimeout = time.Microsecond })
+	leaks := testsuite.HostLeaks(e.backend.CgroupDirs(), []string{e.backend.StateDir()})
+	before := leaks(t)
+	sb, err := e.backend.Create(context.Background(), e.newSpec())
+	if err == nil {
+		sb.Destroy(context.Background())
+		t.Fatal("a sandbox came up within a microsecond")
+	}
+	if !errors.Is(err, rt.ErrBusy) {
+		t.Fatalf("create past the init timeout: %v; want rt.ErrBusy", err)
+	}
+	if leaked := leaks(t).Leaked(before); len(leaked) > 0 {
+		t.Fatalf("the refused create left %v", leaked)
 	}
 }
