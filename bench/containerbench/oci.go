@@ -8,11 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
@@ -73,7 +71,7 @@ func (o *ociRuntime) bundle(id, cgroup string, args []string) (string, error) {
 		_ = os.RemoveAll(dir)
 		return "", fmt.Errorf("overlay for %s: %w", id, err)
 	}
-	cfg, err := json.Marshal(ociSpec(id, args, "/"+cgroup+"/"+id))
+	cfg, err := json.Marshal(peer.OCISpec(id, args, specs.Root{Path: "rootfs"}, "/"+cgroup+"/"+id, ociResources(benchResources)))
 	if err == nil {
 		err = os.WriteFile(filepath.Join(dir, "config.json"), cfg, 0o644)
 	}
@@ -112,31 +110,11 @@ func (o *ociRuntime) StartIdle(ctx context.Context, i int) (func(context.Context
 	if err != nil {
 		return nil, err
 	}
-	pidFile := filepath.Join(dir, "pid")
-	// The detached container inherits the runtime's stdio; a pipe would
-	// keep Wait from returning while it lives, so use a file.
-	logf, err := os.Create(filepath.Join(dir, "stderr.log"))
+	pid, err := peer.RunDetached(ctx, o.bin, o.state, dir, id)
 	if err != nil {
-		_ = o.removeBundle(dir)
-		return nil, fmt.Errorf("idle %s log: %w", id, err)
-	}
-	cmd := exec.CommandContext(ctx, o.bin, "--root", o.state, "run", "--detach", "--pid-file", pidFile, "--bundle", dir, id)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	err = cmd.Run()
-	logf.Close()
-	if err != nil {
-		msg, _ := os.ReadFile(logf.Name())
 		_ = run(context.WithoutCancel(ctx), o.bin, "--root", o.state, "delete", "--force", id)
 		_ = o.removeBundle(dir)
-		return nil, fmt.Errorf("%s run --detach %s: %w: %s", o.bin, id, err, strings.TrimSpace(string(msg)))
-	}
-	b, err := os.ReadFile(pidFile)
-	pid, perr := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || perr != nil || pid <= 0 {
-		_ = run(context.WithoutCancel(ctx), o.bin, "--root", o.state, "delete", "--force", id)
-		_ = o.removeBundle(dir)
-		return nil, fmt.Errorf("%s pid file of %s: %w", o.bin, id, errors.Join(err, perr))
+		return nil, err
 	}
 	o.mu.Lock()
 	o.pids[id] = pid
@@ -219,51 +197,3 @@ func (o *ociRuntime) Teardown(ctx context.Context) error {
 func (o *ociRuntime) idleCgroup() string { return o.cgroup + "/idle" }
 
 func (o *ociRuntime) CgroupMemory() (int64, error) { return cgroupMemoryUsage(o.idleCgroup()) }
-
-// ociSpec is the config `runc spec` generates, changed where the harness
-// needs it: no terminal, a writable root (the overlay is private), the
-// namespaces DSec uses (plus cgroup), and a cgroup path the harness can
-// measure and remove.
-func ociSpec(id string, args []string, cgroupsPath string) *specs.Spec {
-	caps := []string{"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"}
-	return &specs.Spec{
-		Version: "1.0.2",
-		Process: &specs.Process{
-			User: specs.User{UID: 0, GID: 0},
-			Args: args,
-			Env:  []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-			Cwd:  "/",
-			Capabilities: &specs.LinuxCapabilities{
-				Bounding: caps, Effective: caps, Permitted: caps,
-			},
-			Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: 1024, Soft: 1024}},
-			NoNewPrivileges: true,
-		},
-		Root:     &specs.Root{Path: "rootfs"},
-		Hostname: id,
-		Mounts: []specs.Mount{
-			{Destination: "/proc", Type: "proc", Source: "proc"},
-			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
-			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
-			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
-			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
-			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
-			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
-		},
-		Linux: &specs.Linux{
-			CgroupsPath: cgroupsPath,
-			Resources:   ociResources(benchResources),
-			Namespaces: []specs.LinuxNamespace{
-				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
-				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace}, {Type: specs.CgroupNamespace},
-			},
-			MaskedPaths: []string{
-				"/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-				"/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
-			},
-			ReadonlyPaths: []string{
-				"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
-			},
-		},
-	}
-}

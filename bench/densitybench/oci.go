@@ -249,26 +249,9 @@ func (o *ociIdle) start(ctx context.Context, id string) error {
 	if err != nil {
 		return fmt.Errorf("config.json for %s: %w", id, err)
 	}
-	pidFile := filepath.Join(dir, "pid")
-	// The detached container inherits crun's stdio; a pipe would keep
-	// Wait from returning while it lives, so use a file.
-	logf, err := os.Create(filepath.Join(dir, "stderr.log"))
+	pid, err := peer.RunDetached(ctx, o.bin, o.state, dir, id)
 	if err != nil {
-		return fmt.Errorf("log of %s: %w", id, err)
-	}
-	cmd := exec.CommandContext(ctx, o.bin, "--root", o.state, "run", "--detach", "--pid-file", pidFile, "--bundle", dir, id)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	err = cmd.Run()
-	logf.Close()
-	if err != nil {
-		msg, _ := os.ReadFile(logf.Name())
-		return fmt.Errorf("%s run --detach %s: %w: %s", o.bin, id, err, strings.TrimSpace(string(msg)))
-	}
-	b, err := os.ReadFile(pidFile)
-	pid, perr := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || perr != nil || pid <= 0 {
-		return fmt.Errorf("%s pid file of %s: %w", o.bin, id, errors.Join(err, perr))
+		return err
 	}
 	o.mu.Lock()
 	o.pids[id] = pid
@@ -385,7 +368,6 @@ func (o *ociIdle) teardown(ctx context.Context) error {
 // spec is the config `runc spec` generates, as containerbench's, with the
 // idle phase's cpu and memory limits (CFS period 100 ms, as DSec's).
 func (o *ociIdle) spec(id string) *specs.Spec {
-	caps := []string{"CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"}
 	res := &specs.LinuxResources{Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}}}
 	if o.milliCPU > 0 {
 		period := uint64(100000)
@@ -396,44 +378,5 @@ func (o *ociIdle) spec(id string) *specs.Spec {
 		m := o.mem
 		res.Memory = &specs.LinuxMemory{Limit: &m}
 	}
-	return &specs.Spec{
-		Version: "1.0.2",
-		Process: &specs.Process{
-			User: specs.User{UID: 0, GID: 0},
-			Args: []string{"/bin/sleep", "1000000"},
-			Env:  []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-			Cwd:  "/",
-			Capabilities: &specs.LinuxCapabilities{
-				Bounding: caps, Effective: caps, Permitted: caps,
-			},
-			Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: 1024, Soft: 1024}},
-			NoNewPrivileges: true,
-		},
-		Root:     &specs.Root{Path: "rootfs"},
-		Hostname: id,
-		Mounts: []specs.Mount{
-			{Destination: "/proc", Type: "proc", Source: "proc"},
-			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
-			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
-			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
-			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
-			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
-			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
-		},
-		Linux: &specs.Linux{
-			CgroupsPath: "/" + o.cgroup + "/" + id,
-			Resources:   res,
-			Namespaces: []specs.LinuxNamespace{
-				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
-				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace}, {Type: specs.CgroupNamespace},
-			},
-			MaskedPaths: []string{
-				"/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-				"/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
-			},
-			ReadonlyPaths: []string{
-				"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
-			},
-		},
-	}
+	return peer.OCISpec(id, []string{"/bin/sleep", "1000000"}, specs.Root{Path: "rootfs"}, "/"+o.cgroup+"/"+id, res)
 }
