@@ -77,6 +77,10 @@ type Resources struct {
 
 // Spec says what to create. Layers are ordered bottom first: the base
 // image's layers, then the workspace, then toolkits (top).
+//
+// A fullvm sandbox takes no EROFS layers: its Layers hold exactly one
+// entry, the base disk image (raw or qcow2, read-only, from the blob
+// store), which the backend covers with a writable overlay of its own.
 type Spec struct {
 	ID        string
 	Layers    []Layer
@@ -153,6 +157,55 @@ type ExecResult struct {
 type Differ interface {
 	// UpperDir is the host path of the sandbox's overlay upper directory.
 	UpperDir() string
+}
+
+// DiffArchiver is implemented by sandboxes whose writable layer the host
+// must not read in place (a VM guest's disk: the host never mounts a file
+// system a guest wrote). WriteDiff writes what the sandbox changed over its
+// layers as a tar stream with OCI whiteouts (".wh.NAME" for a removed
+// NAME, ".wh..wh..opq" in a directory that hides what its layers hold
+// there); the host unpacks it with layer.Extract, which checks every path,
+// and packs the result as it packs a Differ's upper directory (snapshots,
+// checkpoints). The backend keeps the workload's processes stopped while
+// it reads, and leaves a frozen sandbox frozen.
+type DiffArchiver interface {
+	WriteDiff(ctx context.Context, w io.Writer) error
+}
+
+// Display is implemented by sandboxes with a screen, a keyboard and a
+// mouse (the VM backends): computer-use tasks, and guests that do not run
+// dsec-agent.
+type Display interface {
+	// Screenshot returns what the screen shows now, as a PNG image.
+	Screenshot(ctx context.Context) ([]byte, error)
+	// Input sends events to the guest in order.
+	Input(ctx context.Context, events []InputEvent) error
+}
+
+// InputKind says what an InputEvent does.
+type InputKind string
+
+// The input events a Display takes.
+const (
+	// InputText types Text, one key press per character.
+	InputText InputKind = "text"
+	// InputKey presses Key, a key or a chord of keys joined by "-" (QEMU
+	// key names: "ret", "esc", "ctrl-alt-delete", "shift-a"), and releases it.
+	InputKey InputKind = "key"
+	// InputMove moves the pointer to X, Y (pixels from the top left).
+	InputMove InputKind = "move"
+	// InputClick moves the pointer to X, Y and clicks Button ("left",
+	// "middle" or "right"; "left" when empty).
+	InputClick InputKind = "click"
+)
+
+// InputEvent is one keyboard or mouse event.
+type InputEvent struct {
+	Kind   InputKind
+	Text   string
+	Key    string
+	X, Y   int
+	Button string
 }
 
 // Resetter is implemented by sandboxes that can be put back, in place, into
