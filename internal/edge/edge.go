@@ -459,7 +459,7 @@ func (e *Edge) Close(ctx context.Context) error {
 	e.closed = true
 	var victims []*sandbox
 	for _, sb := range e.sandboxes {
-		if sb.state == StateRunning {
+		if sb.phase() == StateRunning {
 			victims = append(victims, sb)
 		}
 	}

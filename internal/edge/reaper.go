@@ -5,6 +5,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/dsec-dev/dsec/internal/edge/lifecycle"
 )
 
 // The reaper enforces ttl and idle_timeout with one goroutine and a heap of
@@ -41,7 +43,7 @@ func (sb *sandbox) due(now time.Time) (time.Time, string) {
 		at, reason = sb.createdAt.Add(sb.ttl), reasonTTL
 	}
 	// A frozen sandbox is paused, not idle: only its ttl runs.
-	if sb.idle > 0 && !sb.frozen {
+	if sb.idle > 0 && !sb.st.Frozen() {
 		d, r := sb.lastActive.Add(sb.idle), reasonIdle
 		if sb.spec.GetIdleAction() == IdleFreeze {
 			r = reasonIdleFreeze
@@ -84,7 +86,7 @@ func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*san
 	defer e.mu.Unlock()
 	for len(e.deadlines) > 0 && !e.deadlines[0].at.After(now) {
 		d := heap.Pop(&e.deadlines).(deadline)
-		if d.sb.state != StateRunning || d.sb.destroying != nil {
+		if d.sb.phase() != StateRunning || d.sb.st.DestroyBegun() {
 			continue
 		}
 		at, reason := d.sb.due(now)
@@ -99,18 +101,18 @@ func (e *Edge) collect(now time.Time, sweep bool) (expired []expiry, lost []*san
 	for len(e.tombstones) > 0 && !e.tombstones[0].at.After(now) {
 		sb := e.tombstones[0].sb
 		e.tombstones = e.tombstones[1:]
-		if e.sandboxes[sb.id] == sb && sb.terminal() {
+		if e.sandboxes[sb.id] == sb && sb.st.Ended() {
 			delete(e.sandboxes, sb.id)
 			forgotten = append(forgotten, sb.id)
-			if sb.state != StateDestroyed {
-				e.metrics.live.WithLabelValues(string(sb.kind), string(sb.state)).Dec()
+			if !sb.st.Is(lifecycle.Destroyed) {
+				e.metrics.live.WithLabelValues(string(sb.kind), string(sb.phase())).Dec()
 			}
 		}
 	}
 	if sweep {
 		// A sandbox whose init died is lost even if nobody calls it.
 		for _, sb := range e.sandboxes {
-			if sb.state != StateRunning || sb.destroying != nil || sb.rolling {
+			if !sb.st.Live() {
 				continue
 			}
 			select {

@@ -15,6 +15,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/edge/lifecycle"
 	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
@@ -69,24 +70,20 @@ type sandbox struct {
 	ttl       time.Duration
 	idle      time.Duration
 
-	state      spec.State
+	// st is where the sandbox is in its life (package lifecycle): it
+	// says what it takes, what callers see and whether it is charged to
+	// the node (from admission until its backend released it). Only
+	// setState moves it.
+	st         lifecycle.Machine
 	reason     string
 	lastActive time.Time
 	// inflight counts operations in progress; a sandbox busy in a long exec
 	// is not idle.
 	inflight int
-	// charged is true while the sandbox counts against the node's capacity
-	// and holds its layers.
-	charged bool
-	// destroying is closed when a destroy in progress has finished; new
-	// operations are refused from its start.
-	destroying chan struct{}
-	rt         runtime.Sandbox
-	// frozen is set while the sandbox is frozen; rolling while a rollback
-	// replaces rt (operations are refused, and the old rt's death is not
-	// the sandbox's loss).
-	frozen  bool
-	rolling bool
+	// destroyed is closed when a destroy that began while the sandbox ran
+	// has finished (other destroys wait for it).
+	destroyed chan struct{}
+	rt        runtime.Sandbox
 	// rspec is what rt was created from; stack is its layer stack, bottom
 	// first (the image's layers, then checkpoint layers after a rollback).
 	rspec runtime.Spec
@@ -101,19 +98,9 @@ type sandbox struct {
 	use sandboxUse
 }
 
-// visibleState is the state Get, List and heartbeats report: a frozen
-// running sandbox shows as frozen. The caller holds Edge.mu.
-func (sb *sandbox) visibleState() spec.State {
-	if sb.state == StateRunning && sb.frozen {
-		return StateFrozen
-	}
-	return sb.state
-}
-
-// terminal reports whether the sandbox can no longer run anything.
-func (sb *sandbox) terminal() bool {
-	return sb.state == StateDestroyed || sb.state == StateLost || sb.state == StateFailed
-}
+// phase is the contract's state of sb, frozen aside (what messages name
+// and the live gauge counts); the caller holds Edge.mu.
+func (sb *sandbox) phase() spec.State { return sb.st.Phase() }
 
 // tombstone schedules forgetting a sandbox that ended.
 type tombstone struct {
@@ -128,7 +115,7 @@ func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
 		Node:         e.cfg.NodeID,
 		Tenant:       sb.tenant,
 		Spec:         sb.spec,
-		State:        string(sb.visibleState()),
+		State:        string(sb.st.Visible()),
 		CreatedAt:    timestamppb.New(sb.createdAt),
 		LastActiveAt: timestamppb.New(sb.lastActive),
 		Layers:       sb.layers,
@@ -320,8 +307,9 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 
 	e.mu.Lock()
 	if err != nil {
-		e.uncharge(sb)
-		e.setState(sb, StateFailed, err.Error())
+		if sb.st.Is(lifecycle.Creating) { // else destroyed meanwhile, and so it stays
+			e.setState(sb, lifecycle.Failed, err.Error())
+		}
 		e.mu.Unlock()
 		reason := "backend"
 		kind := fail.Internal
@@ -338,10 +326,11 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		e.log.Warn("create sandbox failed", "sandbox", id, "err", err)
 		return nil, fail.New(kind, fmt.Errorf("create sandbox %q: %w", id, err))
 	}
-	if sb.state != StateCreating || e.closed {
+	if !sb.st.Is(lifecycle.Creating) || e.closed {
 		// Destroyed (by request or shutdown) while the backend was building it.
-		e.uncharge(sb)
-		e.setState(sb, StateDestroyed, "")
+		if sb.st.Is(lifecycle.Creating) {
+			e.setState(sb, lifecycle.Destroyed, "")
+		}
 		e.mu.Unlock()
 		dropRuntime(context.WithoutCancel(ctx), sb.pool, rs)
 		e.endTrajectory(sb, trajectory.KindDestroy, "destroyed while being created")
@@ -349,7 +338,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	}
 	sb.rt = rs
 	sb.lastActive = time.Now()
-	e.setState(sb, StateRunning, "")
+	e.setState(sb, lifecycle.Running, "")
 	e.schedule(sb)
 	out := e.toProto(sb)
 	e.mu.Unlock()
@@ -397,9 +386,8 @@ func (e *Edge) admit(sb *sandbox) error {
 			fmt.Errorf("node %q has no room for sandbox %q: %s backend out of %s", e.cfg.NodeID, sb.id, sb.kind, short))
 	}
 	e.sandboxes[sb.id] = sb
-	e.charge(sb)
 	e.state.admitted()
-	e.setState(sb, StateCreating, "")
+	e.setState(sb, lifecycle.Creating, "") // charges it
 	return nil
 }
 
@@ -453,7 +441,8 @@ func (e *Edge) chargedLocked(kind runtime.Kind) placement.Capacity {
 	}
 }
 
-// charge and uncharge keep node usage and held layers; the caller holds mu.
+// charge and uncharge keep node usage and held layers as sb enters and
+// leaves the charged states; setState calls them, holding mu.
 func (e *Edge) charge(sb *sandbox) {
 	u := e.used[sb.kind]
 	u.MilliCPU += sb.req.MilliCPU
@@ -466,14 +455,9 @@ func (e *Edge) charge(sb *sandbox) {
 	if sb.kind == runtime.KindContainer {
 		e.tenantContainers[sb.tenant]++
 	}
-	sb.charged = true
 }
 
 func (e *Edge) uncharge(sb *sandbox) {
-	if !sb.charged {
-		return
-	}
-	sb.charged = false
 	u := e.used[sb.kind]
 	u.MilliCPU -= sb.req.MilliCPU
 	u.MemoryBytes -= sb.req.MemoryBytes
@@ -491,26 +475,35 @@ func (e *Edge) uncharge(sb *sandbox) {
 	}
 }
 
-// setState moves sb to state, keeping the live gauge and the tombstones;
-// the caller holds mu. A record is counted in the gauge from admission
-// until it is destroyed or forgotten.
-func (e *Edge) setState(sb *sandbox, state spec.State, reason string) {
-	old := sb.state
+// setState moves sb to next, keeping the node's charge, the live gauge
+// and the tombstones; the caller holds mu. A record is counted in the
+// gauge, by phase, from admission until it is destroyed or forgotten. A
+// move the state machine refuses changes nothing and is logged: it is a
+// bug of the caller's.
+func (e *Edge) setState(sb *sandbox, next lifecycle.State, reason string) {
+	old, wasCharged, wasEnded := sb.st.Phase(), sb.st.Charged(), sb.st.Ended()
+	if err := sb.st.To(next); err != nil {
+		e.log.Error("sandbox state", "sandbox", sb.id, "err", err)
+		return
+	}
+	state := sb.st.Phase()
+	switch {
+	case !wasCharged && sb.st.Charged():
+		e.charge(sb)
+	case wasCharged && !sb.st.Charged():
+		e.uncharge(sb)
+	}
 	if old != "" && old != StateDestroyed && old != state {
 		e.metrics.live.WithLabelValues(string(sb.kind), string(old)).Dec()
 	}
 	if state != StateDestroyed && old != state {
 		e.metrics.live.WithLabelValues(string(sb.kind), string(state)).Inc()
 	}
-	sb.state = state
 	if reason != "" {
 		// Reasons reach callers (Get, infra_error results): no host paths.
 		sb.reason = e.redact.String(reason)
 	}
-	if !(old == StateCreating || old == StateRunning || old == "") {
-		return // already ended: its tombstone is queued
-	}
-	if state == StateDestroyed || state == StateLost || state == StateFailed {
+	if !wasEnded && sb.st.Ended() {
 		e.tombstones = append(e.tombstones, tombstone{at: time.Now().Add(e.cfg.Retention), sb: sb})
 	}
 }
@@ -554,7 +547,7 @@ func (e *Edge) list(caller *dsecv1.Caller, labels map[string]string) ([]*dsecv1.
 	defer e.mu.Unlock()
 	var out []*dsecv1.Sandbox
 	for _, sb := range e.sandboxes {
-		if sb.state == StateDestroyed || (!caller.Admin && sb.tenant != caller.Tenant) {
+		if sb.st.Is(lifecycle.Destroyed) || (!caller.Admin && sb.tenant != caller.Tenant) {
 			continue
 		}
 		if !matches(sb.spec.Labels, labels) {
@@ -589,13 +582,13 @@ func (e *Edge) pausedUnless(sb *sandbox, frozenOK bool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch {
-	case sb.destroying != nil && sb.state == StateRunning:
+	case sb.st.Is(lifecycle.Destroying):
 		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
-	case sb.state == StateRunning && sb.frozen && !frozenOK:
+	case sb.st.Frozen() && !frozenOK:
 		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
-	case sb.state == StateRunning && sb.rolling:
+	case sb.st.Is(lifecycle.RollingBack):
 		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
-	case sb.state == StateCreating:
+	case sb.st.Is(lifecycle.Creating):
 		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
 	}
 	return nil
@@ -608,22 +601,22 @@ func (e *Edge) begin(sb *sandbox) (runtime.Sandbox, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch {
-	case sb.destroying != nil:
+	case sb.st.DestroyBegun():
 		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
-	case sb.state == StateRunning && sb.frozen:
+	case sb.st.Frozen():
 		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
-	case sb.state == StateRunning && sb.rolling:
+	case sb.st.Is(lifecycle.RollingBack):
 		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
-	case sb.state == StateRunning:
+	case sb.st.Is(lifecycle.Running):
 		sb.inflight++
 		sb.lastActive = time.Now()
 		return sb.rt, nil
-	case sb.state == StateLost:
+	case sb.st.Is(lifecycle.Lost):
 		return nil, errLost{fmt.Sprintf("sandbox %q is lost: %s", sb.id, sb.reason)}
-	case sb.state == StateCreating:
+	case sb.st.Is(lifecycle.Creating):
 		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
 	}
-	msg := fmt.Sprintf("sandbox %q is %s", sb.id, sb.state)
+	msg := fmt.Sprintf("sandbox %q is %s", sb.id, sb.phase())
 	if sb.reason != "" {
 		msg += ": " + sb.reason
 	}
@@ -641,20 +634,20 @@ func (e *Edge) end(sb *sandbox, rs runtime.Sandbox, opErr error) error {
 		e.mu.Unlock()
 		return opErr
 	}
-	if sb.state == StateRunning && sb.destroying == nil && (sb.rolling || sb.rt != rs) {
+	if (sb.st.Live() || sb.st.Is(lifecycle.RollingBack)) && (sb.st.Is(lifecycle.RollingBack) || sb.rt != rs) {
 		e.mu.Unlock()
 		return fail.New(fail.Aborted, fmt.Errorf("sandbox %q was rolled back during the operation", sb.id))
 	}
 	var gone runtime.Sandbox
 	var lost errLost
 	switch {
-	case sb.destroying != nil:
+	case sb.st.DestroyBegun():
 		lost = errLost{fmt.Sprintf("sandbox %q was destroyed during the operation", sb.id)}
-	case sb.state == StateRunning:
+	case sb.st.Live():
 		gone = e.loseLocked(sb, opErr.Error())
 		fallthrough
 	default:
-		lost = errLost{fmt.Sprintf("sandbox %q is %s: %s", sb.id, sb.state, sb.reason)}
+		lost = errLost{fmt.Sprintf("sandbox %q is %s: %s", sb.id, sb.phase(), sb.reason)}
 	}
 	e.mu.Unlock()
 	if gone != nil {
@@ -663,11 +656,10 @@ func (e *Edge) end(sb *sandbox, rs runtime.Sandbox, opErr error) error {
 	return lost
 }
 
-// loseLocked marks a running sandbox lost and returns its runtime sandbox,
-// which the caller must release outside the lock.
+// loseLocked marks a live (or rolling back) sandbox lost and returns its
+// runtime sandbox, which the caller must release outside the lock.
 func (e *Edge) loseLocked(sb *sandbox, reason string) runtime.Sandbox {
-	e.uncharge(sb)
-	e.setState(sb, StateLost, reason)
+	e.setState(sb, lifecycle.Lost, reason)
 	e.metrics.failures.WithLabelValues(string(sb.kind), "lost").Inc()
 	e.log.Warn("sandbox lost", "sandbox", sb.id, "reason", reason)
 	return sb.rt
@@ -696,11 +688,11 @@ func (e *Edge) release(sb *sandbox, rs runtime.Sandbox) {
 func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.mu.Lock()
 	switch {
-	case sb.state == StateDestroyed:
+	case sb.st.Is(lifecycle.Destroyed):
 		e.mu.Unlock()
 		return nil
-	case sb.destroying != nil:
-		wait := sb.destroying
+	case sb.st.Is(lifecycle.Destroying):
+		wait := sb.destroyed
 		e.mu.Unlock()
 		select {
 		case <-wait:
@@ -708,18 +700,19 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 		case <-ctx.Done():
 			return fail.New(fail.Canceled, fmt.Errorf("destroy sandbox %q: %w", sb.id, ctx.Err()))
 		}
-	case sb.state != StateRunning:
+	case !sb.st.Live() && !sb.st.Is(lifecycle.RollingBack):
 		// A lost sandbox was released already; a creating one is torn down
 		// by its create when the backend returns.
-		e.uncharge(sb)
-		e.setState(sb, StateDestroyed, "")
+		e.setState(sb, lifecycle.Destroyed, "")
 		e.mu.Unlock()
 		e.endTrajectory(sb, trajectory.KindDestroy, reason)
 		return nil
 	}
 	done := make(chan struct{})
-	sb.destroying = done
-	rs, wp, frozen, closing := sb.rt, sb.pool, sb.frozen, e.closed
+	sb.destroyed = done
+	frozen := sb.st.Frozen()
+	e.setState(sb, lifecycle.Destroying, "")
+	rs, wp, closing := sb.rt, sb.pool, e.closed
 	e.mu.Unlock()
 	var rebase *pool.Pool
 	if wp == nil && !frozen && !closing && e.roomToKeep(sb.kind) {
@@ -748,7 +741,6 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.metrics.destroys.WithLabelValues(string(sb.kind), reason).Inc()
 
 	e.mu.Lock()
-	e.uncharge(sb)
 	why := ""
 	switch reason {
 	case reasonTTL:
@@ -758,7 +750,7 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	case reasonShutdown:
 		why = "node shut down"
 	}
-	e.setState(sb, StateDestroyed, why)
+	e.setState(sb, lifecycle.Destroyed, why)
 	e.mu.Unlock()
 	if why == "" {
 		why = "destroyed on request"
@@ -815,13 +807,13 @@ func (e *Edge) summaries() []*dsecv1.SandboxSummary {
 	defer e.mu.Unlock()
 	out := make([]*dsecv1.SandboxSummary, 0, len(e.sandboxes))
 	for _, sb := range e.sandboxes {
-		if sb.state == StateDestroyed {
+		if sb.st.Is(lifecycle.Destroyed) {
 			continue
 		}
 		out = append(out, &dsecv1.SandboxSummary{
 			Id:     sb.id,
 			Tenant: sb.tenant,
-			State:  string(sb.visibleState()),
+			State:  string(sb.st.Visible()),
 			Labels: maps.Clone(sb.spec.Labels),
 			// The tenant's quota is charged the limits.
 			MilliCpu:    sb.spec.GetResources().GetMilliCpu(),

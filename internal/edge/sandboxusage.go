@@ -124,7 +124,7 @@ func (e *Edge) readUsage() int {
 	e.mu.Lock()
 	probes := make([]probe, 0, len(e.sandboxes))
 	for _, sb := range e.sandboxes {
-		if sb.state != StateRunning || sb.rt == nil || sb.rolling || sb.destroying != nil {
+		if !sb.st.Live() || sb.rt == nil {
 			continue
 		}
 		if su, ok := sb.rt.(runtime.SandboxUsage); ok {
@@ -142,7 +142,7 @@ func (e *Edge) readUsage() int {
 	defer e.mu.Unlock()
 	for _, p := range probes {
 		sb := p.sb
-		if !p.ok || sb.rt != p.rs || sb.state != StateRunning {
+		if !p.ok || sb.rt != p.rs || sb.phase() != StateRunning {
 			continue
 		}
 		prev := sb.use

@@ -13,6 +13,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/edge/lifecycle"
 	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/layer"
@@ -96,12 +97,12 @@ func (e *Edge) stateTarget(sb *sandbox) (runtime.Sandbox, bool, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch {
-	case sb.destroying != nil:
+	case sb.st.DestroyBegun():
 		return nil, false, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
-	case sb.state != StateRunning:
-		return nil, false, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
+	case !sb.st.Live():
+		return nil, false, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.phase()))
 	}
-	return sb.rt, sb.frozen, nil
+	return sb.rt, sb.st.Is(lifecycle.Frozen), nil
 }
 
 // freeze stops every process of sb; it is idempotent.
@@ -116,7 +117,9 @@ func (e *Edge) freeze(ctx context.Context, sb *sandbox) error {
 		return fail.New(fail.Internal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
 	}
 	e.mu.Lock()
-	sb.frozen = true
+	if sb.st.Is(lifecycle.Running) { // else destroyed or lost meanwhile
+		e.setState(sb, lifecycle.Frozen, "")
+	}
 	e.schedule(sb) // its ttl still runs
 	e.mu.Unlock()
 	e.event(sb, trajectory.KindFreeze, "")
@@ -135,7 +138,9 @@ func (e *Edge) thaw(ctx context.Context, sb *sandbox) error {
 		return fail.New(fail.Internal, fmt.Errorf("thaw sandbox %q: %w", sb.id, err))
 	}
 	e.mu.Lock()
-	sb.frozen = false
+	if sb.st.Is(lifecycle.Frozen) {
+		e.setState(sb, lifecycle.Running, "")
+	}
 	sb.lastActive = time.Now()
 	e.schedule(sb) // idle again from now
 	e.mu.Unlock()
@@ -297,11 +302,11 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	}
 	defer e.releaseCheckpoint(ck)
 	e.mu.Lock()
-	if sb.destroying != nil || sb.state != StateRunning {
+	if sb.st.DestroyBegun() || !sb.st.Live() {
 		e.mu.Unlock()
-		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.phase()))
 	}
-	sb.rolling = true
+	e.setState(sb, lifecycle.RollingBack, "")
 	old, oldPool := sb.rt, sb.pool
 	oldStack := sb.rspec.Layers
 	spec := sb.rspec
@@ -318,17 +323,19 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	rs, err := e.cfg.Backends[sb.kind].Create(ctx, spec)
 
 	e.mu.Lock()
-	sb.rolling = false
 	sb.pool = nil // the pool's sandbox is gone; the new one is the sandbox's own
 	var (
 		unused []func() error
 		orphan runtime.Sandbox
 	)
+	rolling := sb.st.Is(lifecycle.RollingBack) // else destroyed meanwhile
 	switch {
 	case err != nil:
 		unused = e.dropLayers(e.localLayers(spec.Layers))
-		e.loseLocked(sb, fmt.Sprintf("rollback to %s failed: %v", id, err)) // its rt is destroyed above
-	case sb.destroying != nil || sb.state != StateRunning:
+		if rolling {
+			e.loseLocked(sb, fmt.Sprintf("rollback to %s failed: %v", id, err)) // its rt is destroyed above
+		}
+	case !rolling:
 		// Destroyed while rolling back: the new sandbox is not wanted.
 		unused = e.dropLayers(e.localLayers(spec.Layers))
 		orphan = rs
@@ -346,7 +353,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 		}
 		sb.rt = rs
 		sb.rspec = spec
-		sb.frozen = false
+		e.setState(sb, lifecycle.Running, "") // the new runtime runs, thawed
 		sb.lastActive = time.Now()
 	}
 	e.mu.Unlock()
@@ -591,7 +598,7 @@ func (e *Edge) jobOp(ctx context.Context, caller *dsecv1.Caller, labels map[stri
 	e.mu.Lock()
 	var targets []*sandbox
 	for _, sb := range e.sandboxes {
-		if sb.state == StateRunning && sb.destroying == nil && (caller.Admin || sb.tenant == caller.Tenant) && matches(sb.spec.Labels, labels) {
+		if sb.phase() == StateRunning && !sb.st.DestroyBegun() && (caller.Admin || sb.tenant == caller.Tenant) && matches(sb.spec.Labels, labels) {
 			targets = append(targets, sb)
 		}
 	}

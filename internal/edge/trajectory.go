@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/edge/lifecycle"
 	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
@@ -40,7 +41,7 @@ func (e *Edge) openTrajectory() error {
 	e.traj = l
 	ctx := context.Background()
 	for _, in := range l.Sandboxes() {
-		state, reason := StateLost, reasonRestart
+		state, reason := lifecycle.Lost, reasonRestart
 		switch {
 		case in.Ended == nil:
 			if err := l.End(ctx, in.Sandbox, trajectory.KindLost, reasonRestart); err != nil {
@@ -48,7 +49,7 @@ func (e *Edge) openTrajectory() error {
 				return fmt.Errorf("recover sandbox %s: %w", in.Sandbox, err)
 			}
 		case in.Ended.Kind == trajectory.KindDestroy:
-			state, reason = StateDestroyed, in.Ended.Reason
+			state, reason = lifecycle.Destroyed, in.Ended.Reason
 		default:
 			reason = in.Ended.Reason
 		}
