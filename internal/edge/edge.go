@@ -38,6 +38,7 @@ import (
 
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/edge/snapshot"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/limits"
@@ -165,8 +166,9 @@ type Edge struct {
 	traj *trajectory.Log
 	// ship takes sandboxes whose trajectory ended, to ship at once.
 	ship chan string
-	// ckStore keeps checkpoint layers on this node (they do not outlive it).
-	ckStore *blobstore.Dir
+	// snaps keeps checkpoints and their layers on this node (they do not
+	// outlive it).
+	snaps *snapshot.Store
 	// wake nudges the reaper when a deadline earlier than its timer appears.
 	wake chan struct{}
 	// state is what the node measures about itself (nodestate.go).
@@ -181,13 +183,9 @@ type Edge struct {
 	sandboxes map[string]*sandbox
 	used      map[runtime.Kind]placement.Capacity
 	// layers counts live sandboxes per layer digest (what the node holds).
-	layers map[string]int
-	// checkpoints by id; ckLayers counts the checkpoints and sandboxes
-	// using each layer of ckStore.
-	checkpoints map[string]*checkpoint
-	ckLayers    map[string]int
-	deadlines   deadlineHeap
-	tombstones  []tombstone
+	layers     map[string]int
+	deadlines  deadlineHeap
+	tombstones []tombstone
 	// pools are the node's warm pools by ID; fnPools its fncall pools by
 	// key.
 	pools   map[string]*warmPool
@@ -334,15 +332,10 @@ func New(cfg Config) (*Edge, error) {
 		return nil, fmt.Errorf("boot id: %w", err)
 	}
 	// Checkpoints do not survive the edge: start with an empty store.
-	ckDir := filepath.Join(cfg.DataDir, "checkpoints")
-	if err := os.RemoveAll(ckDir); err != nil {
-		return nil, fmt.Errorf("edge checkpoint store: %w", err)
-	}
-	ckStore, err := blobstore.NewDir(ckDir)
+	snaps, err := snapshot.Open(filepath.Join(cfg.DataDir, "checkpoints"), cfg.Logger.With("node", cfg.NodeID))
 	if err != nil {
-		return nil, fmt.Errorf("edge checkpoint store: %w", err)
+		return nil, fmt.Errorf("edge %w", err)
 	}
-	ckStore.Scratch()
 	stopCtx, stop := context.WithCancel(context.Background())
 	roots := []string{cfg.DataDir}
 	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
@@ -361,8 +354,7 @@ func New(cfg Config) (*Edge, error) {
 		used:        map[runtime.Kind]placement.Capacity{},
 		layers:      map[string]int{},
 		ship:        make(chan string, 1024),
-		ckStore:     ckStore,
-		checkpoints: map[string]*checkpoint{},
+		snaps:       snaps,
 		pools:       map[string]*warmPool{},
 		fnPools:     map[string]*fnPool{},
 		autoPools:   map[string]*warmPool{},
@@ -370,7 +362,6 @@ func New(cfg Config) (*Edge, error) {
 		rebasePools: map[string]*rebasePool{},
 
 		tenantContainers: map[string]int{},
-		ckLayers:         map[string]int{},
 		stop:             stop,
 		stopCtx:          stopCtx,
 	}

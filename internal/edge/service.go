@@ -216,7 +216,7 @@ func (s *service) DeleteCheckpointOnEdge(ctx context.Context, req *connect.Reque
 	if err != nil {
 		return nil, err
 	}
-	if err := s.e.deleteCheckpoint(sb, r.CheckpointId); err != nil {
+	if err := s.e.snaps.Delete(sb.id, r.CheckpointId); err != nil {
 		return nil, err
 	}
 	return connect.NewResponse(&dsecv1.DeleteCheckpointResponse{}), nil

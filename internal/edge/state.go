@@ -2,11 +2,8 @@ package edge
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -14,82 +11,13 @@ import (
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge/lifecycle"
+	"github.com/dsec-dev/dsec/internal/edge/snapshot"
 	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/layer"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
 )
-
-// checkpoint is a sandbox's file system at one moment: the layer stack it
-// ran on plus a copy of its writable layer. That copy is a directory layer
-// (layer.DirLayers) in the node's checkpoint area, stacked by the overlay as
-// is: it never leaves the node, so it needs no EROFS image. The directory
-// stays while a checkpoint or a sandbox uses it.
-type checkpoint struct {
-	id      string
-	sandbox string
-	stack   []runtime.Layer
-	// refs counts rollbacks reading the checkpoint right now; a checkpoint
-	// deleted meanwhile is dropped when the last one is done.
-	refs    int
-	deleted bool
-}
-
-// ckDirs is the node's store of checkpoint layers, under the checkpoint
-// area that New empties (checkpoints do not outlive the edge).
-func (e *Edge) ckDirs() *layer.DirLayers {
-	return layer.DirLayersAt(filepath.Join(e.ckStore.Root(), "dirs"))
-}
-
-// localLayers are the checkpoint layers in stack: those that are
-// directories of the node's checkpoint store, not files of the shared blob
-// store.
-func (e *Edge) localLayers(stack []runtime.Layer) []string {
-	dirs := e.ckDirs()
-	var out []string
-	for _, l := range stack {
-		if dirs.Contains(l.Path) {
-			out = append(out, l.Digest)
-		}
-	}
-	return out
-}
-
-// holdLayers and dropLayers count users of checkpoint layers; a layer no
-// checkpoint and no sandbox uses is retired at once (renamed away, under
-// mu, so that a checkpoint of the same tree committed afterwards gets a
-// directory of its own) and its files are removed outside mu, by
-// removeLayers with what dropLayers returns. The caller holds mu.
-func (e *Edge) holdLayers(digests []string) {
-	for _, d := range digests {
-		e.ckLayers[d]++
-	}
-}
-
-func (e *Edge) dropLayers(digests []string) (removals []func() error) {
-	for _, d := range digests {
-		if e.ckLayers[d]--; e.ckLayers[d] > 0 {
-			continue
-		}
-		delete(e.ckLayers, d)
-		rm, err := e.ckDirs().Retire(d)
-		if err != nil {
-			e.log.Warn("delete checkpoint layer", "layer", d, "err", err)
-			continue
-		}
-		removals = append(removals, rm)
-	}
-	return removals
-}
-
-func (e *Edge) removeLayers(removals []func() error) {
-	for _, rm := range removals {
-		if err := rm(); err != nil {
-			e.log.Warn("delete checkpoint layer", "err", err)
-		}
-	}
-}
 
 // stateTarget checks that sb can take a state operation and returns its
 // runtime sandbox; the caller holds sb.stateMu.
@@ -158,35 +86,19 @@ func (e *Edge) event(sb *sandbox, kind, reason string) {
 	}
 }
 
-// packUpper freezes sb (unless it is frozen already), runs pack on its
-// writable layer (the overlay upper directory) and thaws it.
-func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, frozen bool, pack func(upper string) error) error {
-	d, ok := rs.(runtime.Differ)
-	if !ok {
+// packUpper runs pack on a directory holding sb's writable layer (see
+// snapshot.Store.WithWritableLayer: a container's upper directory while it
+// is frozen, a VM's diff stream unpacked).
+func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, frozen bool, pack func(dir string) error) error {
+	if !snapshot.CanPack(rs) {
 		return fail.New(fail.Unimplemented,
 			fmt.Errorf("the %s backend cannot snapshot sandbox %q", sb.kind, sb.id))
 	}
-	if !frozen {
-		if err := rs.Freeze(ctx); err != nil {
-			return fail.New(fail.Internal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
-		}
-		defer func() {
-			if err := rs.Thaw(context.WithoutCancel(ctx)); err != nil {
-				e.log.Warn("thaw after pack", "sandbox", sb.id, "err", err)
-			}
-		}()
-	}
-	err := pack(d.UpperDir())
-	if err != nil {
-		return fail.New(fail.Internal, fmt.Errorf("pack sandbox %q: %w", sb.id, err))
-	}
-	return nil
+	return e.snaps.WithWritableLayer(ctx, sb.id, rs, frozen, pack)
 }
 
 // doCheckpoint copies sb's writable layer into a checkpoint layer and
-// records a checkpoint. The layer's digest is its tree digest (see
-// layer.CopyTree): it names the copied files and their content, not an
-// image file.
+// records a checkpoint (snapshot.Store.Take).
 func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest string, err error) {
 	sb.stateMu.Lock()
 	defer sb.stateMu.Unlock()
@@ -194,100 +106,18 @@ func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest s
 	if err != nil {
 		return "", "", err
 	}
-	var b [8]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", "", fail.New(fail.Internal, err)
+	if !snapshot.CanPack(rs) {
+		return "", "", fail.New(fail.Unimplemented,
+			fmt.Errorf("the %s backend cannot snapshot sandbox %q", sb.kind, sb.id))
 	}
-	var staged *layer.Staged
-	err = e.packUpper(ctx, sb, rs, frozen, func(upper string) (err error) {
-		staged, err = e.ckDirs().Stage(ctx, upper)
-		return err
-	})
+	e.mu.Lock()
+	stack := slices.Clone(sb.rspec.Layers)
+	e.mu.Unlock()
+	ck, digest, err := e.snaps.Take(ctx, sb.id, rs, frozen, stack)
 	if err != nil {
 		return "", "", err
 	}
-	// A copy the store had already (the same tree) goes, outside mu.
-	defer func() {
-		if err := staged.Discard(); err != nil {
-			e.log.Warn("checkpoint: remove a duplicate copy", "sandbox", sb.id, "err", err)
-		}
-	}()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	// Committed and held under mu: a layer retired meanwhile (its count
-	// reached zero) is renamed away first, so this one is not removed.
-	path, err := staged.Commit()
-	if err != nil {
-		return "", "", fail.New(fail.Internal, fmt.Errorf("checkpoint sandbox %q: %w", sb.id, err))
-	}
-	ck := &checkpoint{
-		id:      "ck-" + hex.EncodeToString(b[:]),
-		sandbox: sb.id,
-		stack:   append(slices.Clone(sb.rspec.Layers), runtime.Layer{Digest: staged.Digest(), Path: path}),
-	}
-	e.holdLayers(e.localLayers(ck.stack))
-	e.checkpoints[ck.id] = ck
-	return ck.id, staged.Digest(), nil
-}
-
-// findCheckpoint returns sb's checkpoint id, holding it for a rollback.
-func (e *Edge) holdCheckpoint(sb *sandbox, id string) (*checkpoint, error) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	ck := e.checkpoints[id]
-	if ck == nil || ck.deleted || ck.sandbox != sb.id {
-		return nil, fail.New(fail.NotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
-	}
-	ck.refs++
-	return ck, nil
-}
-
-// releaseCheckpoint ends a rollback's hold; a checkpoint deleted meanwhile
-// goes now.
-func (e *Edge) releaseCheckpoint(ck *checkpoint) {
-	e.mu.Lock()
-	ck.refs--
-	var unused []func() error
-	if ck.deleted && ck.refs == 0 {
-		unused = e.dropLayers(e.localLayers(ck.stack))
-	}
-	e.mu.Unlock()
-	e.removeLayers(unused)
-}
-
-// deleteCheckpoint forgets a checkpoint; its layers go once no rollback
-// reads them and no sandbox runs on them.
-func (e *Edge) deleteCheckpoint(sb *sandbox, id string) error {
-	e.mu.Lock()
-	ck := e.checkpoints[id]
-	if ck == nil || ck.deleted || ck.sandbox != sb.id {
-		e.mu.Unlock()
-		return fail.New(fail.NotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
-	}
-	ck.deleted = true
-	delete(e.checkpoints, id)
-	var unused []func() error
-	if ck.refs == 0 {
-		unused = e.dropLayers(e.localLayers(ck.stack))
-	}
-	e.mu.Unlock()
-	e.removeLayers(unused)
-	return nil
-}
-
-// dropCheckpoints deletes every checkpoint of a sandbox that ended.
-func (e *Edge) dropCheckpoints(sb *sandbox) {
-	e.mu.Lock()
-	var ids []string
-	for id, ck := range e.checkpoints {
-		if ck.sandbox == sb.id {
-			ids = append(ids, id)
-		}
-	}
-	e.mu.Unlock()
-	for _, id := range ids {
-		e.deleteCheckpoint(sb, id)
-	}
+	return ck.ID, digest, nil
 }
 
 // doRollback kills every process of sb and restarts it on the checkpoint's
@@ -296,11 +126,11 @@ func (e *Edge) dropCheckpoints(sb *sandbox) {
 func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	sb.stateMu.Lock()
 	defer sb.stateMu.Unlock()
-	ck, err := e.holdCheckpoint(sb, id)
+	ck, err := e.snaps.Acquire(sb.id, id)
 	if err != nil {
 		return err
 	}
-	defer e.releaseCheckpoint(ck)
+	defer e.snaps.Release(ck)
 	e.mu.Lock()
 	if sb.st.DestroyBegun() || !sb.st.Live() {
 		e.mu.Unlock()
@@ -310,10 +140,10 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	old, oldPool := sb.rt, sb.pool
 	oldStack := sb.rspec.Layers
 	spec := sb.rspec
-	spec.Layers = slices.Clone(ck.stack)
+	spec.Layers = slices.Clone(ck.Stack)
 	// The new stack's checkpoint layers are held before the old stack's are
 	// dropped: a layer both use must not go in between.
-	e.holdLayers(e.localLayers(spec.Layers))
+	e.snaps.Hold(spec.Layers)
 	e.mu.Unlock()
 
 	ctx = context.WithoutCancel(ctx)
@@ -325,22 +155,22 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	e.mu.Lock()
 	sb.pool = nil // the pool's sandbox is gone; the new one is the sandbox's own
 	var (
-		unused []func() error
+		unused = func() {}
 		orphan runtime.Sandbox
 	)
 	rolling := sb.st.Is(lifecycle.RollingBack) // else destroyed meanwhile
 	switch {
 	case err != nil:
-		unused = e.dropLayers(e.localLayers(spec.Layers))
+		unused = e.snaps.Drop(spec.Layers)
 		if rolling {
 			e.loseLocked(sb, fmt.Sprintf("rollback to %s failed: %v", id, err)) // its rt is destroyed above
 		}
 	case !rolling:
 		// Destroyed while rolling back: the new sandbox is not wanted.
-		unused = e.dropLayers(e.localLayers(spec.Layers))
+		unused = e.snaps.Drop(spec.Layers)
 		orphan = rs
 	default:
-		unused = e.dropLayers(e.localLayers(oldStack))
+		unused = e.snaps.Drop(oldStack)
 		for _, l := range oldStack {
 			if e.layers[l.Digest]--; e.layers[l.Digest] <= 0 {
 				delete(e.layers, l.Digest)
@@ -360,7 +190,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	if orphan != nil {
 		orphan.Destroy(ctx)
 	}
-	e.removeLayers(unused)
+	unused()
 	if err != nil {
 		// What release does for any lost sandbox; its rt is gone already.
 		e.endTrajectory(sb, trajectory.KindLost, "rollback failed")
@@ -394,41 +224,9 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 	if err != nil {
 		return nil, "", err
 	}
-	var layers []blobstore.Descriptor
-	if len(stack)+1 > e.cfg.MaxLayers {
-		// Past the bound the stack is merged from the files (and checkpoint
-		// directories) the sandbox runs on.
-		files := make([]string, 0, len(stack)+1)
-		for _, l := range stack {
-			files = append(files, l.Path)
-		}
-		upper, err := e.local.Path(desc.Digest)
-		if err != nil {
-			return nil, "", fail.New(fail.Internal, err)
-		}
-		files = append(files, upper)
-		merged, err := layer.Merge(ctx, e.cfg.Store, files)
-		if err != nil {
-			return nil, "", fail.New(fail.Internal, fmt.Errorf("snapshot sandbox %q: merge %d layers: %w", sb.id, len(files), err))
-		}
-		layers = []blobstore.Descriptor{merged}
-	} else {
-		layers = make([]blobstore.Descriptor, 0, len(stack)+1)
-		for _, l := range stack {
-			var st blobstore.Descriptor
-			if e.ckDirs().Contains(l.Path) {
-				// A checkpoint layer is a directory on this node: the image
-				// needs it as an EROFS layer in the shared store.
-				st, err = layer.Build(ctx, e.cfg.Store, l.Path)
-			} else if st, err = e.cfg.Store.Stat(ctx, l.Digest); errors.Is(err, blobstore.ErrNotFound) {
-				st, err = blobstore.PutFile(ctx, e.cfg.Store, l.Path)
-			}
-			if err != nil {
-				return nil, "", fail.New(fail.Unavailable, fmt.Errorf("snapshot sandbox %q: layer %s: %w", sb.id, l.Digest, err))
-			}
-			layers = append(layers, st)
-		}
-		layers = append(layers, desc)
+	layers, err := e.snaps.ImageLayers(ctx, sb.id, e.cfg.Store, e.local, stack, desc, e.cfg.MaxLayers)
+	if err != nil {
+		return nil, "", err
 	}
 	m := image.Manifest{
 		Layers:  layers,
@@ -464,10 +262,10 @@ func (e *Edge) releaseState(sb *sandbox) {
 		return
 	}
 	sb.stateReleased = true
-	unused := e.dropLayers(e.localLayers(sb.rspec.Layers))
+	stack := sb.rspec.Layers
 	e.mu.Unlock()
-	e.removeLayers(unused)
-	e.dropCheckpoints(sb)
+	e.snaps.Drop(stack)()
+	e.snaps.DeleteAll(sb.id)
 }
 
 // numbered runs a numbered operation (file operations, snapshot,
