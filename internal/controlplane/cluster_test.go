@@ -79,6 +79,13 @@ type clients struct {
 func newCluster(t testing.TB) *cluster {
 	t.Helper()
 	dsectest.RequireRoot(t)
+	return startCluster(t)
+}
+
+// startCluster starts the server of a cluster, with no edge yet; it needs
+// no root (edges over the container backend do).
+func startCluster(t testing.TB) *cluster {
+	t.Helper()
 	root, err := os.MkdirTemp("", "dsec-cp-test-")
 	if err != nil {
 		t.Fatal(err)
@@ -149,6 +156,22 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, share placemen
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Registered first, so it runs after the edge's cleanup has
+	// destroyed its sandboxes.
+	t.Cleanup(func() {
+		for _, d := range b.CgroupDirs() {
+			os.Remove(d)
+		}
+	})
+	c.startEdge(id, dir, b, capacity, share)
+}
+
+// startEdge starts an edge over backend b with its data in dir, and waits
+// until the server knows it.
+func (c *cluster) startEdge(id, dir string, b runtime.Backend, capacity placement.Capacity, share placement.Share) {
+	t := c.t
+	t.Helper()
+	kind := b.Kind()
 	mux := http.NewServeMux()
 	var h http.Handler = mux
 	if c.wrap != nil {
@@ -160,9 +183,9 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, share placemen
 		NodeID:            id,
 		DataDir:           dir,
 		Store:             c.store,
-		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: b},
-		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: capacity},
-		RequestShare:      map[runtime.Kind]placement.Share{runtime.KindContainer: share},
+		Backends:          map[runtime.Kind]runtime.Backend{kind: b},
+		Capacity:          map[runtime.Kind]placement.Capacity{kind: capacity},
+		RequestShare:      map[runtime.Kind]placement.Share{kind: share},
 		AdvertiseURL:      hs.URL,
 		Servers:           []string{c.url},
 		ClusterToken:      clusterToken,
@@ -186,9 +209,6 @@ func (c *cluster) addEdge(id string, capacity placement.Capacity, share placemen
 		te.stop()
 		if err := e.Close(context.Background()); err != nil {
 			t.Errorf("close edge %s: %v", id, err)
-		}
-		for _, d := range b.CgroupDirs() {
-			os.Remove(d)
 		}
 	})
 	c.waitFor("node "+id+" registered", func() bool {

@@ -14,13 +14,6 @@ import (
 // batch crowding out every other caller.
 const batchFanout = 32
 
-// itemError turns an error of one batch item into its wire form, host
-// paths redacted (the interceptor that redacts a call's error does not see
-// its items).
-func (e *Edge) itemError(err error) *dsecv1.ItemError {
-	return &dsecv1.ItemError{Code: connect.CodeOf(err).String(), Message: e.redact.String(err.Error())}
-}
-
 // each runs f for every index in [0, n), batchFanout at a time, and waits.
 func each(n int, f func(i int)) {
 	sem := make(chan struct{}, batchFanout)

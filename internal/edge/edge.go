@@ -410,7 +410,8 @@ func (e *Edge) Mount(mux *http.ServeMux) {
 	// their inflation are bounded like the server's, with room for what
 	// a server adds to a caller's request (caller, spec).
 	path, h := dsecv1connect.NewEdgeServiceHandler(&service{e: e}, limits.HandlerOptions(maxEdgeRequest),
-		connect.WithInterceptors(e.redact.Interceptor()))
+		// Errors are mapped to API codes first (apierr.go), then redacted.
+		connect.WithInterceptors(e.redact.Interceptor(), apiErrors{}))
 	mux.Handle(path, RequireClusterToken(e.cfg.ClusterToken, limits.Body(h, maxEdgeRequest)))
 }
 

@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -69,7 +69,7 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
-		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
+		return nil, fail.New(fail.Unavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
 	}
 	if fp := e.fnPools[key]; fp != nil {
 		fp.used.Store(time.Now().UnixNano())
@@ -77,7 +77,7 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 	}
 	backend := e.cfg.Backends[runtime.KindContainer]
 	if backend == nil {
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("node %q has no container backend for fncall", e.cfg.NodeID))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("node %q has no container backend for fncall", e.cfg.NodeID))
 	}
 	if len(e.fnPools) >= e.cfg.FnPools {
 		// Make room: the least recently asked-for pool that nobody
@@ -90,7 +90,7 @@ func (e *Edge) fnPoolFor(ctx context.Context, imageRef string) (*fnPool, error) 
 			}
 		}
 		if victim == "" {
-			return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q: every one of its %d fncall pools (one per image) is busy; retry later", e.cfg.NodeID, e.cfg.FnPools))
+			return nil, fail.New(fail.Unavailable, fmt.Errorf("node %q: every one of its %d fncall pools (one per image) is busy; retry later", e.cfg.NodeID, e.cfg.FnPools))
 		}
 		old := e.fnPools[victim]
 		delete(e.fnPools, victim)
@@ -175,11 +175,11 @@ func (e *Edge) runCode(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Run
 	}
 	req := fnRequest(r)
 	if err := req.Validate(); err != nil {
-		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, fail.New(fail.InvalidArgument, err)
 	}
 	lang, err := fncall.Lookup(r.Language)
 	if err != nil {
-		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, fail.New(fail.InvalidArgument, err)
 	}
 	if imageRef == "" {
 		imageRef = lang.Image
@@ -192,13 +192,11 @@ func (e *Edge) runCode(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Run
 	switch {
 	case errors.Is(err, pool.ErrQueueFull):
 		ra := fp.p.RetryAfter()
-		ce := connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q: every fncall sandbox is busy and the queue is full; retry after %s", e.cfg.NodeID, ra))
-		ce.Meta().Set("Retry-After", strconv.Itoa(max(1, int(ra.Round(time.Second)/time.Second))))
-		return nil, ce
+		return nil, fail.RetryAfter(fail.Unavailable, fmt.Errorf("node %q: every fncall sandbox is busy and the queue is full; retry after %s", e.cfg.NodeID, ra), ra)
 	case err != nil && ctx.Err() != nil:
-		return nil, connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("waiting for an fncall sandbox on node %q: %w", e.cfg.NodeID, err))
+		return nil, fail.New(fail.DeadlineExceeded, fmt.Errorf("waiting for an fncall sandbox on node %q: %w", e.cfg.NodeID, err))
 	case err != nil:
-		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("fncall sandbox on node %q: %w", e.cfg.NodeID, err))
+		return nil, fail.New(fail.Unavailable, fmt.Errorf("fncall sandbox on node %q: %w", e.cfg.NodeID, err))
 	}
 	res := fncall.Call(ctx, sb, lang, req, e.fnResources())
 	if res.Status == fncall.StatusSandboxError {

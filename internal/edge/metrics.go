@@ -3,8 +3,9 @@ package edge
 import (
 	"fmt"
 
-	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/dsec-dev/dsec/internal/pool"
 )
 
 // metrics are the edge's Prometheus series, all prefixed dsec_edge_.

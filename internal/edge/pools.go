@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -202,12 +203,12 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 	if e.closed {
 		e.mu.Unlock()
 		wp.p.Close(context.WithoutCancel(ctx))
-		return nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
+		return nil, fail.New(fail.Unavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
 	}
 	if _, dup := e.pools[id]; dup {
 		e.mu.Unlock()
 		wp.p.Close(context.WithoutCancel(ctx))
-		return nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("pool %q already exists", id))
+		return nil, fail.New(fail.AlreadyExists, fmt.Errorf("pool %q already exists", id))
 	}
 	e.pools[id] = wp
 	e.mu.Unlock()
@@ -221,7 +222,7 @@ func (e *Edge) poolRoom(wp *warmPool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if short := e.shortLocked(wp.kind, wp.req); short != "" {
-		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("node %q has no room to fill pool %q: out of %s", e.cfg.NodeID, wp.id, short))
+		return fail.New(fail.ResourceExhausted, fmt.Errorf("node %q has no room to fill pool %q: out of %s", e.cfg.NodeID, wp.id, short))
 	}
 	return nil
 }
@@ -263,7 +264,7 @@ func (e *Edge) deletePool(ctx context.Context, caller *dsecv1.Caller, id string)
 	wp := e.pools[id]
 	if wp == nil || !(caller.Admin || wp.tenant == caller.Tenant) {
 		e.mu.Unlock()
-		return connect.NewError(connect.CodeNotFound, fmt.Errorf("pool %q not found", id))
+		return fail.New(fail.NotFound, fmt.Errorf("pool %q not found", id))
 	}
 	delete(e.pools, id)
 	e.mu.Unlock()

@@ -15,6 +15,7 @@ import (
 	"connectrpc.com/connect"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
@@ -96,9 +97,9 @@ func (e *Edge) runIn(ctx context.Context, caller *dsecv1.Caller, id string, r *d
 	if lerr == nil {
 		lerr = e.destroy(dctx, sb, reasonRequest)
 	}
-	if lerr != nil && connect.CodeOf(lerr) != connect.CodeNotFound {
+	if lerr != nil && !fail.Is(lerr, fail.NotFound) {
 		// NotFound: something else (a TTL of zero, a shutdown) ended it.
-		destroyErr = lerr.Error()
+		destroyErr = apiText(lerr)
 	}
 	mu.Lock()
 	defer mu.Unlock()

@@ -10,12 +10,12 @@ import (
 	"sync"
 	"time"
 
-	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
@@ -138,9 +138,7 @@ func (e *Edge) toProto(sb *sandbox) *dsecv1.Sandbox {
 	}
 }
 
-func invalid(format string, args ...any) error {
-	return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(format, args...))
-}
+func invalid(format string, args ...any) error { return fail.Invalid(format, args...) }
 
 // validateSpec checks a spec by the contract (package spec) and what only
 // this node knows (the backends it offers), and resolves its resources
@@ -160,14 +158,14 @@ func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec, limits *dsecv1.Re
 	}
 	s, err := spec.Validate(in)
 	if err != nil {
-		return nil, placement.Capacity{}, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, placement.Capacity{}, fail.New(fail.InvalidArgument, err)
 	}
 	if _, ok := e.cfg.Backends[runtime.Kind(s.Backend)]; !ok {
 		return nil, placement.Capacity{}, invalid("spec.backend %q is not offered by node %q", s.Backend, e.cfg.NodeID)
 	}
 	sent := spec.FromProto(limits)
 	if err := sent.Validate("limits"); err != nil {
-		return nil, placement.Capacity{}, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, placement.Capacity{}, fail.New(fail.InvalidArgument, err)
 	}
 	req, lim := spec.Resolve(s, sent, e.cfg.Defaults)
 	s.Resources = lim.Proto()
@@ -197,11 +195,11 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 		e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
 		switch {
 		case errors.Is(err, image.ErrNotFound):
-			return runtime.Spec{}, nil, connect.NewError(connect.CodeNotFound, err)
+			return runtime.Spec{}, nil, fail.New(fail.NotFound, err)
 		case errors.Is(err, image.ErrInvalidRef):
-			return runtime.Spec{}, nil, connect.NewError(connect.CodeInvalidArgument, err)
+			return runtime.Spec{}, nil, fail.New(fail.InvalidArgument, err)
 		}
-		return runtime.Spec{}, nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
+		return runtime.Spec{}, nil, fail.New(fail.Unavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
 	}
 	layers := make([]runtime.Layer, len(resolved.Layers))
 	digests := make([]string, len(resolved.Layers))
@@ -209,11 +207,11 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 		p, err := e.local.Path(l.Digest)
 		if err != nil {
 			e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
-			code := connect.CodeUnavailable
+			kind := fail.Unavailable
 			if errors.Is(err, blobstore.ErrNotFound) {
-				code = connect.CodeNotFound
+				kind = fail.NotFound
 			}
-			return runtime.Spec{}, nil, connect.NewError(code, fmt.Errorf("layer %s of sandbox %q: %w", l.Digest, id, err))
+			return runtime.Spec{}, nil, fail.New(kind, fmt.Errorf("layer %s of sandbox %q: %w", l.Digest, id, err))
 		}
 		layers[i] = runtime.Layer{Digest: l.Digest, Path: p}
 		digests[i] = l.Digest
@@ -326,19 +324,19 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		e.setState(sb, StateFailed, err.Error())
 		e.mu.Unlock()
 		reason := "backend"
-		code := connect.CodeInternal
+		kind := fail.Internal
 		switch {
 		case errors.Is(err, runtime.ErrInvalidSpec):
-			reason, code = "invalid", connect.CodeInvalidArgument
+			reason, kind = "invalid", fail.InvalidArgument
 		case errors.Is(err, runtime.ErrBusy) && ctx.Err() == nil:
 			// A refusal, as admission's: the server places it again.
-			reason, code = "busy", connect.CodeResourceExhausted
+			reason, kind = "busy", fail.ResourceExhausted
 		case ctx.Err() != nil:
-			reason, code = "canceled", connect.CodeCanceled
+			reason, kind = "canceled", fail.Canceled
 		}
 		e.metrics.failures.WithLabelValues(spec.Backend, reason).Inc()
 		e.log.Warn("create sandbox failed", "sandbox", id, "err", err)
-		return nil, connect.NewError(code, fmt.Errorf("create sandbox %q: %w", id, err))
+		return nil, fail.New(kind, fmt.Errorf("create sandbox %q: %w", id, err))
 	}
 	if sb.state != StateCreating || e.closed {
 		// Destroyed (by request or shutdown) while the backend was building it.
@@ -347,7 +345,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		e.mu.Unlock()
 		dropRuntime(context.WithoutCancel(ctx), sb.pool, rs)
 		e.endTrajectory(sb, trajectory.KindDestroy, "destroyed while being created")
-		return nil, connect.NewError(connect.CodeAborted, fmt.Errorf("sandbox %q was destroyed while being created", id))
+		return nil, fail.New(fail.Aborted, fmt.Errorf("sandbox %q was destroyed while being created", id))
 	}
 	sb.rt = rs
 	sb.lastActive = time.Now()
@@ -387,15 +385,15 @@ func (e *Edge) admit(sb *sandbox) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
-		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
+		return fail.New(fail.Unavailable, fmt.Errorf("node %q is shutting down", e.cfg.NodeID))
 	}
 	if _, dup := e.sandboxes[sb.id]; dup {
-		return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
+		return fail.New(fail.AlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
 	}
 	short := e.shortLocked(sb.kind, sb.req)
 	if short != "" {
 		e.metrics.failures.WithLabelValues(string(sb.kind), "admission").Inc()
-		return connect.NewError(connect.CodeResourceExhausted,
+		return fail.New(fail.ResourceExhausted,
 			fmt.Errorf("node %q has no room for sandbox %q: %s backend out of %s", e.cfg.NodeID, sb.id, sb.kind, short))
 	}
 	e.sandboxes[sb.id] = sb
@@ -530,7 +528,7 @@ func (e *Edge) lookup(caller *dsecv1.Caller, id string) (*sandbox, error) {
 	sb := e.sandboxes[id]
 	e.mu.Unlock()
 	if sb == nil || (!caller.Admin && sb.tenant != caller.Tenant) {
-		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("sandbox %q not found", id))
+		return nil, fail.New(fail.NotFound, fmt.Errorf("sandbox %q not found", id))
 	}
 	return sb, nil
 }
@@ -592,13 +590,13 @@ func (e *Edge) pausedUnless(sb *sandbox, frozenOK bool) error {
 	defer e.mu.Unlock()
 	switch {
 	case sb.destroying != nil && sb.state == StateRunning:
-		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
 	case sb.state == StateRunning && sb.frozen && !frozenOK:
-		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
 	case sb.state == StateRunning && sb.rolling:
-		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
 	case sb.state == StateCreating:
-		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
 	}
 	return nil
 }
@@ -611,11 +609,11 @@ func (e *Edge) begin(sb *sandbox) (runtime.Sandbox, error) {
 	defer e.mu.Unlock()
 	switch {
 	case sb.destroying != nil:
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
 	case sb.state == StateRunning && sb.frozen:
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is frozen: thaw it first", sb.id))
 	case sb.state == StateRunning && sb.rolling:
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being rolled back", sb.id))
 	case sb.state == StateRunning:
 		sb.inflight++
 		sb.lastActive = time.Now()
@@ -623,13 +621,13 @@ func (e *Edge) begin(sb *sandbox) (runtime.Sandbox, error) {
 	case sb.state == StateLost:
 		return nil, errLost{fmt.Sprintf("sandbox %q is lost: %s", sb.id, sb.reason)}
 	case sb.state == StateCreating:
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is still being created", sb.id))
 	}
 	msg := fmt.Sprintf("sandbox %q is %s", sb.id, sb.state)
 	if sb.reason != "" {
 		msg += ": " + sb.reason
 	}
-	return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New(msg))
+	return nil, fail.New(fail.FailedPrecondition, errors.New(msg))
 }
 
 // end closes an operation begun with begin. If it failed because the
@@ -645,7 +643,7 @@ func (e *Edge) end(sb *sandbox, rs runtime.Sandbox, opErr error) error {
 	}
 	if sb.state == StateRunning && sb.destroying == nil && (sb.rolling || sb.rt != rs) {
 		e.mu.Unlock()
-		return connect.NewError(connect.CodeAborted, fmt.Errorf("sandbox %q was rolled back during the operation", sb.id))
+		return fail.New(fail.Aborted, fmt.Errorf("sandbox %q was rolled back during the operation", sb.id))
 	}
 	var gone runtime.Sandbox
 	var lost errLost
@@ -708,7 +706,7 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 		case <-wait:
 			return nil
 		case <-ctx.Done():
-			return connect.NewError(connect.CodeCanceled, fmt.Errorf("destroy sandbox %q: %w", sb.id, ctx.Err()))
+			return fail.New(fail.Canceled, fmt.Errorf("destroy sandbox %q: %w", sb.id, ctx.Err()))
 		}
 	case sb.state != StateRunning:
 		// A lost sandbox was released already; a creating one is torn down
@@ -773,7 +771,7 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.mu.Unlock()
 	if err != nil {
 		e.log.Warn("destroy sandbox", "sandbox", sb.id, "reason", reason, "err", err)
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("destroy sandbox %q: %w", sb.id, err))
+		return fail.New(fail.Internal, fmt.Errorf("destroy sandbox %q: %w", sb.id, err))
 	}
 	e.log.Debug("sandbox destroyed", "sandbox", sb.id, "reason", reason)
 	return nil
@@ -784,32 +782,31 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 func opError(ctx context.Context, id, op string, err error) error {
 	var lost errLost
 	if errors.As(err, &lost) {
-		return connect.NewError(connect.CodeFailedPrecondition, lost)
+		return fail.New(fail.FailedPrecondition, lost)
 	}
-	var ce *connect.Error
-	if errors.As(err, &ce) {
+	if classified(err) {
 		return err
 	}
 	wrapped := fmt.Errorf("%s in sandbox %q: %w", op, id, err)
 	switch {
 	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
-		return connect.NewError(connect.CodeDeadlineExceeded, wrapped)
+		return fail.New(fail.DeadlineExceeded, wrapped)
 	case ctx.Err() != nil:
-		return connect.NewError(connect.CodeCanceled, wrapped)
+		return fail.New(fail.Canceled, wrapped)
 	case errors.Is(err, fs.ErrNotExist):
-		return connect.NewError(connect.CodeNotFound, wrapped)
+		return fail.New(fail.NotFound, wrapped)
 	case errors.Is(err, fs.ErrPermission):
-		return connect.NewError(connect.CodePermissionDenied, wrapped)
+		return fail.New(fail.PermissionDenied, wrapped)
 	case errors.Is(err, fs.ErrExist):
-		return connect.NewError(connect.CodeAlreadyExists, wrapped)
+		return fail.New(fail.AlreadyExists, wrapped)
 	case errors.Is(err, fs.ErrInvalid), errors.Is(err, runtime.ErrInvalidSpec):
-		return connect.NewError(connect.CodeInvalidArgument, wrapped)
+		return fail.New(fail.InvalidArgument, wrapped)
 	case errors.Is(err, runtime.ErrFailedPrecondition):
 		// The sandbox's own state (not a regular file, larger than asked
 		// for, an I/O error of its files): not the platform's failure.
-		return connect.NewError(connect.CodeFailedPrecondition, wrapped)
+		return fail.New(fail.FailedPrecondition, wrapped)
 	}
-	return connect.NewError(connect.CodeUnknown, wrapped)
+	return fail.New(fail.Unknown, wrapped)
 }
 
 // summaries lists every sandbox that is not destroyed, for heartbeats.

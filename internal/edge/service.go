@@ -16,6 +16,7 @@ import (
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/spec"
@@ -167,7 +168,7 @@ func (s *service) ReadFileOnEdge(ctx context.Context, req *connect.Request[dsecv
 	}
 	if replay != nil {
 		if replay.File == nil || replay.File.Data == nil {
-			return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("seq %d is a %s record, not a read", replay.Seq, replay.Kind))
+			return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("seq %d is a %s record, not a read", replay.Seq, replay.Kind))
 		}
 		data = replay.File.Data.Inline
 	}

@@ -11,10 +11,9 @@ import (
 	"sync"
 	"time"
 
-	"connectrpc.com/connect"
-
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/layer"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -98,9 +97,9 @@ func (e *Edge) stateTarget(sb *sandbox) (runtime.Sandbox, bool, error) {
 	defer e.mu.Unlock()
 	switch {
 	case sb.destroying != nil:
-		return nil, false, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
+		return nil, false, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is being destroyed", sb.id))
 	case sb.state != StateRunning:
-		return nil, false, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
+		return nil, false, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
 	}
 	return sb.rt, sb.frozen, nil
 }
@@ -114,7 +113,7 @@ func (e *Edge) freeze(ctx context.Context, sb *sandbox) error {
 		return err
 	}
 	if err := rs.Freeze(ctx); err != nil {
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
+		return fail.New(fail.Internal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
 	}
 	e.mu.Lock()
 	sb.frozen = true
@@ -133,7 +132,7 @@ func (e *Edge) thaw(ctx context.Context, sb *sandbox) error {
 		return err
 	}
 	if err := rs.Thaw(ctx); err != nil {
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("thaw sandbox %q: %w", sb.id, err))
+		return fail.New(fail.Internal, fmt.Errorf("thaw sandbox %q: %w", sb.id, err))
 	}
 	e.mu.Lock()
 	sb.frozen = false
@@ -159,12 +158,12 @@ func (e *Edge) event(sb *sandbox, kind, reason string) {
 func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, frozen bool, pack func(upper string) error) error {
 	d, ok := rs.(runtime.Differ)
 	if !ok {
-		return connect.NewError(connect.CodeUnimplemented,
+		return fail.New(fail.Unimplemented,
 			fmt.Errorf("the %s backend cannot snapshot sandbox %q", sb.kind, sb.id))
 	}
 	if !frozen {
 		if err := rs.Freeze(ctx); err != nil {
-			return connect.NewError(connect.CodeInternal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
+			return fail.New(fail.Internal, fmt.Errorf("freeze sandbox %q: %w", sb.id, err))
 		}
 		defer func() {
 			if err := rs.Thaw(context.WithoutCancel(ctx)); err != nil {
@@ -174,7 +173,7 @@ func (e *Edge) packUpper(ctx context.Context, sb *sandbox, rs runtime.Sandbox, f
 	}
 	err := pack(d.UpperDir())
 	if err != nil {
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("pack sandbox %q: %w", sb.id, err))
+		return fail.New(fail.Internal, fmt.Errorf("pack sandbox %q: %w", sb.id, err))
 	}
 	return nil
 }
@@ -192,7 +191,7 @@ func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest s
 	}
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
-		return "", "", connect.NewError(connect.CodeInternal, err)
+		return "", "", fail.New(fail.Internal, err)
 	}
 	var staged *layer.Staged
 	err = e.packUpper(ctx, sb, rs, frozen, func(upper string) (err error) {
@@ -214,7 +213,7 @@ func (e *Edge) doCheckpoint(ctx context.Context, sb *sandbox) (id, layerDigest s
 	// reached zero) is renamed away first, so this one is not removed.
 	path, err := staged.Commit()
 	if err != nil {
-		return "", "", connect.NewError(connect.CodeInternal, fmt.Errorf("checkpoint sandbox %q: %w", sb.id, err))
+		return "", "", fail.New(fail.Internal, fmt.Errorf("checkpoint sandbox %q: %w", sb.id, err))
 	}
 	ck := &checkpoint{
 		id:      "ck-" + hex.EncodeToString(b[:]),
@@ -232,7 +231,7 @@ func (e *Edge) holdCheckpoint(sb *sandbox, id string) (*checkpoint, error) {
 	defer e.mu.Unlock()
 	ck := e.checkpoints[id]
 	if ck == nil || ck.deleted || ck.sandbox != sb.id {
-		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
+		return nil, fail.New(fail.NotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
 	}
 	ck.refs++
 	return ck, nil
@@ -258,7 +257,7 @@ func (e *Edge) deleteCheckpoint(sb *sandbox, id string) error {
 	ck := e.checkpoints[id]
 	if ck == nil || ck.deleted || ck.sandbox != sb.id {
 		e.mu.Unlock()
-		return connect.NewError(connect.CodeNotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
+		return fail.New(fail.NotFound, fmt.Errorf("checkpoint %q of sandbox %q not found", id, sb.id))
 	}
 	ck.deleted = true
 	delete(e.checkpoints, id)
@@ -300,7 +299,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 	e.mu.Lock()
 	if sb.destroying != nil || sb.state != StateRunning {
 		e.mu.Unlock()
-		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q is %s", sb.id, sb.state))
 	}
 	sb.rolling = true
 	old, oldPool := sb.rt, sb.pool
@@ -359,7 +358,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 		// What release does for any lost sandbox; its rt is gone already.
 		e.endTrajectory(sb, trajectory.KindLost, "rollback failed")
 		e.releaseState(sb)
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("rollback sandbox %q to %s: %w", sb.id, id, err))
+		return fail.New(fail.Internal, fmt.Errorf("rollback sandbox %q to %s: %w", sb.id, id, err))
 	}
 	return nil
 }
@@ -398,12 +397,12 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 		}
 		upper, err := e.local.Path(desc.Digest)
 		if err != nil {
-			return nil, "", connect.NewError(connect.CodeInternal, err)
+			return nil, "", fail.New(fail.Internal, err)
 		}
 		files = append(files, upper)
 		merged, err := layer.Merge(ctx, e.cfg.Store, files)
 		if err != nil {
-			return nil, "", connect.NewError(connect.CodeInternal, fmt.Errorf("snapshot sandbox %q: merge %d layers: %w", sb.id, len(files), err))
+			return nil, "", fail.New(fail.Internal, fmt.Errorf("snapshot sandbox %q: merge %d layers: %w", sb.id, len(files), err))
 		}
 		layers = []blobstore.Descriptor{merged}
 	} else {
@@ -418,7 +417,7 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 				st, err = blobstore.PutFile(ctx, e.cfg.Store, l.Path)
 			}
 			if err != nil {
-				return nil, "", connect.NewError(connect.CodeUnavailable, fmt.Errorf("snapshot sandbox %q: layer %s: %w", sb.id, l.Digest, err))
+				return nil, "", fail.New(fail.Unavailable, fmt.Errorf("snapshot sandbox %q: layer %s: %w", sb.id, l.Digest, err))
 			}
 			layers = append(layers, st)
 		}
@@ -436,11 +435,11 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 	}
 	digest, err := e.images.Put(ctx, ref, m)
 	if err != nil {
-		code := connect.CodeInternal
+		kind := fail.Internal
 		if errors.Is(err, image.ErrInvalidRef) {
-			code = connect.CodeInvalidArgument
+			kind = fail.InvalidArgument
 		}
-		return nil, "", connect.NewError(code, fmt.Errorf("snapshot sandbox %q: %w", sb.id, err))
+		return nil, "", fail.New(kind, fmt.Errorf("snapshot sandbox %q: %w", sb.id, err))
 	}
 	img := &dsecv1.Image{Ref: ref, Digest: digest, Size: m.Size()}
 	for _, l := range m.Layers {
@@ -606,7 +605,7 @@ func (e *Edge) jobOp(ctx context.Context, caller *dsecv1.Caller, labels map[stri
 			defer func() { <-sem }()
 			res := &dsecv1.JobResult{Id: sb.id}
 			if err := op(ctx, sb); err != nil {
-				res.Error = &dsecv1.ItemError{Code: connect.CodeOf(err).String(), Message: err.Error()}
+				res.Error = e.itemError(err)
 			}
 			out.Results[i] = res
 		})

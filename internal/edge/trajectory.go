@@ -9,10 +9,10 @@ import (
 	"strconv"
 	"time"
 
-	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -248,7 +248,7 @@ func (e *Edge) nextSeq(id string) uint64 {
 func (e *Edge) admitOp(ctx context.Context, sb *sandbox, seq uint64, req *trajectory.Record) (*trajectory.Op, *trajectory.Record, error) {
 	if e.traj == nil {
 		if seq != 0 {
-			return nil, nil, connect.NewError(connect.CodeFailedPrecondition,
+			return nil, nil, fail.New(fail.FailedPrecondition,
 				fmt.Errorf("node %q keeps no trajectory (started with trajectory logging off): send operations without seq", e.cfg.NodeID))
 		}
 		return nil, nil, nil
@@ -259,17 +259,17 @@ func (e *Edge) admitOp(ctx context.Context, sb *sandbox, seq uint64, req *trajec
 	case err == nil:
 		return op, rec, nil
 	case errors.As(err, &ahead), errors.Is(err, trajectory.ErrMismatch):
-		return nil, nil, connect.NewError(connect.CodeFailedPrecondition, err)
+		return nil, nil, fail.New(fail.FailedPrecondition, err)
 	case errors.Is(err, trajectory.ErrUnknown), errors.Is(err, trajectory.ErrEnded):
 		if seq != 0 && errors.Is(err, trajectory.ErrUnknown) {
-			return nil, nil, connect.NewError(connect.CodeFailedPrecondition,
+			return nil, nil, fail.New(fail.FailedPrecondition,
 				fmt.Errorf("sandbox %q has no trajectory yet (still being created)", sb.id))
 		}
 		return nil, nil, nil
 	case ctx.Err() != nil:
-		return nil, nil, connect.NewError(connect.CodeCanceled, err)
+		return nil, nil, fail.New(fail.Canceled, err)
 	}
-	return nil, nil, connect.NewError(connect.CodeUnavailable, fmt.Errorf("trajectory of sandbox %q: %w", sb.id, err))
+	return nil, nil, fail.New(fail.Unavailable, fmt.Errorf("trajectory of sandbox %q: %w", sb.id, err))
 }
 
 // commit records an operation's outcome, detached from the caller's
@@ -278,16 +278,11 @@ func (e *Edge) commit(ctx context.Context, op *trajectory.Op, rec *trajectory.Re
 	rec.Start = trajectory.Timestamp(start)
 	rec.End = trajectory.Timestamp(time.Now())
 	if opErr != nil {
-		msg := opErr.Error()
-		var ce *connect.Error
-		if errors.As(opErr, &ce) {
-			msg = ce.Message() // without the "code: " prefix Error adds
-		}
-		rec.Error = &trajectory.Error{Code: connect.CodeOf(opErr).String(), Message: msg}
+		rec.Error = &trajectory.Error{Code: apiCode(opErr).String(), Message: apiMessage(opErr)}
 	}
 	if err := op.Commit(context.WithoutCancel(ctx), rec); err != nil {
 		e.log.Error("trajectory record not written", "sandbox", rec.Sandbox, "seq", op.Seq(), "err", err)
-		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("record seq %d: %w", op.Seq(), err))
+		return fail.New(fail.Unavailable, fmt.Errorf("record seq %d: %w", op.Seq(), err))
 	}
 	return nil
 }
@@ -321,11 +316,7 @@ func (e *Edge) refuse(ctx context.Context, caller *dsecv1.Caller, id string, seq
 
 // recordedError turns a recorded failure back into the error it was.
 func recordedError(rec *trajectory.Record) error {
-	var code connect.Code
-	if err := code.UnmarshalText([]byte(rec.Error.Code)); err != nil {
-		code = connect.CodeUnknown
-	}
-	return connect.NewError(code, fmt.Errorf("recorded at seq %d: %s", rec.Seq, rec.Error.Message))
+	return fail.New(fail.ParseKind(rec.Error.Code), fmt.Errorf("recorded at seq %d: %s", rec.Seq, rec.Error.Message))
 }
 
 // execRequestRecord is the request half of an exec's record.
@@ -372,7 +363,7 @@ func replayedExec(rec *trajectory.Record) (*dsecv1.ExecResult, error) {
 	}
 	x := rec.Exec
 	if x == nil {
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("seq %d is a %s record, not an exec", rec.Seq, rec.Kind))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("seq %d is a %s record, not an exec", rec.Seq, rec.Kind))
 	}
 	return &dsecv1.ExecResult{
 		Outcome:         x.Outcome,
@@ -406,7 +397,7 @@ func (e *Edge) reward(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Subm
 		return nil, err
 	}
 	if e.traj == nil {
-		return nil, connect.NewError(connect.CodeFailedPrecondition,
+		return nil, fail.New(fail.FailedPrecondition,
 			fmt.Errorf("node %q keeps no trajectory (started with trajectory logging off)", e.cfg.NodeID))
 	}
 	req := &trajectory.Record{Kind: trajectory.KindReward, RequestID: r.RequestId,
@@ -422,7 +413,7 @@ func (e *Edge) reward(ctx context.Context, caller *dsecv1.Caller, r *dsecv1.Subm
 		return &dsecv1.SubmitRewardResponse{Seq: rec.Seq, Replayed: true}, nil
 	}
 	if op == nil {
-		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("sandbox %q has no trajectory yet (still being created)", sb.id))
+		return nil, fail.New(fail.FailedPrecondition, fmt.Errorf("sandbox %q has no trajectory yet (still being created)", sb.id))
 	}
 	if err := e.commit(ctx, op, req, time.Now(), nil); err != nil {
 		return nil, err
@@ -441,7 +432,7 @@ func (e *Edge) trajectoryPage(ctx context.Context, caller *dsecv1.Caller, r *dse
 	if r == nil {
 		return nil, invalid("request is required")
 	}
-	size, from, err := PageBounds(r)
+	size, from, err := pageBounds(r)
 	if err != nil {
 		return nil, err
 	}
@@ -450,15 +441,15 @@ func (e *Edge) trajectoryPage(ctx context.Context, caller *dsecv1.Caller, r *dse
 		return nil, err
 	}
 	if e.traj == nil {
-		return nil, connect.NewError(connect.CodeFailedPrecondition,
+		return nil, fail.New(fail.FailedPrecondition,
 			fmt.Errorf("node %q keeps no trajectory (started with trajectory logging off)", e.cfg.NodeID))
 	}
 	lines, next, nextSeq, err := e.traj.PageBytes(ctx, sb.id, from, size, limits.MaxPageBytes, r.IncludeData)
 	switch {
 	case errors.Is(err, trajectory.ErrUnknown):
-		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("sandbox %q has no trajectory on node %q", sb.id, e.cfg.NodeID))
+		return nil, fail.New(fail.NotFound, fmt.Errorf("sandbox %q has no trajectory on node %q", sb.id, e.cfg.NodeID))
 	case err != nil:
-		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, fail.New(fail.InvalidArgument, err)
 	}
 	out := &dsecv1.GetTrajectoryResponse{NextSeq: nextSeq, Records: make([]string, len(lines))}
 	for i, l := range lines {
@@ -471,8 +462,14 @@ func (e *Edge) trajectoryPage(ctx context.Context, caller *dsecv1.Caller, r *dse
 }
 
 // PageBounds checks a GetTrajectory request's paging: the page size (with
-// its default) and the record position the page token names.
+// its default) and the record position the page token names. Servers call
+// it too, so its error is an API (Connect) error, InvalidArgument.
 func PageBounds(r *dsecv1.GetTrajectoryRequest) (size, from int, err error) {
+	size, from, err = pageBounds(r)
+	return size, from, apiError(err)
+}
+
+func pageBounds(r *dsecv1.GetTrajectoryRequest) (size, from int, err error) {
 	size = int(r.PageSize)
 	switch {
 	case size < 0:
