@@ -7,6 +7,7 @@ import (
 	"connectrpc.com/connect"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
+	"github.com/dsec-dev/dsec/internal/fail"
 	"github.com/dsec-dev/dsec/internal/limits"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/trajectory"
@@ -71,12 +72,13 @@ func (e *Edge) displayOp(ctx context.Context, caller *dsecv1.Caller, id string, 
 	d, ok := rs.(runtime.Display)
 	if !ok {
 		_ = e.end(sb, rs, nil)
-		return connect.NewError(connect.CodeFailedPrecondition,
-			fmt.Errorf("sandbox %q (backend %s) has no screen, keyboard or mouse: they are a fullvm sandbox's", id, sb.kind))
+		return fail.Errorf(fail.FailedPrecondition,
+			"sandbox %q (backend %s) has no screen, keyboard or mouse: they are a fullvm sandbox's", id, sb.kind)
 	}
 	err = e.end(sb, rs, op(ctx, d))
-	if err != nil && connect.CodeOf(err) == connect.CodeUnknown {
-		err = connect.NewError(connect.CodeInternal, fmt.Errorf("sandbox %q: %w", id, err))
+	if err != nil && fail.KindOf(err) == fail.Unknown {
+		// The backend failed to reach its own display (QMP): the platform's.
+		err = fail.Errorf(fail.Internal, "sandbox %q: %w", id, err)
 	}
 	return err
 }
