@@ -37,6 +37,8 @@ func newSandboxCmd(g *globals) *cobra.Command {
 		newSandboxRollbackCmd(g),
 		newSandboxFreezeCmd(g),
 		newSandboxThawCmd(g),
+		newSandboxScreenshotCmd(g),
+		newSandboxInputCmd(g),
 	)
 	return cmd
 }
@@ -55,7 +57,7 @@ func (f *createFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.image, "image", "", "base image NAME:TAG (required)")
 	fl.StringVar(&f.workspace, "workspace", "", "workspace image NAME:TAG layered over the base")
 	fl.StringArrayVar(&f.toolkits, "toolkit", nil, "toolkit image NAME:TAG layered on top (repeatable; last on top)")
-	fl.StringVar(&f.backend, "backend", "container", "backend: container")
+	fl.StringVar(&f.backend, "backend", "container", "backend: container, microvm or fullvm (the node must offer it)")
 	fl.StringVar(&f.cpu, "cpu", "", "CPU limit in cores, e.g. 1 or 0.5 (default: the tenant's, else the node's)")
 	fl.StringVar(&f.memory, "memory", "", "memory limit, e.g. 512m, 1g, 1GiB or bytes (default: the tenant's, else the node's)")
 	fl.StringVar(&f.disk, "disk-size", "", "writable-layer size (what the sandbox may write over its image), e.g. 2g (default: the tenant's, else the node's)")

@@ -85,15 +85,21 @@ func (e *edgeClients) get(url string) dsecv1connect.EdgeServiceClient {
 type bearerTransport struct {
 	base     http.RoundTripper
 	header   string
-	answered func(url string)
+	answered func(url string, sent time.Time)
+	// now is the clock answered is given the send time from.
+	now func() time.Time
 }
 
 func (t *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	req = req.Clone(req.Context())
 	req.Header.Set("Authorization", t.header)
+	var sent time.Time
+	if t.answered != nil {
+		sent = t.now()
+	}
 	resp, err := t.base.RoundTrip(req)
 	if err == nil && t.answered != nil {
-		t.answered(req.URL.Scheme + "://" + req.URL.Host)
+		t.answered(req.URL.Scheme+"://"+req.URL.Host, sent)
 	}
 	return resp, err
 }

@@ -145,13 +145,21 @@ func urlKey(raw string) string {
 // sandboxes' steps into infra errors, a platform failure the workload
 // caused. Only liveness is refreshed: what the node reported stays as
 // last reported until its next beat.
-func (r *registry) answered(url string) {
+//
+// The proof dates from when the call was sent (sent, from sentAt), not
+// from when its answer was read: the answer shows the node alive at some
+// moment after the send, and a reply read late (after the node died, the
+// client slow to read it) must not make a dead node look alive from then on.
+func (r *registry) answered(url string, sent time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if n := r.byURL[url]; n != nil {
-		n.lastSeen = r.now()
+	if n := r.byURL[url]; n != nil && sent.After(n.lastSeen) {
+		n.lastSeen = sent
 	}
 }
+
+// sentAt is the registry's clock, for answered.
+func (r *registry) sentAt() time.Time { return r.now() }
 
 func countsAgainstQuota(state string) bool { return spec.State(state).Live() }
 

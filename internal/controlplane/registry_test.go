@@ -338,8 +338,8 @@ func TestAnswerIsProofOfLife(t *testing.T) {
 	}
 	for range 5 {
 		c.advance(2 * time.Second)
-		r.answered("http://n1")
-		r.answered("http://elsewhere") // no such node: nothing happens
+		r.answered("http://n1", r.now())
+		r.answered("http://elsewhere", r.now()) // no such node: nothing happens
 	}
 	if rt, _ := r.route(s1.Id); !rt.alive || rt.lostReason != "" {
 		t.Fatalf("n1 answered every call but is %+v", rt)
@@ -349,5 +349,12 @@ func TestAnswerIsProofOfLife(t *testing.T) {
 	}
 	if died := r.sweep(); len(died) != 1 || died[0] != "n2" {
 		t.Fatalf("sweep reported %v dead, want [n2]", died)
+	}
+	// A reply to a call sent before n2 died, read only now, proves it
+	// alive then, not now (TestCluster/dead_node saw such a late read
+	// bring a stopped node back).
+	r.answered("http://n2", r.now().Add(-10*time.Second))
+	if rt, _ := r.route(s2.Id); rt.alive {
+		t.Fatalf("a late-read answer to an old call revived n2: %+v", rt)
 	}
 }

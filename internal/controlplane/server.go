@@ -190,6 +190,7 @@ func New(cfg Config) (*Server, error) {
 		edges:   edges,
 	}
 	edges.transport.answered = s.reg.answered
+	edges.transport.now = s.reg.sentAt
 	roots := []string{cfg.DataDir}
 	if ing, ok := cfg.Store.(blobstore.Ingester); ok {
 		// The store's own temp dir (spooled uploads, extracted trees) and

@@ -215,3 +215,64 @@ func TooLarge(prefix, path string, bound int64) error {
 	return invalid("%spath %s is larger than this ReadFile's bound of %d bytes (max_bytes; at most %d): read larger files in parts or through ExecStream",
 		prefix, path, bound, MaxReadBytes)
 }
+
+const (
+	// MaxInputEvents bounds one Input request's events.
+	MaxInputEvents = 256
+	// MaxInputText bounds one text event (typed a key at a time: a few
+	// thousand keys already take seconds in a guest).
+	MaxInputText = 4096
+	// MaxScreenCoord bounds pointer coordinates (QEMU's absolute axes
+	// span 0..32767 whatever the screen's size).
+	MaxScreenCoord = 32767
+)
+
+// Input checks an Input request's events (field names start with prefix):
+// the kinds and buttons it names, the coordinates and the sizes. Whether
+// a key name exists is the guest's machine's to say.
+func Input(prefix string, r *dsecv1.InputRequest) error {
+	evs := r.GetEvents()
+	if len(evs) == 0 {
+		return invalid("%sevents is required: give at least one event", prefix)
+	}
+	if len(evs) > MaxInputEvents {
+		return invalid("%sevents has %d events, more than %d", prefix, len(evs), MaxInputEvents)
+	}
+	for i, ev := range evs {
+		f := fmt.Sprintf("%sevents[%d].", prefix, i)
+		switch ev.GetKind() {
+		case "text":
+			if ev.GetText() == "" {
+				return invalid("%stext is required for a text event", f)
+			}
+			if len(ev.GetText()) > MaxInputText {
+				return invalid("%stext is %d bytes, more than %d", f, len(ev.GetText()), MaxInputText)
+			}
+		case "key":
+			k := ev.GetKey()
+			if k == "" {
+				return invalid("%skey is required for a key event", f)
+			}
+			for _, part := range strings.Split(k, "-") {
+				if part == "" || len(part) > 32 || strings.ContainsFunc(part, func(r rune) bool {
+					return !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '_')
+				}) {
+					return invalid("%skey %q is not a key or a chord of keys joined by \"-\" (QEMU key names such as ret, esc, ctrl-alt-delete, shift-a)", f, k)
+				}
+			}
+		case "move", "click":
+			if x, y := ev.GetX(), ev.GetY(); x < 0 || y < 0 || x > MaxScreenCoord || y > MaxScreenCoord {
+				return invalid("%sx, y = %d, %d is off the screen (0 to %d)", f, x, y, MaxScreenCoord)
+			}
+			switch b := ev.GetButton(); {
+			case ev.GetKind() == "move" && b != "":
+				return invalid("%sbutton is for click events, not move", f)
+			case b != "" && b != "left" && b != "middle" && b != "right":
+				return invalid("%sbutton %q is not left, middle or right", f, b)
+			}
+		default:
+			return invalid("%skind %q is not text, key, move or click", f, ev.GetKind())
+		}
+	}
+	return nil
+}

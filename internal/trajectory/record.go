@@ -43,12 +43,15 @@ const (
 	KindLost    = "lost"
 	KindFreeze  = "freeze"
 	KindThaw    = "thaw"
+	// KindInput: keyboard or mouse input sent to the sandbox's screen
+	// (its reason says how many events of each kind, not what was typed).
+	KindInput = "input"
 )
 
 // IsEvent reports whether records of kind are events (see KindDestroy).
 func IsEvent(kind string) bool {
 	switch kind {
-	case KindDestroy, KindLost, KindFreeze, KindThaw:
+	case KindDestroy, KindLost, KindFreeze, KindThaw, KindInput:
 		return true
 	}
 	return false

@@ -2933,6 +2933,292 @@ func (x *ThawResponse) GetSandbox() *Sandbox {
 	return nil
 }
 
+// ScreenshotRequest asks what a sandbox's screen shows (fullvm sandboxes:
+// computer-use tasks, guests without dsec-agent).
+type ScreenshotRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScreenshotRequest) Reset() {
+	*x = ScreenshotRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScreenshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScreenshotRequest) ProtoMessage() {}
+
+func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
+func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *ScreenshotRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+type ScreenshotResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// png is the screen as a PNG image.
+	Png           []byte `protobuf:"bytes,1,opt,name=png,proto3" json:"png,omitempty"`
+	Width         int32  `protobuf:"varint,2,opt,name=width,proto3" json:"width,omitempty"`
+	Height        int32  `protobuf:"varint,3,opt,name=height,proto3" json:"height,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScreenshotResponse) Reset() {
+	*x = ScreenshotResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScreenshotResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScreenshotResponse) ProtoMessage() {}
+
+func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
+func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *ScreenshotResponse) GetPng() []byte {
+	if x != nil {
+		return x.Png
+	}
+	return nil
+}
+
+func (x *ScreenshotResponse) GetWidth() int32 {
+	if x != nil {
+		return x.Width
+	}
+	return 0
+}
+
+func (x *ScreenshotResponse) GetHeight() int32 {
+	if x != nil {
+		return x.Height
+	}
+	return 0
+}
+
+// InputEvent is one keyboard or mouse event. kind is "text" (type text,
+// one key press per character), "key" (press and release key: a key or a
+// chord joined by "-", with QEMU's key names: "ret", "esc",
+// "ctrl-alt-delete", "shift-a"), "move" (the pointer to x, y, pixels from
+// the top left) or "click" (move to x, y and click button: "left",
+// "middle" or "right"; "left" when empty).
+type InputEvent struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Kind          string                 `protobuf:"bytes,1,opt,name=kind,proto3" json:"kind,omitempty"`
+	Text          string                 `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
+	Key           string                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	X             int32                  `protobuf:"varint,4,opt,name=x,proto3" json:"x,omitempty"`
+	Y             int32                  `protobuf:"varint,5,opt,name=y,proto3" json:"y,omitempty"`
+	Button        string                 `protobuf:"bytes,6,opt,name=button,proto3" json:"button,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InputEvent) Reset() {
+	*x = InputEvent{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InputEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InputEvent) ProtoMessage() {}
+
+func (x *InputEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InputEvent.ProtoReflect.Descriptor instead.
+func (*InputEvent) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *InputEvent) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *InputEvent) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
+func (x *InputEvent) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *InputEvent) GetX() int32 {
+	if x != nil {
+		return x.X
+	}
+	return 0
+}
+
+func (x *InputEvent) GetY() int32 {
+	if x != nil {
+		return x.Y
+	}
+	return 0
+}
+
+func (x *InputEvent) GetButton() string {
+	if x != nil {
+		return x.Button
+	}
+	return ""
+}
+
+type InputRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// events are sent in order; at least one, at most 256.
+	Events        []*InputEvent `protobuf:"bytes,2,rep,name=events,proto3" json:"events,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InputRequest) Reset() {
+	*x = InputRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InputRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InputRequest) ProtoMessage() {}
+
+func (x *InputRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InputRequest.ProtoReflect.Descriptor instead.
+func (*InputRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *InputRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *InputRequest) GetEvents() []*InputEvent {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
+type InputResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InputResponse) Reset() {
+	*x = InputResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InputResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InputResponse) ProtoMessage() {}
+
+func (x *InputResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InputResponse.ProtoReflect.Descriptor instead.
+func (*InputResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+}
+
 // A job is every sandbox of the caller matching the labels (all must match;
 // at least one label is required).
 type JobRequest struct {
@@ -2944,7 +3230,7 @@ type JobRequest struct {
 
 func (x *JobRequest) Reset() {
 	*x = JobRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2956,7 +3242,7 @@ func (x *JobRequest) String() string {
 func (*JobRequest) ProtoMessage() {}
 
 func (x *JobRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2969,7 +3255,7 @@ func (x *JobRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobRequest.ProtoReflect.Descriptor instead.
 func (*JobRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *JobRequest) GetLabels() map[string]string {
@@ -2989,7 +3275,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3001,7 +3287,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3014,7 +3300,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *JobResult) GetId() string {
@@ -3040,7 +3326,7 @@ type JobResponse struct {
 
 func (x *JobResponse) Reset() {
 	*x = JobResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3052,7 +3338,7 @@ func (x *JobResponse) String() string {
 func (*JobResponse) ProtoMessage() {}
 
 func (x *JobResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3065,7 +3351,7 @@ func (x *JobResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResponse.ProtoReflect.Descriptor instead.
 func (*JobResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *JobResponse) GetResults() []*JobResult {
@@ -3085,7 +3371,7 @@ type AcquireRequest struct {
 
 func (x *AcquireRequest) Reset() {
 	*x = AcquireRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3097,7 +3383,7 @@ func (x *AcquireRequest) String() string {
 func (*AcquireRequest) ProtoMessage() {}
 
 func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3110,7 +3396,7 @@ func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireRequest.ProtoReflect.Descriptor instead.
 func (*AcquireRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *AcquireRequest) GetSpec() *SandboxSpec {
@@ -3136,7 +3422,7 @@ type AcquireResponse struct {
 
 func (x *AcquireResponse) Reset() {
 	*x = AcquireResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3148,7 +3434,7 @@ func (x *AcquireResponse) String() string {
 func (*AcquireResponse) ProtoMessage() {}
 
 func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3161,7 +3447,7 @@ func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireResponse.ProtoReflect.Descriptor instead.
 func (*AcquireResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *AcquireResponse) GetResults() []*BatchCreateResult {
@@ -3180,7 +3466,7 @@ type BatchExecRequest struct {
 
 func (x *BatchExecRequest) Reset() {
 	*x = BatchExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3192,7 +3478,7 @@ func (x *BatchExecRequest) String() string {
 func (*BatchExecRequest) ProtoMessage() {}
 
 func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3205,7 +3491,7 @@ func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecRequest.ProtoReflect.Descriptor instead.
 func (*BatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *BatchExecRequest) GetRequests() []*ExecRequest {
@@ -3228,7 +3514,7 @@ type BatchExecItem struct {
 
 func (x *BatchExecItem) Reset() {
 	*x = BatchExecItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3240,7 +3526,7 @@ func (x *BatchExecItem) String() string {
 func (*BatchExecItem) ProtoMessage() {}
 
 func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3253,7 +3539,7 @@ func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecItem.ProtoReflect.Descriptor instead.
 func (*BatchExecItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *BatchExecItem) GetSandboxId() string {
@@ -3286,7 +3572,7 @@ type BatchExecResponse struct {
 
 func (x *BatchExecResponse) Reset() {
 	*x = BatchExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3298,7 +3584,7 @@ func (x *BatchExecResponse) String() string {
 func (*BatchExecResponse) ProtoMessage() {}
 
 func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3311,7 +3597,7 @@ func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecResponse.ProtoReflect.Descriptor instead.
 func (*BatchExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *BatchExecResponse) GetResults() []*BatchExecItem {
@@ -3330,7 +3616,7 @@ type BatchRollbackRequest struct {
 
 func (x *BatchRollbackRequest) Reset() {
 	*x = BatchRollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3342,7 +3628,7 @@ func (x *BatchRollbackRequest) String() string {
 func (*BatchRollbackRequest) ProtoMessage() {}
 
 func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3355,7 +3641,7 @@ func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*BatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *BatchRollbackRequest) GetRequests() []*RollbackRequest {
@@ -3376,7 +3662,7 @@ type BatchRollbackItem struct {
 
 func (x *BatchRollbackItem) Reset() {
 	*x = BatchRollbackItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3388,7 +3674,7 @@ func (x *BatchRollbackItem) String() string {
 func (*BatchRollbackItem) ProtoMessage() {}
 
 func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3401,7 +3687,7 @@ func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackItem.ProtoReflect.Descriptor instead.
 func (*BatchRollbackItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *BatchRollbackItem) GetSandboxId() string {
@@ -3434,7 +3720,7 @@ type BatchRollbackResponse struct {
 
 func (x *BatchRollbackResponse) Reset() {
 	*x = BatchRollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3446,7 +3732,7 @@ func (x *BatchRollbackResponse) String() string {
 func (*BatchRollbackResponse) ProtoMessage() {}
 
 func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3459,7 +3745,7 @@ func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackResponse.ProtoReflect.Descriptor instead.
 func (*BatchRollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *BatchRollbackResponse) GetResults() []*BatchRollbackItem {
@@ -3478,7 +3764,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3490,7 +3776,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3503,7 +3789,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *ReleaseRequest) GetIds() []string {
@@ -3522,7 +3808,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3534,7 +3820,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3547,7 +3833,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *ReleaseResponse) GetResults() []*BatchDestroyResult {
@@ -3573,7 +3859,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3585,7 +3871,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3598,7 +3884,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *Image) GetRef() string {
@@ -3656,7 +3942,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3668,7 +3954,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3681,7 +3967,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -3740,7 +4026,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3752,7 +4038,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3765,7 +4051,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -3798,7 +4084,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3810,7 +4096,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3823,7 +4109,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -3841,7 +4127,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3853,7 +4139,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3866,7 +4152,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
 }
 
 type ListImagesResponse struct {
@@ -3878,7 +4164,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3890,7 +4176,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3903,7 +4189,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -3922,7 +4208,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3934,7 +4220,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3947,7 +4233,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -3966,7 +4252,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3978,7 +4264,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3991,7 +4277,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -4011,7 +4297,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4023,7 +4309,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4036,7 +4322,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -4062,7 +4348,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4074,7 +4360,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4087,7 +4373,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -4106,7 +4392,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4118,7 +4404,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4131,7 +4417,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -4149,7 +4435,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4161,7 +4447,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4174,7 +4460,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -4196,7 +4482,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4208,7 +4494,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4221,7 +4507,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -4265,7 +4551,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4277,7 +4563,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4290,7 +4576,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -4407,7 +4693,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4419,7 +4705,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4432,7 +4718,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *Pool) GetId() string {
@@ -4531,7 +4817,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4543,7 +4829,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4556,7 +4842,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -4596,7 +4882,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4608,7 +4894,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4621,7 +4907,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -4639,7 +4925,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4651,7 +4937,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4664,7 +4950,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 type ListPoolsResponse struct {
@@ -4676,7 +4962,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4688,7 +4974,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4701,7 +4987,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -4720,7 +5006,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4732,7 +5018,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4745,7 +5031,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -4763,7 +5049,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4775,7 +5061,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4788,7 +5074,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -4822,7 +5108,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4834,7 +5120,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4847,7 +5133,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -4948,7 +5234,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4960,7 +5246,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4973,7 +5259,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -5056,7 +5342,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5068,7 +5354,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5081,7 +5367,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -5135,7 +5421,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5147,7 +5433,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5160,7 +5446,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -5204,7 +5490,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5216,7 +5502,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5229,7 +5515,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *TenantUsage) GetSandboxes() int64 {
@@ -5268,7 +5554,7 @@ type Tenant struct {
 
 func (x *Tenant) Reset() {
 	*x = Tenant{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5280,7 +5566,7 @@ func (x *Tenant) String() string {
 func (*Tenant) ProtoMessage() {}
 
 func (x *Tenant) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5293,7 +5579,7 @@ func (x *Tenant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
 func (*Tenant) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *Tenant) GetName() string {
@@ -5342,7 +5628,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5354,7 +5640,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5367,7 +5653,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -5403,7 +5689,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5415,7 +5701,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5428,7 +5714,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5473,7 +5759,7 @@ type UpdateTenantRequest struct {
 
 func (x *UpdateTenantRequest) Reset() {
 	*x = UpdateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5485,7 +5771,7 @@ func (x *UpdateTenantRequest) String() string {
 func (*UpdateTenantRequest) ProtoMessage() {}
 
 func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5498,7 +5784,7 @@ func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
 func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *UpdateTenantRequest) GetName() string {
@@ -5573,7 +5859,7 @@ type UpdateTenantResponse struct {
 
 func (x *UpdateTenantResponse) Reset() {
 	*x = UpdateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5585,7 +5871,7 @@ func (x *UpdateTenantResponse) String() string {
 func (*UpdateTenantResponse) ProtoMessage() {}
 
 func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5598,7 +5884,7 @@ func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
 func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *UpdateTenantResponse) GetTenant() *Tenant {
@@ -5618,7 +5904,7 @@ type GetTenantRequest struct {
 
 func (x *GetTenantRequest) Reset() {
 	*x = GetTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5630,7 +5916,7 @@ func (x *GetTenantRequest) String() string {
 func (*GetTenantRequest) ProtoMessage() {}
 
 func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5643,7 +5929,7 @@ func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
 func (*GetTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *GetTenantRequest) GetName() string {
@@ -5662,7 +5948,7 @@ type GetTenantResponse struct {
 
 func (x *GetTenantResponse) Reset() {
 	*x = GetTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5674,7 +5960,7 @@ func (x *GetTenantResponse) String() string {
 func (*GetTenantResponse) ProtoMessage() {}
 
 func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5687,7 +5973,7 @@ func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
 func (*GetTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *GetTenantResponse) GetTenant() *Tenant {
@@ -5705,7 +5991,7 @@ type ListTenantsRequest struct {
 
 func (x *ListTenantsRequest) Reset() {
 	*x = ListTenantsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5717,7 +6003,7 @@ func (x *ListTenantsRequest) String() string {
 func (*ListTenantsRequest) ProtoMessage() {}
 
 func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5730,7 +6016,7 @@ func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
 func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
 }
 
 type ListTenantsResponse struct {
@@ -5742,7 +6028,7 @@ type ListTenantsResponse struct {
 
 func (x *ListTenantsResponse) Reset() {
 	*x = ListTenantsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5754,7 +6040,7 @@ func (x *ListTenantsResponse) String() string {
 func (*ListTenantsResponse) ProtoMessage() {}
 
 func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5767,7 +6053,7 @@ func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
 func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *ListTenantsResponse) GetTenants() []*Tenant {
@@ -5785,7 +6071,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5797,7 +6083,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5810,7 +6096,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
 }
 
 type ListNodesResponse struct {
@@ -5823,7 +6109,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5835,7 +6121,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5848,7 +6134,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -5890,7 +6176,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5902,7 +6188,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5915,7 +6201,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
 }
 
 func (x *Node) GetId() string {
@@ -6033,7 +6319,7 @@ type NodeBackend struct {
 
 func (x *NodeBackend) Reset() {
 	*x = NodeBackend{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6045,7 +6331,7 @@ func (x *NodeBackend) String() string {
 func (*NodeBackend) ProtoMessage() {}
 
 func (x *NodeBackend) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6058,7 +6344,7 @@ func (x *NodeBackend) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
 func (*NodeBackend) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
 }
 
 func (x *NodeBackend) GetBackend() string {
@@ -6188,7 +6474,7 @@ type NodeMeasurement struct {
 
 func (x *NodeMeasurement) Reset() {
 	*x = NodeMeasurement{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6200,7 +6486,7 @@ func (x *NodeMeasurement) String() string {
 func (*NodeMeasurement) ProtoMessage() {}
 
 func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6213,7 +6499,7 @@ func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
 func (*NodeMeasurement) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
 }
 
 func (x *NodeMeasurement) GetMilliCpu() int64 {
@@ -6318,7 +6604,7 @@ type SandboxCount struct {
 
 func (x *SandboxCount) Reset() {
 	*x = SandboxCount{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6330,7 +6616,7 @@ func (x *SandboxCount) String() string {
 func (*SandboxCount) ProtoMessage() {}
 
 func (x *SandboxCount) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6343,7 +6629,7 @@ func (x *SandboxCount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
 func (*SandboxCount) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
 }
 
 func (x *SandboxCount) GetBackend() string {
@@ -6600,7 +6886,27 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\":\n" +
 	"\fThawResponse\x12*\n" +
-	"\asandbox\x18\x01 \x01(\v2\x10.dsec.v1.SandboxR\asandbox\"\x80\x01\n" +
+	"\asandbox\x18\x01 \x01(\v2\x10.dsec.v1.SandboxR\asandbox\"2\n" +
+	"\x11ScreenshotRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"T\n" +
+	"\x12ScreenshotResponse\x12\x10\n" +
+	"\x03png\x18\x01 \x01(\fR\x03png\x12\x14\n" +
+	"\x05width\x18\x02 \x01(\x05R\x05width\x12\x16\n" +
+	"\x06height\x18\x03 \x01(\x05R\x06height\"z\n" +
+	"\n" +
+	"InputEvent\x12\x12\n" +
+	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x12\n" +
+	"\x04text\x18\x02 \x01(\tR\x04text\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\x12\f\n" +
+	"\x01x\x18\x04 \x01(\x05R\x01x\x12\f\n" +
+	"\x01y\x18\x05 \x01(\x05R\x01y\x12\x16\n" +
+	"\x06button\x18\x06 \x01(\tR\x06button\"Z\n" +
+	"\fInputRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
+	"\x06events\x18\x02 \x03(\v2\x13.dsec.v1.InputEventR\x06events\"\x0f\n" +
+	"\rInputResponse\"\x80\x01\n" +
 	"\n" +
 	"JobRequest\x127\n" +
 	"\x06labels\x18\x01 \x03(\v2\x1f.dsec.v1.JobRequest.LabelsEntryR\x06labels\x1a9\n" +
@@ -6872,7 +7178,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\fSandboxCount\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x14\n" +
-	"\x05count\x18\x03 \x01(\x03R\x05count2\xc5\r\n" +
+	"\x05count\x18\x03 \x01(\x03R\x05count2\xc4\x0e\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -6894,7 +7200,10 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\bRollback\x12\x18.dsec.v1.RollbackRequest\x1a\x19.dsec.v1.RollbackResponse\x12W\n" +
 	"\x10DeleteCheckpoint\x12 .dsec.v1.DeleteCheckpointRequest\x1a!.dsec.v1.DeleteCheckpointResponse\x129\n" +
 	"\x06Freeze\x12\x16.dsec.v1.FreezeRequest\x1a\x17.dsec.v1.FreezeResponse\x123\n" +
-	"\x04Thaw\x12\x14.dsec.v1.ThawRequest\x1a\x15.dsec.v1.ThawResponse\x126\n" +
+	"\x04Thaw\x12\x14.dsec.v1.ThawRequest\x1a\x15.dsec.v1.ThawResponse\x12E\n" +
+	"\n" +
+	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x126\n" +
+	"\x05Input\x12\x15.dsec.v1.InputRequest\x1a\x16.dsec.v1.InputResponse\x126\n" +
 	"\tFreezeJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x124\n" +
 	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x12<\n" +
 	"\aAcquire\x12\x17.dsec.v1.AcquireRequest\x1a\x18.dsec.v1.AcquireResponse\x12B\n" +
@@ -6934,7 +7243,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 105)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 110)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -6981,80 +7290,85 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*FreezeResponse)(nil),                // 42: dsec.v1.FreezeResponse
 	(*ThawRequest)(nil),                   // 43: dsec.v1.ThawRequest
 	(*ThawResponse)(nil),                  // 44: dsec.v1.ThawResponse
-	(*JobRequest)(nil),                    // 45: dsec.v1.JobRequest
-	(*JobResult)(nil),                     // 46: dsec.v1.JobResult
-	(*JobResponse)(nil),                   // 47: dsec.v1.JobResponse
-	(*AcquireRequest)(nil),                // 48: dsec.v1.AcquireRequest
-	(*AcquireResponse)(nil),               // 49: dsec.v1.AcquireResponse
-	(*BatchExecRequest)(nil),              // 50: dsec.v1.BatchExecRequest
-	(*BatchExecItem)(nil),                 // 51: dsec.v1.BatchExecItem
-	(*BatchExecResponse)(nil),             // 52: dsec.v1.BatchExecResponse
-	(*BatchRollbackRequest)(nil),          // 53: dsec.v1.BatchRollbackRequest
-	(*BatchRollbackItem)(nil),             // 54: dsec.v1.BatchRollbackItem
-	(*BatchRollbackResponse)(nil),         // 55: dsec.v1.BatchRollbackResponse
-	(*ReleaseRequest)(nil),                // 56: dsec.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),               // 57: dsec.v1.ReleaseResponse
-	(*Image)(nil),                         // 58: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 59: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 60: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 61: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 62: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 63: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 64: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 65: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 66: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 67: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 68: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 69: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 70: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 71: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 72: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 73: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 74: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 75: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 76: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 77: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 78: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 79: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 80: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 81: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 82: dsec.v1.Quota
-	(*TenantUsage)(nil),                   // 83: dsec.v1.TenantUsage
-	(*Tenant)(nil),                        // 84: dsec.v1.Tenant
-	(*CreateTenantRequest)(nil),           // 85: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 86: dsec.v1.CreateTenantResponse
-	(*UpdateTenantRequest)(nil),           // 87: dsec.v1.UpdateTenantRequest
-	(*UpdateTenantResponse)(nil),          // 88: dsec.v1.UpdateTenantResponse
-	(*GetTenantRequest)(nil),              // 89: dsec.v1.GetTenantRequest
-	(*GetTenantResponse)(nil),             // 90: dsec.v1.GetTenantResponse
-	(*ListTenantsRequest)(nil),            // 91: dsec.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),           // 92: dsec.v1.ListTenantsResponse
-	(*ListNodesRequest)(nil),              // 93: dsec.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),             // 94: dsec.v1.ListNodesResponse
-	(*Node)(nil),                          // 95: dsec.v1.Node
-	(*NodeBackend)(nil),                   // 96: dsec.v1.NodeBackend
-	(*NodeMeasurement)(nil),               // 97: dsec.v1.NodeMeasurement
-	(*SandboxCount)(nil),                  // 98: dsec.v1.SandboxCount
-	nil,                                   // 99: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 100: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 101: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 102: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 103: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 104: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 105: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 106: google.protobuf.Timestamp
+	(*ScreenshotRequest)(nil),             // 45: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),            // 46: dsec.v1.ScreenshotResponse
+	(*InputEvent)(nil),                    // 47: dsec.v1.InputEvent
+	(*InputRequest)(nil),                  // 48: dsec.v1.InputRequest
+	(*InputResponse)(nil),                 // 49: dsec.v1.InputResponse
+	(*JobRequest)(nil),                    // 50: dsec.v1.JobRequest
+	(*JobResult)(nil),                     // 51: dsec.v1.JobResult
+	(*JobResponse)(nil),                   // 52: dsec.v1.JobResponse
+	(*AcquireRequest)(nil),                // 53: dsec.v1.AcquireRequest
+	(*AcquireResponse)(nil),               // 54: dsec.v1.AcquireResponse
+	(*BatchExecRequest)(nil),              // 55: dsec.v1.BatchExecRequest
+	(*BatchExecItem)(nil),                 // 56: dsec.v1.BatchExecItem
+	(*BatchExecResponse)(nil),             // 57: dsec.v1.BatchExecResponse
+	(*BatchRollbackRequest)(nil),          // 58: dsec.v1.BatchRollbackRequest
+	(*BatchRollbackItem)(nil),             // 59: dsec.v1.BatchRollbackItem
+	(*BatchRollbackResponse)(nil),         // 60: dsec.v1.BatchRollbackResponse
+	(*ReleaseRequest)(nil),                // 61: dsec.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),               // 62: dsec.v1.ReleaseResponse
+	(*Image)(nil),                         // 63: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 64: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 65: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 66: dsec.v1.ImportImageResponse
+	(*ListImagesRequest)(nil),             // 67: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 68: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 69: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 70: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 71: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 72: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 73: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 74: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 75: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 76: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 77: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 78: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 79: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 80: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 81: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 82: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 83: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 84: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 85: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 86: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 87: dsec.v1.Quota
+	(*TenantUsage)(nil),                   // 88: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 89: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 90: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 91: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 92: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 93: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 94: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 95: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 96: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 97: dsec.v1.ListTenantsResponse
+	(*ListNodesRequest)(nil),              // 98: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 99: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 100: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 101: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 102: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 103: dsec.v1.SandboxCount
+	nil,                                   // 104: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 105: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 106: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 107: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 108: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 109: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 110: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 111: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	99,  // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	105, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	105, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	104, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	110, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	110, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,   // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	106, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	106, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	111, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	111, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,   // 7: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
-	106, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
-	105, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	111, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	110, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
 	1,   // 10: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,   // 11: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,   // 12: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -7062,154 +7376,159 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	7,   // 14: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	8,   // 15: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,   // 16: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	100, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	105, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,   // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	105, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	105, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	110, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	110, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	15,  // 21: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	15,  // 22: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
 	1,   // 23: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
 	14,  // 24: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
 	15,  // 25: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	101, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	106, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	7,   // 27: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	31,  // 28: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	58,  // 29: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	63,  // 29: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
 	2,   // 30: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
 	2,   // 31: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	102, // 32: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
-	7,   // 33: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
-	46,  // 34: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	1,   // 35: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
-	8,   // 36: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
-	14,  // 37: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
-	15,  // 38: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
-	7,   // 39: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
-	51,  // 40: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
-	37,  // 41: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
-	38,  // 42: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
-	7,   // 43: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
-	54,  // 44: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
-	31,  // 45: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	106, // 46: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	60,  // 47: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	58,  // 48: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	58,  // 49: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	58,  // 50: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	58,  // 51: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	105, // 52: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,   // 53: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	105, // 54: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,   // 55: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	105, // 56: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	72,  // 57: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	72,  // 58: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	105, // 59: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	105, // 60: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	103, // 61: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	80,  // 62: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	80,  // 63: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	104, // 64: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	82,  // 65: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
-	0,   // 66: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
-	83,  // 67: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	106, // 68: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	82,  // 69: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	0,   // 70: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
-	84,  // 71: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	84,  // 72: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	84,  // 73: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	84,  // 74: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	95,  // 75: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
-	106, // 76: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
-	96,  // 77: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
-	97,  // 78: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
-	98,  // 79: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
-	4,   // 80: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	6,   // 81: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	10,  // 82: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	12,  // 83: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	14,  // 84: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	14,  // 85: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	18,  // 86: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	20,  // 87: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	22,  // 88: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	28,  // 89: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	30,  // 90: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	24,  // 91: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	26,  // 92: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	33,  // 93: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	35,  // 94: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	37,  // 95: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	39,  // 96: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	41,  // 97: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	43,  // 98: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	45,  // 99: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	45,  // 100: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	48,  // 101: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	50,  // 102: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	53,  // 103: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	56,  // 104: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	59,  // 105: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	62,  // 106: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	64,  // 107: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	66,  // 108: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	68,  // 109: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	70,  // 110: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	73,  // 111: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	75,  // 112: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	77,  // 113: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	79,  // 114: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	85,  // 115: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	87,  // 116: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	89,  // 117: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	91,  // 118: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	93,  // 119: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
-	5,   // 120: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	9,   // 121: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	11,  // 122: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	13,  // 123: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	16,  // 124: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	17,  // 125: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	19,  // 126: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	21,  // 127: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	23,  // 128: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	29,  // 129: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	32,  // 130: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	25,  // 131: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	27,  // 132: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	34,  // 133: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	36,  // 134: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	38,  // 135: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	40,  // 136: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	42,  // 137: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	44,  // 138: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	47,  // 139: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	47,  // 140: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	49,  // 141: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	52,  // 142: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	55,  // 143: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	57,  // 144: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	61,  // 145: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	63,  // 146: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	65,  // 147: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	67,  // 148: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	69,  // 149: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	71,  // 150: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	74,  // 151: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	76,  // 152: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	78,  // 153: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	81,  // 154: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	86,  // 155: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	88,  // 156: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	90,  // 157: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	92,  // 158: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	94,  // 159: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
-	120, // [120:160] is the sub-list for method output_type
-	80,  // [80:120] is the sub-list for method input_type
-	80,  // [80:80] is the sub-list for extension type_name
-	80,  // [80:80] is the sub-list for extension extendee
-	0,   // [0:80] is the sub-list for field type_name
+	47,  // 32: dsec.v1.InputRequest.events:type_name -> dsec.v1.InputEvent
+	107, // 33: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	7,   // 34: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	51,  // 35: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	1,   // 36: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	8,   // 37: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	14,  // 38: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	15,  // 39: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	7,   // 40: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	56,  // 41: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	37,  // 42: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	38,  // 43: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	7,   // 44: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	59,  // 45: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	31,  // 46: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	111, // 47: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	65,  // 48: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	63,  // 49: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	63,  // 50: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	63,  // 51: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	63,  // 52: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	110, // 53: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 54: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	110, // 55: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 56: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	110, // 57: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	77,  // 58: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	77,  // 59: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	110, // 60: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	110, // 61: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	108, // 62: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	85,  // 63: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	85,  // 64: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	109, // 65: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	87,  // 66: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 67: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	88,  // 68: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	111, // 69: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	87,  // 70: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 71: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	89,  // 72: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	89,  // 73: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	89,  // 74: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	89,  // 75: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	100, // 76: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	111, // 77: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	101, // 78: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	102, // 79: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	103, // 80: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	4,   // 81: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	6,   // 82: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	10,  // 83: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	12,  // 84: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	14,  // 85: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	14,  // 86: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	18,  // 87: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	20,  // 88: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	22,  // 89: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	28,  // 90: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	30,  // 91: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	24,  // 92: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	26,  // 93: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	33,  // 94: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	35,  // 95: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	37,  // 96: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	39,  // 97: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	41,  // 98: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	43,  // 99: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	45,  // 100: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	48,  // 101: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
+	50,  // 102: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	50,  // 103: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	53,  // 104: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	55,  // 105: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	58,  // 106: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	61,  // 107: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	64,  // 108: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	67,  // 109: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	69,  // 110: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	71,  // 111: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	73,  // 112: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	75,  // 113: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	78,  // 114: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	80,  // 115: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	82,  // 116: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	84,  // 117: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	90,  // 118: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	92,  // 119: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	94,  // 120: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	96,  // 121: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	98,  // 122: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	5,   // 123: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	9,   // 124: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	11,  // 125: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	13,  // 126: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	16,  // 127: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	17,  // 128: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	19,  // 129: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	21,  // 130: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	23,  // 131: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	29,  // 132: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	32,  // 133: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	25,  // 134: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	27,  // 135: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	34,  // 136: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	36,  // 137: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	38,  // 138: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	40,  // 139: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	42,  // 140: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	44,  // 141: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	46,  // 142: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	49,  // 143: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
+	52,  // 144: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	52,  // 145: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	54,  // 146: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	57,  // 147: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	60,  // 148: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	62,  // 149: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	66,  // 150: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	68,  // 151: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	70,  // 152: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	72,  // 153: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	74,  // 154: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	76,  // 155: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	79,  // 156: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	81,  // 157: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	83,  // 158: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	86,  // 159: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	91,  // 160: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	93,  // 161: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	95,  // 162: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	97,  // 163: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	99,  // 164: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	123, // [123:165] is the sub-list for method output_type
+	81,  // [81:123] is the sub-list for method input_type
+	81,  // [81:81] is the sub-list for extension type_name
+	81,  // [81:81] is the sub-list for extension extendee
+	0,   // [0:81] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -7227,18 +7546,18 @@ func file_dsec_v1_dsec_proto_init() {
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[59].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[64].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[87].OneofWrappers = []any{}
+	file_dsec_v1_dsec_proto_msgTypes[92].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   105,
+			NumMessages:   110,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -135,6 +135,38 @@ func TestLive(t *testing.T) {
 	t.Run("pool", func(t *testing.T) { testLivePool(t, c) })
 	t.Run("runcode", func(t *testing.T) { testLiveRunCode(t, c) })
 	t.Run("admission", func(t *testing.T) { testLiveAdmission(t, c) })
+	t.Run("display", func(t *testing.T) { testLiveDisplay(t, c) })
+}
+
+// testLiveDisplay: a container sandbox has no screen, and bad input is
+// refused naming the event before any sandbox is touched.
+func testLiveDisplay(t *testing.T, c *dsec.Client) {
+	ctx := t.Context()
+	sb, err := c.Create(ctx, smallSpec())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sb.Destroy(context.Background()) })
+	if _, _, _, err := sb.Screenshot(ctx); !dsec.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "fullvm") {
+		t.Fatalf("screenshot of a container sandbox: %v, want FailedPrecondition naming fullvm", err)
+	}
+	if err := sb.Input(ctx, dsec.PressKey("ret")); !dsec.IsFailedPrecondition(err) {
+		t.Fatalf("input to a container sandbox: %v, want FailedPrecondition", err)
+	}
+	for _, tc := range []struct {
+		events []dsec.InputEvent
+		field  string
+	}{
+		{nil, "events is required"},
+		{[]dsec.InputEvent{dsec.PressKey("ret"), dsec.PressKey("ctrl--c")}, "events[1].key"},
+		{[]dsec.InputEvent{dsec.TypeText("")}, "events[0].text"},
+		{[]dsec.InputEvent{dsec.ClickAt(-1, 5, "")}, "events[0].x"},
+		{[]dsec.InputEvent{dsec.ClickAt(1, 5, "fourth")}, "events[0].button"},
+	} {
+		if err := sb.Input(ctx, tc.events...); !dsec.IsInvalidArgument(err) || !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("input %v: %v, want InvalidArgument naming %s", tc.events, err, tc.field)
+		}
+	}
 }
 
 func testLiveBatch(t *testing.T, c *dsec.Client) {

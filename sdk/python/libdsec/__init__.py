@@ -28,6 +28,7 @@ from .models import (
     CommandResult,
     ExecResult,
     ImageInfo,
+    InputEvent,
     JobResult,
     NodeInfo,
     OpResult,
@@ -36,6 +37,7 @@ from .models import (
     RunCodeResult,
     SandboxInfo,
     SandboxSpec,
+    Screenshot,
     TenantInfo,
 )
 
@@ -56,6 +58,8 @@ __all__ = [
     "NodeInfo",
     "RunCodeResult",
     "CommandResult",
+    "Screenshot",
+    "InputEvent",
     "DEFAULT_ENDPOINT",
     "DEFAULT_TOKEN_FILE",
 ] + list(_errors_all)

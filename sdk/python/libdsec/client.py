@@ -20,6 +20,7 @@ from .models import (
     CheckpointResult,
     ExecResult,
     ImageInfo,
+    InputEvent,
     JobResult,
     NodeInfo,
     OpResult,
@@ -28,6 +29,7 @@ from .models import (
     RunCodeResult,
     SandboxInfo,
     SandboxSpec,
+    Screenshot,
     TenantInfo,
     _resources_json,
     b64decode,
@@ -576,6 +578,17 @@ class DSecClient:
         """Thaws a frozen sandbox and returns its description."""
         resp = await self._t.unary(f"{_SANDBOX}/Thaw", {"sandboxId": _id(sandbox)})
         return SandboxInfo.from_json(resp.get("sandbox") or {})
+
+    async def screenshot(self, sandbox: Union[str, "Sandbox"]) -> Screenshot:
+        """What the sandbox's screen shows, as a PNG (fullvm sandboxes;
+        others raise FailedPreconditionError)."""
+        resp = await self._t.unary(f"{_SANDBOX}/Screenshot", {"sandboxId": _id(sandbox)})
+        return Screenshot.from_json(resp)
+
+    async def input(self, sandbox: Union[str, "Sandbox"], *events: InputEvent) -> None:
+        """Sends keyboard and mouse events to the sandbox's screen, in
+        order (at most 256 in one call; fullvm sandboxes)."""
+        await self._t.unary(f"{_SANDBOX}/Input", {"sandboxId": _id(sandbox), "events": [e.to_json() for e in events]})
 
     async def freeze_job(self, labels: Mapping[str, str], *, return_exceptions: bool = False) -> List[JobResult]:
         """Freezes every sandbox of this tenant whose labels include every
@@ -1295,6 +1308,16 @@ class Sandbox:
         """Resumes a frozen sandbox."""
         self.info = await self._client.thaw(self)
         return self.info
+
+    async def screenshot(self) -> Screenshot:
+        """What the sandbox's screen shows: ``Screenshot(png, width,
+        height)``. Only fullvm sandboxes have a screen."""
+        return await self._client.screenshot(self)
+
+    async def input(self, *events: InputEvent) -> None:
+        """Sends keyboard and mouse input to the sandbox's screen, e.g.
+        ``await sb.input(InputEvent.text("ls"), InputEvent.key("ret"))``."""
+        await self._client.input(self, *events)
 
     async def trajectory(self, include_data: bool = False) -> List[Dict[str, Any]]:
         """The sandbox's trajectory records; see :meth:`DSecClient.trajectory`."""

@@ -474,6 +474,66 @@ class ReadFileResult:
         return cls(data=b64decode(d.get("data")), seq=int(d.get("seq", 0)), replayed=bool(d.get("replayed", False)))
 
 
+@dataclass(frozen=True)
+class Screenshot:
+    """What a sandbox's screen shows: a PNG image and its size."""
+
+    png: bytes = b""
+    width: int = 0
+    height: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Screenshot":
+        return cls(png=b64decode(d.get("png")), width=int(d.get("width", 0)), height=int(d.get("height", 0)))
+
+
+@dataclass(frozen=True)
+class InputEvent:
+    """One keyboard or mouse event for ``Sandbox.input``; make them with
+    :meth:`text`, :meth:`key`, :meth:`move` and :meth:`click`."""
+
+    kind: str
+    text_: str = ""
+    key_: str = ""
+    x: int = 0
+    y: int = 0
+    button: str = ""
+
+    @classmethod
+    def text(cls, text: str) -> "InputEvent":
+        """Types ``text``, one key press per character."""
+        return cls("text", text_=text)
+
+    @classmethod
+    def key(cls, key: str) -> "InputEvent":
+        """Presses and releases ``key``: one key or a chord joined by "-",
+        with QEMU's key names ("ret", "esc", "ctrl-alt-delete", "shift-a")."""
+        return cls("key", key_=key)
+
+    @classmethod
+    def move(cls, x: int, y: int) -> "InputEvent":
+        """Moves the pointer to ``x``, ``y`` (pixels from the top left)."""
+        return cls("move", x=x, y=y)
+
+    @classmethod
+    def click(cls, x: int, y: int, button: str = "left") -> "InputEvent":
+        """Moves the pointer to ``x``, ``y`` and clicks ``button``
+        ("left", "middle" or "right")."""
+        return cls("click", x=x, y=y, button=button)
+
+    def to_json(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"kind": self.kind}
+        if self.text_:
+            d["text"] = self.text_
+        if self.key_:
+            d["key"] = self.key_
+        if self.kind in ("move", "click"):
+            d["x"], d["y"] = self.x, self.y
+        if self.button:
+            d["button"] = self.button
+        return d
+
+
 @dataclass
 class ImageInfo:
     """An image ref and the layers it names."""

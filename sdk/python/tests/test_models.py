@@ -178,3 +178,14 @@ async def test_default_endpoint_and_token_come_from_environment(monkeypatch):
         assert client._t.http.headers["Authorization"] == "Bearer tok"
     finally:
         await client.close()
+
+
+def test_input_events_and_screenshot_wire():
+    from libdsec import InputEvent, Screenshot
+
+    assert InputEvent.text("ls").to_json() == {"kind": "text", "text": "ls"}
+    assert InputEvent.key("ctrl-c").to_json() == {"kind": "key", "key": "ctrl-c"}
+    assert InputEvent.move(0, 7).to_json() == {"kind": "move", "x": 0, "y": 7}
+    assert InputEvent.click(3, 4, "right").to_json() == {"kind": "click", "x": 3, "y": 4, "button": "right"}
+    shot = Screenshot.from_json({"png": "iVBORw0KGgo", "width": 640, "height": 480})
+    assert shot.png == b"\x89PNG\r\n\x1a\n" and (shot.width, shot.height) == (640, 480)

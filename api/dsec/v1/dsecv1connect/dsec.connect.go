@@ -93,6 +93,11 @@ const (
 	SandboxServiceFreezeProcedure = "/dsec.v1.SandboxService/Freeze"
 	// SandboxServiceThawProcedure is the fully-qualified name of the SandboxService's Thaw RPC.
 	SandboxServiceThawProcedure = "/dsec.v1.SandboxService/Thaw"
+	// SandboxServiceScreenshotProcedure is the fully-qualified name of the SandboxService's Screenshot
+	// RPC.
+	SandboxServiceScreenshotProcedure = "/dsec.v1.SandboxService/Screenshot"
+	// SandboxServiceInputProcedure is the fully-qualified name of the SandboxService's Input RPC.
+	SandboxServiceInputProcedure = "/dsec.v1.SandboxService/Input"
 	// SandboxServiceFreezeJobProcedure is the fully-qualified name of the SandboxService's FreezeJob
 	// RPC.
 	SandboxServiceFreezeJobProcedure = "/dsec.v1.SandboxService/FreezeJob"
@@ -180,6 +185,10 @@ type SandboxServiceClient interface {
 	// exec on a frozen sandbox is FailedPrecondition. Thaw resumes it.
 	Freeze(context.Context, *connect.Request[v1.FreezeRequest]) (*connect.Response[v1.FreezeResponse], error)
 	Thaw(context.Context, *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error)
+	// Screenshot and Input are the screen, keyboard and mouse of a sandbox
+	// that has them (fullvm); others answer FailedPrecondition.
+	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -326,6 +335,18 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("Thaw")),
 			connect.WithClientOptions(opts...),
 		),
+		screenshot: connect.NewClient[v1.ScreenshotRequest, v1.ScreenshotResponse](
+			httpClient,
+			baseURL+SandboxServiceScreenshotProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Screenshot")),
+			connect.WithClientOptions(opts...),
+		),
+		input: connect.NewClient[v1.InputRequest, v1.InputResponse](
+			httpClient,
+			baseURL+SandboxServiceInputProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Input")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJob: connect.NewClient[v1.JobRequest, v1.JobResponse](
 			httpClient,
 			baseURL+SandboxServiceFreezeJobProcedure,
@@ -386,6 +407,8 @@ type sandboxServiceClient struct {
 	deleteCheckpoint *connect.Client[v1.DeleteCheckpointRequest, v1.DeleteCheckpointResponse]
 	freeze           *connect.Client[v1.FreezeRequest, v1.FreezeResponse]
 	thaw             *connect.Client[v1.ThawRequest, v1.ThawResponse]
+	screenshot       *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
+	input            *connect.Client[v1.InputRequest, v1.InputResponse]
 	freezeJob        *connect.Client[v1.JobRequest, v1.JobResponse]
 	thawJob          *connect.Client[v1.JobRequest, v1.JobResponse]
 	acquire          *connect.Client[v1.AcquireRequest, v1.AcquireResponse]
@@ -489,6 +512,16 @@ func (c *sandboxServiceClient) Thaw(ctx context.Context, req *connect.Request[v1
 	return c.thaw.CallUnary(ctx, req)
 }
 
+// Screenshot calls dsec.v1.SandboxService.Screenshot.
+func (c *sandboxServiceClient) Screenshot(ctx context.Context, req *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return c.screenshot.CallUnary(ctx, req)
+}
+
+// Input calls dsec.v1.SandboxService.Input.
+func (c *sandboxServiceClient) Input(ctx context.Context, req *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error) {
+	return c.input.CallUnary(ctx, req)
+}
+
 // FreezeJob calls dsec.v1.SandboxService.FreezeJob.
 func (c *sandboxServiceClient) FreezeJob(ctx context.Context, req *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJob.CallUnary(ctx, req)
@@ -557,6 +590,10 @@ type SandboxServiceHandler interface {
 	// exec on a frozen sandbox is FailedPrecondition. Thaw resumes it.
 	Freeze(context.Context, *connect.Request[v1.FreezeRequest]) (*connect.Response[v1.FreezeResponse], error)
 	Thaw(context.Context, *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error)
+	// Screenshot and Input are the screen, keyboard and mouse of a sandbox
+	// that has them (fullvm); others answer FailedPrecondition.
+	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -699,6 +736,18 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("Thaw")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceScreenshotHandler := connect.NewUnaryHandler(
+		SandboxServiceScreenshotProcedure,
+		svc.Screenshot,
+		connect.WithSchema(sandboxServiceMethods.ByName("Screenshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceInputHandler := connect.NewUnaryHandler(
+		SandboxServiceInputProcedure,
+		svc.Input,
+		connect.WithSchema(sandboxServiceMethods.ByName("Input")),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceFreezeJobHandler := connect.NewUnaryHandler(
 		SandboxServiceFreezeJobProcedure,
 		svc.FreezeJob,
@@ -775,6 +824,10 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceFreezeHandler.ServeHTTP(w, r)
 		case SandboxServiceThawProcedure:
 			sandboxServiceThawHandler.ServeHTTP(w, r)
+		case SandboxServiceScreenshotProcedure:
+			sandboxServiceScreenshotHandler.ServeHTTP(w, r)
+		case SandboxServiceInputProcedure:
+			sandboxServiceInputHandler.ServeHTTP(w, r)
 		case SandboxServiceFreezeJobProcedure:
 			sandboxServiceFreezeJobHandler.ServeHTTP(w, r)
 		case SandboxServiceThawJobProcedure:
@@ -870,6 +923,14 @@ func (UnimplementedSandboxServiceHandler) Freeze(context.Context, *connect.Reque
 
 func (UnimplementedSandboxServiceHandler) Thaw(context.Context, *connect.Request[v1.ThawRequest]) (*connect.Response[v1.ThawResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Thaw is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Screenshot is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Input is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {

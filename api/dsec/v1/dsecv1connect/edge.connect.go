@@ -86,6 +86,11 @@ const (
 	EdgeServiceFreezeOnEdgeProcedure = "/dsec.v1.EdgeService/FreezeOnEdge"
 	// EdgeServiceThawOnEdgeProcedure is the fully-qualified name of the EdgeService's ThawOnEdge RPC.
 	EdgeServiceThawOnEdgeProcedure = "/dsec.v1.EdgeService/ThawOnEdge"
+	// EdgeServiceScreenshotOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// ScreenshotOnEdge RPC.
+	EdgeServiceScreenshotOnEdgeProcedure = "/dsec.v1.EdgeService/ScreenshotOnEdge"
+	// EdgeServiceInputOnEdgeProcedure is the fully-qualified name of the EdgeService's InputOnEdge RPC.
+	EdgeServiceInputOnEdgeProcedure = "/dsec.v1.EdgeService/InputOnEdge"
 	// EdgeServiceFreezeJobOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// FreezeJobOnEdge RPC.
 	EdgeServiceFreezeJobOnEdgeProcedure = "/dsec.v1.EdgeService/FreezeJobOnEdge"
@@ -136,6 +141,8 @@ type EdgeServiceClient interface {
 	DeleteCheckpointOnEdge(context.Context, *connect.Request[v1.EdgeDeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error)
 	FreezeOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.FreezeResponse], error)
 	ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error)
+	ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error)
 	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
@@ -264,6 +271,18 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(edgeServiceMethods.ByName("ThawOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
+		screenshotOnEdge: connect.NewClient[v1.EdgeSandboxRequest, v1.ScreenshotResponse](
+			httpClient,
+			baseURL+EdgeServiceScreenshotOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("ScreenshotOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		inputOnEdge: connect.NewClient[v1.EdgeInputRequest, v1.InputResponse](
+			httpClient,
+			baseURL+EdgeServiceInputOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("InputOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJobOnEdge: connect.NewClient[v1.EdgeListRequest, v1.JobResponse](
 			httpClient,
 			baseURL+EdgeServiceFreezeJobOnEdgeProcedure,
@@ -334,6 +353,8 @@ type edgeServiceClient struct {
 	deleteCheckpointOnEdge *connect.Client[v1.EdgeDeleteCheckpointRequest, v1.DeleteCheckpointResponse]
 	freezeOnEdge           *connect.Client[v1.EdgeSandboxRequest, v1.FreezeResponse]
 	thawOnEdge             *connect.Client[v1.EdgeSandboxRequest, v1.ThawResponse]
+	screenshotOnEdge       *connect.Client[v1.EdgeSandboxRequest, v1.ScreenshotResponse]
+	inputOnEdge            *connect.Client[v1.EdgeInputRequest, v1.InputResponse]
 	freezeJobOnEdge        *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	thawJobOnEdge          *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	batchExecOnEdge        *connect.Client[v1.EdgeBatchExecRequest, v1.BatchExecResponse]
@@ -429,6 +450,16 @@ func (c *edgeServiceClient) ThawOnEdge(ctx context.Context, req *connect.Request
 	return c.thawOnEdge.CallUnary(ctx, req)
 }
 
+// ScreenshotOnEdge calls dsec.v1.EdgeService.ScreenshotOnEdge.
+func (c *edgeServiceClient) ScreenshotOnEdge(ctx context.Context, req *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return c.screenshotOnEdge.CallUnary(ctx, req)
+}
+
+// InputOnEdge calls dsec.v1.EdgeService.InputOnEdge.
+func (c *edgeServiceClient) InputOnEdge(ctx context.Context, req *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error) {
+	return c.inputOnEdge.CallUnary(ctx, req)
+}
+
 // FreezeJobOnEdge calls dsec.v1.EdgeService.FreezeJobOnEdge.
 func (c *edgeServiceClient) FreezeJobOnEdge(ctx context.Context, req *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJobOnEdge.CallUnary(ctx, req)
@@ -491,6 +522,8 @@ type EdgeServiceHandler interface {
 	DeleteCheckpointOnEdge(context.Context, *connect.Request[v1.EdgeDeleteCheckpointRequest]) (*connect.Response[v1.DeleteCheckpointResponse], error)
 	FreezeOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.FreezeResponse], error)
 	ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error)
+	ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error)
 	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
@@ -615,6 +648,18 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(edgeServiceMethods.ByName("ThawOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
+	edgeServiceScreenshotOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceScreenshotOnEdgeProcedure,
+		svc.ScreenshotOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("ScreenshotOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceInputOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceInputOnEdgeProcedure,
+		svc.InputOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("InputOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
 	edgeServiceFreezeJobOnEdgeHandler := connect.NewUnaryHandler(
 		EdgeServiceFreezeJobOnEdgeProcedure,
 		svc.FreezeJobOnEdge,
@@ -699,6 +744,10 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceFreezeOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceThawOnEdgeProcedure:
 			edgeServiceThawOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceScreenshotOnEdgeProcedure:
+			edgeServiceScreenshotOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceInputOnEdgeProcedure:
+			edgeServiceInputOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceFreezeJobOnEdgeProcedure:
 			edgeServiceFreezeJobOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceThawJobOnEdgeProcedure:
@@ -790,6 +839,14 @@ func (UnimplementedEdgeServiceHandler) FreezeOnEdge(context.Context, *connect.Re
 
 func (UnimplementedEdgeServiceHandler) ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ThawOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.ScreenshotOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.InputOnEdge is not implemented"))
 }
 
 func (UnimplementedEdgeServiceHandler) FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
