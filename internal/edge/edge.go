@@ -194,6 +194,9 @@ type Edge struct {
 	// says which specs are hot (see autopool.go).
 	autoPools map[string]*warmPool
 	recent    map[string]recentCreate
+	// recyclers are the pools above as creates and destroys see them
+	// (recycle.go).
+	recyclers []recycler
 	// rebasePools keep destroyed sandboxes, quiesced, for the next
 	// creates of any spec by their tenant, by rebasePoolKey (see
 	// rebase.go).
@@ -365,6 +368,7 @@ func New(cfg Config) (*Edge, error) {
 		stop:             stop,
 		stopCtx:          stopCtx,
 	}
+	e.recyclers = recyclersOf(e)
 	e.state.meters = map[runtime.Kind]runtime.UsageReporter{}
 	for kind, b := range cfg.Backends {
 		if m, ok := b.(runtime.UsageReporter); ok {

@@ -237,16 +237,25 @@ func TestPolicyBusy(t *testing.T) {
 
 // TestPolicyRecycling: with automatic pools on, the second destroy of a
 // spec (hot by then) resets the sandbox and the next create of the same
-// tenant takes it; another tenant gets a new one.
+// tenant takes it; another tenant gets a new one; a frozen sandbox is not
+// recycled. Any backend whose sandboxes reset takes part (a microvm one
+// here), not only the container backend.
 func TestPolicyRecycling(t *testing.T) {
-	b := newMemback(t, memback.Options{Reset: true})
+	for _, kind := range []runtime.Kind{runtime.KindContainer, runtime.KindMicroVM} {
+		t.Run(string(kind), func(t *testing.T) { testRecycling(t, kind) })
+	}
+}
+
+func testRecycling(t *testing.T, kind runtime.Kind) {
+	b := newMemback(t, memback.Options{Kind: kind, Reset: true})
 	n := startMemNode(t, "pr1", b, func(c *edge.Config) { c.AutoPool = 4 })
+	spec := &dsecv1.SandboxSpec{Image: memImage, Backend: string(kind)}
 	a := tenant("a")
-	x := n.mustCreate(t, a, memSpec)
+	x := n.mustCreate(t, a, spec)
 	if err := n.destroy(t, a, x.Id); err != nil {
 		t.Fatal(err)
 	}
-	y := n.mustCreate(t, a, memSpec)
+	y := n.mustCreate(t, a, spec)
 	if _, err := n.client.WriteFileOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeWriteFileRequest{
 		Caller: a, Request: &dsecv1.WriteFileRequest{SandboxId: y.Id, Path: "/secret", Data: []byte("s")}})); err != nil {
 		t.Fatal(err)
@@ -261,7 +270,7 @@ func TestPolicyRecycling(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	z := n.mustCreate(t, a, memSpec)
+	z := n.mustCreate(t, a, spec)
 	if created, resets := b.Stats(); created != 2 || resets != 1 {
 		t.Fatalf("backend created %d and reset %d; want 2 and 1 (the third create recycled)", created, resets)
 	}
@@ -272,8 +281,20 @@ func TestPolicyRecycling(t *testing.T) {
 	if got := metricValue(t, n.reg, "dsec_edge_sandbox_creates_total", "source", "recycled"); got != 1 {
 		t.Fatalf("recycled creates %v, want 1", got)
 	}
-	n.mustCreate(t, tenant("b"), memSpec)
+	n.mustCreate(t, tenant("b"), spec)
 	if created, _ := b.Stats(); created != 3 {
 		t.Fatalf("another tenant's create was served from tenant a's pool (created %d, want 3)", created)
+	}
+
+	// A frozen sandbox is torn down, not handed to the next user frozen.
+	if _, err := n.client.FreezeOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: a, SandboxId: z.Id})); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.destroy(t, a, z.Id); err != nil {
+		t.Fatal(err)
+	}
+	// Only tenant b's sandbox is left in the backend.
+	if live := b.Live(); len(live) != 1 || recycledReady(n) != 0 {
+		t.Fatalf("a frozen sandbox was recycled: live %v, ready %d", live, recycledReady(n))
 	}
 }
