@@ -9,9 +9,17 @@
 // places from a view that may be a heartbeat old, so the edge refuses with
 // ResourceExhausted when it is full and the server retries elsewhere.
 //
+// The package is split where the parts have seams of their own: a
+// sandbox's states and the moves between them are package lifecycle's
+// (setState is the only place that moves one), checkpoints and the layers
+// of snapshot images package snapshot's, and the pools that reuse runtime
+// sandboxes are recyclers (recycle.go). Errors are fail kinds everywhere
+// below EdgeService and become Connect codes in one place (apierr.go).
+//
 // Lock order: Edge.mu is the only lock guarding sandbox records; it is never
 // held across a runtime call (create, exec, destroy), so a slow sandbox never
-// stalls operations on the others.
+// stalls operations on the others. snapshot.Store's lock may be taken under
+// Edge.mu, never the reverse.
 package edge
 
 import (
