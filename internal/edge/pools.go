@@ -194,12 +194,14 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 	return wp.toProto(e.cfg.NodeID), nil
 }
 
-// poolRoom says whether the node has room for one more pooled sandbox:
-// pools fill only capacity that sandboxes do not use.
+// poolRoom says whether the node has room for the pooled sandbox wp is
+// making: pools fill only capacity that sandboxes do not use. That sandbox
+// is charged already (held counts the pool's Creating): counting it again
+// kept a pool from filling the node's last slot.
 func (e *Edge) poolRoom(wp *warmPool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if short := e.shortLocked(wp.kind, wp.req); short != "" {
+	if short := e.shortLocked(wp.kind, wp.req, true); short != "" {
 		return fail.New(fail.ResourceExhausted, fmt.Errorf("node %q has no room to fill pool %q: out of %s", e.cfg.NodeID, wp.id, short))
 	}
 	return nil

@@ -360,7 +360,7 @@ func (e *Edge) admit(sb *sandbox) error {
 	if _, dup := e.sandboxes[sb.id]; dup {
 		return fail.New(fail.AlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
 	}
-	short := e.shortLocked(sb.kind, sb.req)
+	short := e.shortLocked(sb.kind, sb.req, false)
 	if short != "" {
 		e.metrics.failures.WithLabelValues(string(sb.kind), "admission").Inc()
 		return fail.New(fail.ResourceExhausted,
@@ -376,12 +376,19 @@ func (e *Edge) admit(sb *sandbox) error {
 // requesting req, or "" when it has room; the caller holds mu. The node is
 // charged what it measures in use plus its share of what live and pooled
 // sandboxes request (see nodestate.go), and its measured state must have
-// room for one more sandbox.
-func (e *Edge) shortLocked(kind runtime.Kind, req placement.Capacity) string {
+// room for one more sandbox. With counted, the sandbox is among those
+// charged already (a pool's sandbox being made, in its Creating count):
+// the node needs room for it, not for one more besides it.
+func (e *Edge) shortLocked(kind runtime.Kind, req placement.Capacity, counted bool) string {
 	capa, c := e.cfg.Capacity[kind], e.chargedLocked(kind)
 	sh := e.cfg.RequestShare[kind]
 	st, since := e.state.get()
 	cpu, mem := placement.ChargeOf(req.MilliCPU, sh.CPU), placement.ChargeOf(req.MemoryBytes, sh.Memory)
+	if counted {
+		c.Sandboxes--
+		c.MilliCPU -= cpu
+		c.MemoryBytes -= mem
+	}
 	switch {
 	case c.Sandboxes+1 > capa.Sandboxes:
 		return fmt.Sprintf("sandboxes (%d of %d in use)", c.Sandboxes, capa.Sandboxes)
