@@ -57,6 +57,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/audit/caps"
 	"github.com/dsec-dev/dsec/internal/audit/seccomp"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
+	"github.com/dsec-dev/dsec/internal/runtime/agentconv"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
 	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 	"github.com/dsec-dev/dsec/internal/swap"
@@ -847,7 +848,9 @@ func (s *sandbox) exec(ctx context.Context, req rt.ExecRequest, events bool, out
 	if events {
 		before, evErr = s.cg.files().execStart(s.openUserFile)
 	}
-	res, err := s.client.Exec(ctx, req, out)
+	ares, err := s.client.Exec(ctx, agentconv.ExecRequest(req), agentconv.Output(out))
+	res := agentconv.ExecResult(ares)
+	err = agentconv.Err(err)
 	if events {
 		after, afterErr := s.cg.files().execEnd(s.openUserFile, err == nil && evErr == nil)
 		if err == nil && evErr == nil && afterErr == nil {
@@ -918,26 +921,26 @@ func (s *sandbox) UpperDir() string {
 func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
 	s.begin()
 	defer s.end()
-	return s.gone(s.client.WriteFile(ctx, path, data, mode))
+	return s.gone(agentconv.Err(s.client.WriteFile(ctx, path, data, mode)))
 }
 
 func (s *sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
 	s.begin()
 	defer s.end()
 	b, err := s.client.ReadFile(ctx, path, maxBytes)
-	return b, s.gone(err)
+	return b, s.gone(agentconv.Err(err))
 }
 
 func (s *sandbox) PutArchive(ctx context.Context, dir string, tar io.Reader) error {
 	s.begin()
 	defer s.end()
-	return s.gone(s.client.PutArchive(ctx, dir, tar))
+	return s.gone(agentconv.Err(s.client.PutArchive(ctx, dir, tar)))
 }
 
 func (s *sandbox) GetArchive(ctx context.Context, dir string, w io.Writer) error {
 	s.begin()
 	defer s.end()
-	return s.gone(s.client.GetArchive(ctx, dir, w))
+	return s.gone(agentconv.Err(s.client.GetArchive(ctx, dir, w)))
 }
 
 // Destroy kills PID 1, which makes the kernel kill every other process of
