@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
+	"strings"
 	"unicode/utf8"
 )
 
@@ -97,6 +98,18 @@ type ContainerInitResult struct {
 // Validate checks what every backend's init relies on, naming the field at
 // fault.
 func (in *Init) Validate() error {
+	// The exec defaults reach execve and the hostname sethostname, where a
+	// NUL byte would cut them short.
+	for _, f := range []struct{ name, v string }{{"hostname", in.Hostname}, {"workdir", in.Workdir}, {"user", in.User}} {
+		if strings.IndexByte(f.v, 0) >= 0 {
+			return errorf(CodeInvalidArgument, "init: %s: contains a NUL byte", f.name)
+		}
+	}
+	for i, kv := range in.Env {
+		if strings.IndexByte(kv, 0) >= 0 {
+			return errorf(CodeInvalidArgument, "init: env[%d]: contains a NUL byte", i)
+		}
+	}
 	if len(in.Layers) == 0 {
 		return errorf(CodeInvalidArgument, "init: layers: none")
 	}

@@ -127,6 +127,8 @@ func TestInitValidate(t *testing.T) {
 		{"upper absolute", func(in *Init) { in.Writable.Upper = "/upper" }, "writable.upper"},
 		{"work escapes", func(in *Init) { in.Writable.Work = "a/../../w" }, "writable.work"},
 		{"upper empty", func(in *Init) { in.Writable.Upper = "" }, "writable.upper"},
+		{"NUL in env", func(in *Init) { in.Env[1] = "A=\x00" }, "env[1]: contains a NUL"},
+		{"NUL in user", func(in *Init) { in.User = "a\x00" }, "user: contains a NUL"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			in := sampleInit()
