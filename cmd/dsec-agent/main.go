@@ -58,25 +58,26 @@ func main() {
 		absorbSignals()
 	}
 
-	var fork sandboxinit.Fork
+	opts := agent.Options{
+		ReapAll: os.Getpid() == 1,
+		OnIdle:  releaseWhenIdle(),
+	}
 	if len(os.Args) > 1 && os.Args[1] == "container-init" {
 		// A pre-started agent waits here for its sandbox; map its own code
 		// now, so setting the sandbox up later does not take a page fault
 		// per code page (each costs tens of microseconds on virtual
 		// machines; hundreds of them add up to milliseconds).
 		prefaultText()
-		var err error
-		// The edge waits for the outcome on the socket; nothing else to do.
-		if fork, err = sandboxinit.Run(conn, lockdown); err != nil {
+		fork, init, err := sandboxinit.Run(conn, lockdown)
+		if err != nil {
+			// The edge has the reason on the channel; nothing else to do.
 			os.Exit(3)
 		}
+		opts.Fork = fork
+		opts.Env, opts.Workdir, opts.User = init.Env, init.Workdir, init.User
 	}
 
-	err := agent.Serve(context.Background(), conn, agent.Options{
-		ReapAll: os.Getpid() == 1,
-		OnIdle:  releaseWhenIdle(),
-		Fork:    fork,
-	})
+	err := agent.Serve(context.Background(), conn, opts)
 	if err != nil {
 		fatal(1, "agent stopped", err)
 	}
@@ -143,9 +144,9 @@ func releaseWhenIdle() func() {
 // caps.RestrictProcess, is what allows installing the filter without
 // CAP_SYS_ADMIN.
 var lockdown = sandboxinit.Lockdown{
-	Thread: func(keep []int) error { return caps.DropBoundingThread(caps.Of(keep...)) },
-	Process: func(keep []int, prog []byte) error {
-		if err := caps.RestrictProcess(caps.Of(keep...)); err != nil {
+	Thread: func(keep uint64) error { return caps.DropBoundingThread(caps.Set(keep)) },
+	Process: func(keep uint64, prog []byte) error {
+		if err := caps.RestrictProcess(caps.Set(keep)); err != nil {
 			return err
 		}
 		if len(prog) == 0 {

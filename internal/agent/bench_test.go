@@ -8,8 +8,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
 // BenchmarkExecTrue compares an exec round trip of /bin/true through the
@@ -24,7 +22,7 @@ func BenchmarkExecTrue(b *testing.B) {
 		}
 	})
 	run := func(b *testing.B, c *Client) {
-		req := runtime.ExecRequest{Argv: []string{"/bin/true"}}
+		req := ExecRequest{Argv: []string{"/bin/true"}}
 		for b.Loop() {
 			res, err := c.Exec(context.Background(), req, nil)
 			if err != nil || res.ExitCode != 0 {
@@ -57,7 +55,7 @@ func BenchmarkIdleMemory(b *testing.B) {
 		}
 	}
 	for range 20 {
-		if _, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "head -c 1000000 /dev/zero"}, nil); err != nil {
+		if _, err := c.Exec(context.Background(), ExecRequest{Shell: "head -c 1000000 /dev/zero"}, nil); err != nil {
 			b.Fatal(err)
 		}
 	}

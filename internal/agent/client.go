@@ -8,8 +8,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/dsec-dev/dsec/internal/runtime"
 )
 
 // cancelWait bounds how long a canceled Exec waits for the agent to report
@@ -19,10 +17,10 @@ const cancelWait = 5 * time.Second
 
 var errClientClosed = errors.New("agent client closed")
 
-// Client is the edge's end of one agent connection. Its methods mirror
-// runtime.Sandbox and are safe for concurrent use. Once the connection
-// breaks (the agent died, the sandbox was destroyed) every pending and later
-// call returns an error wrapping runtime.ErrSandboxGone.
+// Client is the edge's end of one agent connection. Its methods are safe
+// for concurrent use. Once the connection breaks (the agent died, the
+// sandbox was destroyed) every pending and later call returns an error
+// wrapping ErrDisconnected.
 type Client struct {
 	m      *mux
 	nextID atomic.Uint64
@@ -35,7 +33,7 @@ func NewClient(conn io.ReadWriteCloser) *Client {
 	return c
 }
 
-// Close closes the connection; calls in flight return ErrSandboxGone.
+// Close closes the connection; calls in flight return ErrDisconnected.
 func (c *Client) Close() error {
 	c.m.fail(errClientClosed)
 	return nil
@@ -61,7 +59,7 @@ func (c *Client) open(op string, req *request) (*stream, error) {
 	return s, nil
 }
 
-// wrap turns a transport failure into ErrSandboxGone; context errors and
+// wrap turns a transport failure into ErrDisconnected; context errors and
 // agent errors pass through.
 func (c *Client) wrap(op string, err error) error {
 	var ae *Error
@@ -128,8 +126,8 @@ func (c *Client) Ping(ctx context.Context) error {
 // A process killed by a signal reports Signal and ExitCode 128+signal, as a
 // shell would. If ctx ends, the process tree is killed and the error wraps
 // ctx.Err(); the result then holds what was collected.
-func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.OutputFunc) (runtime.ExecResult, error) {
-	var res runtime.ExecResult
+func (c *Client) Exec(ctx context.Context, req ExecRequest, out OutputFunc) (ExecResult, error) {
+	var res ExecResult
 	if len(req.Argv) == 0 && req.Shell == "" {
 		return res, errorf(CodeInvalidArgument, "exec: argv and shell are both empty")
 	}
@@ -189,12 +187,12 @@ func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.
 			switch d.channel {
 			case chStdout:
 				if out != nil {
-					out(runtime.Stdout, d.chunk)
+					out(Stdout, d.chunk)
 				}
 				res.Stdout = appendCapped(res.Stdout, d.chunk, limit)
 			case chStderr:
 				if out != nil {
-					out(runtime.Stderr, d.chunk)
+					out(Stderr, d.chunk)
 				}
 				res.Stderr = appendCapped(res.Stderr, d.chunk, limit)
 			}
@@ -220,7 +218,7 @@ func (c *Client) Exec(ctx context.Context, req runtime.ExecRequest, out runtime.
 	}
 }
 
-func execName(req runtime.ExecRequest) string {
+func execName(req ExecRequest) string {
 	if len(req.Argv) > 0 {
 		return req.Argv[0]
 	}

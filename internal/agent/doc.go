@@ -9,6 +9,19 @@
 // stream (see Window) so a slow reader of one exec's output never holds up
 // another.
 //
+// A sandbox's agent first sets its sandbox up: the backend's first request
+// on a new channel is an Init (Client.Init, answered on the agent's side by
+// AcceptInit before Serve), which carries the hostname, exec defaults,
+// resources, the read-only layers and the writable layer as Sources (a
+// directory for the container backend, a virtio-blk or virtio-pmem device
+// for a VM guest), and the backend's own part (ContainerInit). No other
+// channel carries configuration.
+//
+// The package depends on no backend (nothing of internal/runtime): it has
+// its own request, result and error types, and the backends translate at
+// their edge (internal/runtime/agentconv), so one client serves the
+// container backend over a socket and the VM backends over virtio-serial.
+//
 // agentpb/agent.proto defines the frames, but both ends encode and decode
 // them with the small hand-written codec in wire.go rather than the
 // generated code: the protobuf-go runtime would add milliseconds of package

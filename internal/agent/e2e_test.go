@@ -13,7 +13,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -45,21 +44,21 @@ func TestBinaryAgent(t *testing.T) {
 	ctx := context.Background()
 	require.NoError(t, c.Ping(ctx))
 
-	res, err := c.Exec(ctx, runtime.ExecRequest{Shell: `echo $$ $PPID; exit 7`}, nil)
+	res, err := c.Exec(ctx, ExecRequest{Shell: `echo $$ $PPID; exit 7`}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, 7, res.ExitCode)
 	ids := strings.Fields(string(res.Stdout))
 	require.Len(t, ids, 2)
 	assert.Equal(t, "1", ids[1], "the agent is PID 1 of its namespace")
 
-	res, err = c.Exec(ctx, runtime.ExecRequest{Argv: []string{"cat"}, Stdin: []byte("through the binary"), User: "nobody"}, nil)
+	res, err = c.Exec(ctx, ExecRequest{Argv: []string{"cat"}, Stdin: []byte("through the binary"), User: "nobody"}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, "through the binary", string(res.Stdout))
 
 	t.Run("reaps orphans", func(t *testing.T) {
 		// Each subshell exits at once, leaving a child that is re-parented
 		// to the agent; PID 1 must reap them or they stay zombies.
-		res, err := c.Exec(ctx, runtime.ExecRequest{Shell: `for i in 1 2 3 4 5 6 7 8 9 10; do (true &); done`}, nil)
+		res, err := c.Exec(ctx, ExecRequest{Shell: `for i in 1 2 3 4 5 6 7 8 9 10; do (true &); done`}, nil)
 		require.NoError(t, err)
 		require.Equal(t, 0, res.ExitCode)
 		agentPid := strconv.Itoa(cmd.Process.Pid)
@@ -69,7 +68,7 @@ func TestBinaryAgent(t *testing.T) {
 	t.Run("timeout kills tree", func(t *testing.T) {
 		m := marker()
 		t.Cleanup(func() { killMarked(t, m) })
-		res, err := c.Exec(ctx, runtime.ExecRequest{
+		res, err := c.Exec(ctx, ExecRequest{
 			Shell:   treeScript(m),
 			Env:     []string{"TMPF=" + filepath.Join(t.TempDir(), "started")},
 			Timeout: 2e9,
@@ -107,18 +106,18 @@ func TestBinaryAgentKilledMidExec(t *testing.T) {
 	started := make(chan struct{})
 	done := make(chan error, 1)
 	go func() {
-		_, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "echo up; sleep " + m},
-			func(runtime.Stream, []byte) { close(started) })
+		_, err := c.Exec(context.Background(), ExecRequest{Shell: "echo up; sleep " + m},
+			func(Stream, []byte) { close(started) })
 		done <- err
 	}()
 	<-started
 	require.NoError(t, cmd.Process.Kill())
 	err := <-done
-	require.ErrorIs(t, err, runtime.ErrSandboxGone)
+	require.ErrorIs(t, err, ErrDisconnected)
 	<-c.Done()
-	require.ErrorIs(t, c.Ping(context.Background()), runtime.ErrSandboxGone)
+	require.ErrorIs(t, c.Ping(context.Background()), ErrDisconnected)
 	_, err = c.ReadFile(context.Background(), "/etc/passwd", 0)
-	require.ErrorIs(t, err, runtime.ErrSandboxGone)
+	require.ErrorIs(t, err, ErrDisconnected)
 	// PID 1 died: the kernel kills the rest of its namespace.
 	eventually(t, "namespace emptied", func() bool { return len(liveWithMarker(t, m)) == 0 })
 }

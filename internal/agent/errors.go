@@ -8,7 +8,24 @@ import (
 	"syscall"
 
 	"github.com/dsec-dev/dsec/internal/rawfile"
-	"github.com/dsec-dev/dsec/internal/runtime"
+)
+
+// Sentinels for errors.Is. The io/fs ones cover the rest: an *Error with
+// CodeNotFound is fs.ErrNotExist, CodePermissionDenied fs.ErrPermission,
+// CodeAlreadyExists fs.ErrExist, CodeInvalidArgument fs.ErrInvalid.
+var (
+	// ErrDisconnected: the connection to the agent ended (the agent exited,
+	// the sandbox was destroyed, the channel broke, or Close was called).
+	// Every pending and later call of the Client fails with it.
+	ErrDisconnected = errors.New("agent connection ended")
+	// ErrTooLarge: a file to read is larger than the caller's bound
+	// (CodeTooLarge).
+	ErrTooLarge = errors.New("file is larger than the bound")
+	// ErrFailedPrecondition: the sandbox's own state refused the operation
+	// (CodeFailedPrecondition): a file that is not a regular file, an I/O
+	// error of its file system, a full disk. The caller's or the workload's
+	// doing, not the platform's.
+	ErrFailedPrecondition = errors.New("failed precondition")
 )
 
 // Error is a failure the agent reported for one operation: the operation
@@ -21,7 +38,7 @@ type Error struct {
 func (e *Error) Error() string { return e.Message }
 
 // Is lets callers test agent errors against the io/fs sentinels
-// (errors.Is(err, fs.ErrNotExist)).
+// (errors.Is(err, fs.ErrNotExist)) and this package's.
 func (e *Error) Is(target error) bool {
 	switch e.Code {
 	case CodeNotFound:
@@ -33,9 +50,9 @@ func (e *Error) Is(target error) bool {
 	case CodeInvalidArgument:
 		return target == fs.ErrInvalid
 	case CodeTooLarge:
-		return target == runtime.ErrTooLarge
+		return target == ErrTooLarge
 	case CodeFailedPrecondition:
-		return target == runtime.ErrFailedPrecondition
+		return target == ErrFailedPrecondition
 	}
 	return false
 }
@@ -96,7 +113,7 @@ func fromWire(e *wireError) error {
 }
 
 // goneError wraps the reason a connection ended so callers can test it with
-// errors.Is(err, runtime.ErrSandboxGone).
+// errors.Is(err, ErrDisconnected).
 func goneError(op string, cause error) error {
-	return fmt.Errorf("agent %s: %w: %v", op, runtime.ErrSandboxGone, cause)
+	return fmt.Errorf("agent %s: %w: %v", op, ErrDisconnected, cause)
 }

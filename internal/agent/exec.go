@@ -53,7 +53,11 @@ func (srv *server) prepare(r *execRequest) (*execSpec, error) {
 
 	sp := &execSpec{argv: argv, dir: dir}
 	home := ""
-	if u := r.user; u != "" {
+	u := r.user
+	if u == "" {
+		u = srv.opts.User
+	}
+	if u != "" {
 		id, err := lookupUser(srv.opts.EtcDir, u)
 		if err != nil {
 			return nil, err

@@ -18,7 +18,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/testutil"
 )
 
@@ -30,22 +29,22 @@ func TestExec(t *testing.T) {
 
 	tests := []struct {
 		name       string
-		req        runtime.ExecRequest
+		req        ExecRequest
 		wantCode   int
 		wantSignal int
 		wantOut    string
 		wantErr    string
 	}{
-		{name: "true", req: runtime.ExecRequest{Argv: []string{"/bin/true"}}},
-		{name: "exit code", req: runtime.ExecRequest{Shell: "exit 3"}, wantCode: 3},
-		{name: "argv from PATH", req: runtime.ExecRequest{Argv: []string{"echo", "a b", "c"}}, wantOut: "a b c\n"},
-		{name: "stderr", req: runtime.ExecRequest{Shell: "echo out; echo err >&2"}, wantOut: "out\n", wantErr: "err\n"},
-		{name: "signal", req: runtime.ExecRequest{Shell: "kill -TERM $$"}, wantCode: 128 + 15, wantSignal: 15},
-		{name: "stdin", req: runtime.ExecRequest{Argv: []string{"cat"}, Stdin: []byte("from stdin")}, wantOut: "from stdin"},
-		{name: "no stdin reads EOF", req: runtime.ExecRequest{Argv: []string{"cat"}}},
-		{name: "env overrides and defaults", req: runtime.ExecRequest{Shell: `echo "$BASE $FOO $HOME"; [ -n "$PATH" ]`, Env: []string{"FOO=over"}}, wantOut: "base over /root\n"},
-		{name: "cwd", req: runtime.ExecRequest{Argv: []string{"pwd"}, Cwd: dir}, wantOut: realDir + "\n"},
-		{name: "stdin not read", req: runtime.ExecRequest{Argv: []string{"true"}, Stdin: bytes.Repeat([]byte("x"), 3<<20)}},
+		{name: "true", req: ExecRequest{Argv: []string{"/bin/true"}}},
+		{name: "exit code", req: ExecRequest{Shell: "exit 3"}, wantCode: 3},
+		{name: "argv from PATH", req: ExecRequest{Argv: []string{"echo", "a b", "c"}}, wantOut: "a b c\n"},
+		{name: "stderr", req: ExecRequest{Shell: "echo out; echo err >&2"}, wantOut: "out\n", wantErr: "err\n"},
+		{name: "signal", req: ExecRequest{Shell: "kill -TERM $$"}, wantCode: 128 + 15, wantSignal: 15},
+		{name: "stdin", req: ExecRequest{Argv: []string{"cat"}, Stdin: []byte("from stdin")}, wantOut: "from stdin"},
+		{name: "no stdin reads EOF", req: ExecRequest{Argv: []string{"cat"}}},
+		{name: "env overrides and defaults", req: ExecRequest{Shell: `echo "$BASE $FOO $HOME"; [ -n "$PATH" ]`, Env: []string{"FOO=over"}}, wantOut: "base over /root\n"},
+		{name: "cwd", req: ExecRequest{Argv: []string{"pwd"}, Cwd: dir}, wantOut: realDir + "\n"},
+		{name: "stdin not read", req: ExecRequest{Argv: []string{"true"}, Stdin: bytes.Repeat([]byte("x"), 3<<20)}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -65,21 +64,21 @@ func TestExecErrors(t *testing.T) {
 	c := startAgent(t, Options{})
 	tests := []struct {
 		name string
-		req  runtime.ExecRequest
+		req  ExecRequest
 		code Code
 		is   error
 		msg  string
 	}{
-		{"empty", runtime.ExecRequest{}, CodeInvalidArgument, fs.ErrInvalid, "empty"},
-		{"missing cwd", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/no/such/dir"}, CodeNotFound, fs.ErrNotExist, "/no/such/dir"},
-		{"cwd is a file", runtime.ExecRequest{Argv: []string{"true"}, Cwd: "/etc/passwd"}, CodeInvalidArgument, fs.ErrInvalid, "/etc/passwd"},
-		{"unknown user", runtime.ExecRequest{Argv: []string{"true"}, User: "no-such-user-xyz"}, CodeNotFound, fs.ErrNotExist, "no-such-user-xyz"},
-		{"bad user spec", runtime.ExecRequest{Argv: []string{"true"}, User: "root:"}, CodeInvalidArgument, fs.ErrInvalid, "root:"},
-		{"NUL in argv", runtime.ExecRequest{Argv: []string{"echo", "a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "argv[1] contains a NUL byte"},
-		{"NUL in env", runtime.ExecRequest{Argv: []string{"true"}, Env: []string{"K=a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "env[0] contains a NUL byte"},
-		{"NUL in shell", runtime.ExecRequest{Shell: "true\x00"}, CodeInvalidArgument, fs.ErrInvalid, "NUL byte"},
-		{"E2BIG", runtime.ExecRequest{Argv: []string{"echo", strings.Repeat("x", 256<<10)}}, CodeInvalidArgument, fs.ErrInvalid, "too large"},
-		{"larger than a frame", runtime.ExecRequest{Argv: []string{"echo", strings.Repeat("x", MaxFrame)}}, CodeInvalidArgument, fs.ErrInvalid, "byte limit"},
+		{"empty", ExecRequest{}, CodeInvalidArgument, fs.ErrInvalid, "empty"},
+		{"missing cwd", ExecRequest{Argv: []string{"true"}, Cwd: "/no/such/dir"}, CodeNotFound, fs.ErrNotExist, "/no/such/dir"},
+		{"cwd is a file", ExecRequest{Argv: []string{"true"}, Cwd: "/etc/passwd"}, CodeInvalidArgument, fs.ErrInvalid, "/etc/passwd"},
+		{"unknown user", ExecRequest{Argv: []string{"true"}, User: "no-such-user-xyz"}, CodeNotFound, fs.ErrNotExist, "no-such-user-xyz"},
+		{"bad user spec", ExecRequest{Argv: []string{"true"}, User: "root:"}, CodeInvalidArgument, fs.ErrInvalid, "root:"},
+		{"NUL in argv", ExecRequest{Argv: []string{"echo", "a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "argv[1] contains a NUL byte"},
+		{"NUL in env", ExecRequest{Argv: []string{"true"}, Env: []string{"K=a\x00b"}}, CodeInvalidArgument, fs.ErrInvalid, "env[0] contains a NUL byte"},
+		{"NUL in shell", ExecRequest{Shell: "true\x00"}, CodeInvalidArgument, fs.ErrInvalid, "NUL byte"},
+		{"E2BIG", ExecRequest{Argv: []string{"echo", strings.Repeat("x", 256<<10)}}, CodeInvalidArgument, fs.ErrInvalid, "too large"},
+		{"larger than a frame", ExecRequest{Argv: []string{"echo", strings.Repeat("x", MaxFrame)}}, CodeInvalidArgument, fs.ErrInvalid, "byte limit"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -90,7 +89,7 @@ func TestExecErrors(t *testing.T) {
 			assert.Equal(t, tc.code, ae.Code)
 			assert.ErrorIs(t, err, tc.is)
 			assert.Contains(t, err.Error(), tc.msg)
-			assert.NotErrorIs(t, err, runtime.ErrSandboxGone)
+			assert.NotErrorIs(t, err, ErrDisconnected)
 		})
 	}
 	// The connection survives refused requests.
@@ -128,7 +127,7 @@ func TestExecUser(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.user, func(t *testing.T) {
-			res, err := c.Exec(context.Background(), runtime.ExecRequest{
+			res, err := c.Exec(context.Background(), ExecRequest{
 				Shell: `echo $(id -u) $(id -g) $(id -G) $HOME`, User: tc.user,
 			}, nil)
 			require.NoError(t, err)
@@ -139,7 +138,7 @@ func TestExecUser(t *testing.T) {
 
 	// The switch is real: nobody cannot write where root can.
 	dir := t.TempDir()
-	res, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "touch " + dir + "/f", User: "nobody"}, nil)
+	res, err := c.Exec(context.Background(), ExecRequest{Shell: "touch " + dir + "/f", User: "nobody"}, nil)
 	require.NoError(t, err)
 	assert.NotEqual(t, 0, res.ExitCode)
 	assert.Contains(t, string(res.Stderr), "Permission denied")
@@ -151,13 +150,13 @@ func TestExecLargeOutput(t *testing.T) {
 	line := []byte("0123456789abcdef\n")
 	want := bytes.Repeat(line, total/len(line)+1)[:total]
 	wantSum := sha256.Sum256(want)
-	req := runtime.ExecRequest{Shell: fmt.Sprintf("yes 0123456789abcdef | head -c %d; yes e | head -c %d >&2", total, total/2), MaxOutputBytes: 1 << 20}
+	req := ExecRequest{Shell: fmt.Sprintf("yes 0123456789abcdef | head -c %d; yes e | head -c %d >&2", total, total/2), MaxOutputBytes: 1 << 20}
 
 	t.Run("streaming delivers everything", func(t *testing.T) {
 		h := sha256.New()
 		var n, nerr int
-		res, err := c.Exec(context.Background(), req, func(s runtime.Stream, data []byte) {
-			if s == runtime.Stdout {
+		res, err := c.Exec(context.Background(), req, func(s Stream, data []byte) {
+			if s == Stdout {
 				h.Write(data)
 				n += len(data)
 			} else {
@@ -183,7 +182,7 @@ func TestExecLargeOutput(t *testing.T) {
 		assert.True(t, res.StderrTruncated)
 	})
 	t.Run("exactly the limit is not truncated", func(t *testing.T) {
-		res, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "head -c 1000 /dev/zero", MaxOutputBytes: 1000}, nil)
+		res, err := c.Exec(context.Background(), ExecRequest{Shell: "head -c 1000 /dev/zero", MaxOutputBytes: 1000}, nil)
 		require.NoError(t, err)
 		assert.Len(t, res.Stdout, 1000)
 		assert.False(t, res.StdoutTruncated)
@@ -211,7 +210,7 @@ func TestExecTimeoutKillsTree(t *testing.T) {
 	// The tree must exist before the timeout fires for the test to mean
 	// anything; on a very slow machine try again with more time.
 	for _, timeout := range []time.Duration{time.Second, 5 * time.Second, 30 * time.Second} {
-		res, err := c.Exec(context.Background(), runtime.ExecRequest{
+		res, err := c.Exec(context.Background(), ExecRequest{
 			Shell:   treeScript(m),
 			Env:     []string{"TMPF=" + filepath.Join(t.TempDir(), "started")},
 			Timeout: timeout,
@@ -234,16 +233,16 @@ func TestExecCancelKillsTree(t *testing.T) {
 	t.Cleanup(func() { killMarked(t, m) })
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	res, err := c.Exec(ctx, runtime.ExecRequest{
+	res, err := c.Exec(ctx, ExecRequest{
 		Shell: treeScript(m),
 		Env:   []string{"TMPF=" + filepath.Join(t.TempDir(), "started")},
-	}, func(s runtime.Stream, data []byte) {
+	}, func(s Stream, data []byte) {
 		if bytes.Contains(data, []byte("ready")) {
 			cancel()
 		}
 	})
 	require.ErrorIs(t, err, context.Canceled)
-	assert.NotErrorIs(t, err, runtime.ErrSandboxGone)
+	assert.NotErrorIs(t, err, ErrDisconnected)
 	assert.Equal(t, 9, res.Signal)
 	assert.False(t, res.TimedOut)
 	assert.Empty(t, liveWithMarker(t, m), "processes of the exec survived its cancellation")
@@ -257,7 +256,7 @@ func TestExecBackgroundChildKeepsPipe(t *testing.T) {
 	// The sleeper inherits stdout and stderr and outlives the shell; the
 	// exec still finishes (after the output grace) with everything the
 	// shell wrote.
-	res, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "sleep " + m + " & echo started"}, nil)
+	res, err := c.Exec(context.Background(), ExecRequest{Shell: "sleep " + m + " & echo started"}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, 0, res.ExitCode)
 	assert.Equal(t, "started\n", string(res.Stdout))
@@ -271,7 +270,7 @@ func TestExecConcurrent(t *testing.T) {
 	errs := make([]error, n)
 	for i := range n {
 		wg.Go(func() {
-			res, err := c.Exec(context.Background(), runtime.ExecRequest{
+			res, err := c.Exec(context.Background(), ExecRequest{
 				Shell: `echo "$N"; head -c 100000 /dev/zero | tr '\0' x; exit $((N % 7))`,
 				Env:   []string{fmt.Sprintf("N=%d", i)},
 			}, nil)
@@ -301,7 +300,7 @@ func TestSlowConsumerIsolated(t *testing.T) {
 	slowDone := make(chan error, 1)
 	var got int
 	go func() {
-		_, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "head -c 20000000 /dev/zero"}, func(s runtime.Stream, data []byte) {
+		_, err := c.Exec(context.Background(), ExecRequest{Shell: "head -c 20000000 /dev/zero"}, func(s Stream, data []byte) {
 			got += len(data)
 			once.Do(func() {
 				close(stalled)
@@ -313,7 +312,7 @@ func TestSlowConsumerIsolated(t *testing.T) {
 	<-stalled
 	for range 5 {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		res, err := c.Exec(ctx, runtime.ExecRequest{Argv: []string{"echo", "fast"}}, nil)
+		res, err := c.Exec(ctx, ExecRequest{Argv: []string{"echo", "fast"}}, nil)
 		cancel()
 		require.NoError(t, err, "an exec behind a stalled consumer did not finish")
 		assert.Equal(t, "fast\n", string(res.Stdout))
@@ -330,16 +329,16 @@ func TestClientClosedFailsPending(t *testing.T) {
 	started := make(chan struct{})
 	done := make(chan error, 1)
 	go func() {
-		_, err := c.Exec(context.Background(), runtime.ExecRequest{Shell: "echo up; sleep " + m}, func(runtime.Stream, []byte) { close(started) })
+		_, err := c.Exec(context.Background(), ExecRequest{Shell: "echo up; sleep " + m}, func(Stream, []byte) { close(started) })
 		done <- err
 	}()
 	<-started
 	c.Close()
 	err := <-done
-	require.ErrorIs(t, err, runtime.ErrSandboxGone)
-	require.ErrorIs(t, c.Ping(context.Background()), runtime.ErrSandboxGone)
-	_, err = c.Exec(context.Background(), runtime.ExecRequest{Argv: []string{"true"}}, nil)
-	require.ErrorIs(t, err, runtime.ErrSandboxGone)
+	require.ErrorIs(t, err, ErrDisconnected)
+	require.ErrorIs(t, c.Ping(context.Background()), ErrDisconnected)
+	_, err = c.Exec(context.Background(), ExecRequest{Argv: []string{"true"}}, nil)
+	require.ErrorIs(t, err, ErrDisconnected)
 	// Serve kills what was running when its connection ended; Cleanup
 	// waits for Serve, this waits for the kill to be visible.
 	eventually(t, "exec tree killed after the connection ended", func() bool { return len(liveWithMarker(t, m)) == 0 })
@@ -362,7 +361,7 @@ func TestProtocolViolationEndsServe(t *testing.T) {
 // overflowed into an immediate failure on its way here) runs the command.
 func TestExecHugeTimeout(t *testing.T) {
 	c := startAgent(t, Options{})
-	res, err := c.Exec(context.Background(), runtime.ExecRequest{Argv: []string{"echo", "ok"}, Timeout: time.Duration(math.MaxInt64)}, nil)
+	res, err := c.Exec(context.Background(), ExecRequest{Argv: []string{"echo", "ok"}, Timeout: time.Duration(math.MaxInt64)}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, 0, res.ExitCode)
 	assert.False(t, res.TimedOut)
@@ -387,8 +386,8 @@ func TestExecCannotStart(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var streamed []byte
-			res, err := c.Exec(context.Background(), runtime.ExecRequest{Argv: tc.argv}, func(s runtime.Stream, b []byte) {
-				if s == runtime.Stderr {
+			res, err := c.Exec(context.Background(), ExecRequest{Argv: tc.argv}, func(s Stream, b []byte) {
+				if s == Stderr {
 					streamed = append(streamed, b...)
 				}
 			})
@@ -397,7 +396,7 @@ func TestExecCannotStart(t *testing.T) {
 			assert.Contains(t, string(streamed), tc.msg)
 		})
 	}
-	res, err := c.Exec(context.Background(), runtime.ExecRequest{Argv: []string{"no-such-command-xyz"}}, nil)
+	res, err := c.Exec(context.Background(), ExecRequest{Argv: []string{"no-such-command-xyz"}}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, 127, res.ExitCode)
 	assert.Contains(t, string(res.Stderr), "no-such-command-xyz")

@@ -36,10 +36,11 @@ type Options struct {
 	// agent is PID 1. Leave it off when Serve runs inside a process that
 	// waits for its own children (tests), or their statuses would be stolen.
 	ReapAll bool
-	// Env, Workdir are defaults for every exec (the image config); request
-	// env entries override Env by key.
+	// Env, Workdir and User are defaults for every exec (the image config,
+	// Init's exec defaults); request env entries override Env by key.
 	Env     []string
 	Workdir string
+	User    string
 	// EtcDir holds the passwd and group files users are resolved from;
 	// default /etc.
 	EtcDir string
@@ -159,6 +160,8 @@ func (srv *server) handle(s *stream, req *request) *response {
 	case req.getArchive != nil:
 		err = srv.getArchive(s, req.getArchive)
 	case req.ping != nil:
+	case req.init != nil:
+		err = errorf(CodeFailedPrecondition, "init: the sandbox is set up already (init must be the first request)")
 	default:
 		err = errorf(CodeInvalidArgument, "request on stream %d names no operation", s.id)
 	}

@@ -12,8 +12,9 @@ package agent
 //
 //   - scalar fields are omitted when zero; repeated strings write every
 //     element; message fields and oneof members are written when set, even
-//     if empty; fields are written in field-number order, as protobuf-go does,
-//     so the bytes equal those of proto.Marshal;
+//     if empty; fields are written in field-number order, a oneof's member
+//     after the message's other fields, as protobuf-go does, so the bytes
+//     equal those of proto.Marshal;
 //   - decoding merges: a repeated message field merges into the earlier one,
 //     a later oneof member replaces an earlier one, unknown fields (and known
 //     fields with an unexpected wire type) are skipped, strings must be
@@ -21,6 +22,14 @@ package agent
 //
 // The generated package agentpb stays the definition of the wire format; the
 // tests check that this codec and the generated code agree both ways.
+//
+// Adding a request: its message in agent.proto (a new member of Request's
+// oneof, and of Response if it returns more than an error), then
+// ./scripts/proto.sh; here a struct, a pointer in request (and response), a
+// case in request.size, request.appendTo, request.unmarshal and
+// frame.checkUTF8; a case in server.handle and a Client method; toPB, fromPB
+// and randFrame in wire_test.go, which then check the codec against the
+// generated code. Init (init.go) shows a request with nested messages.
 
 import (
 	"errors"
@@ -90,6 +99,7 @@ type request struct {
 	putArchive *putArchiveRequest
 	getArchive *getArchiveRequest
 	ping       *pingRequest
+	init       *Init
 }
 
 type dataMsg struct {
@@ -105,6 +115,7 @@ type cancelMsg struct{}
 type response struct {
 	err  *wireError
 	exec *execResult
+	init *InitResult
 }
 
 // wireError is message Error.
@@ -278,6 +289,8 @@ func (r *request) size() int {
 		return sizeMsg(sizeString(r.getArchive.dir, false))
 	case r.ping != nil:
 		return sizeMsg(0)
+	case r.init != nil:
+		return sizeMsg(len(r.init.appendTo(nil)))
 	}
 	return 0
 }
@@ -305,6 +318,8 @@ func (r *request) appendTo(b []byte) []byte {
 		b = appendString(b, 1, r.getArchive.dir, false)
 	case r.ping != nil:
 		b = appendMsgHeader(b, 6, 0)
+	case r.init != nil:
+		b = appendSub(b, 7, r.init.appendTo(nil))
 	}
 	return b
 }
@@ -353,6 +368,9 @@ func (r *response) size() int {
 	if r.exec != nil {
 		n += sizeMsg(r.exec.size())
 	}
+	if r.init != nil {
+		n += sizeMsg(len(r.init.appendTo(nil)))
+	}
 	return n
 }
 
@@ -365,6 +383,9 @@ func (r *response) appendTo(b []byte) []byte {
 	if r.exec != nil {
 		b = appendMsgHeader(b, 2, r.exec.size())
 		b = r.exec.appendTo(b)
+	}
+	if r.init != nil {
+		b = appendSub(b, 3, r.init.appendTo(nil))
 	}
 	return b
 }
@@ -415,6 +436,8 @@ func (f *frame) checkUTF8() error {
 			check(r.putArchive.dir)
 		case r.getArchive != nil:
 			check(r.getArchive.dir)
+		case r.init != nil:
+			ok = validUTF8(r.init.strings())
 		}
 	}
 	if r := f.response; r != nil && r.err != nil {
@@ -634,7 +657,7 @@ func unmarshalFrame(b []byte) (*frame, error) {
 
 func (r *request) unmarshal(b []byte) error {
 	return eachField(b, func(fd *field) error {
-		if fd.wt != wtBytes || fd.num < 1 || fd.num > 6 {
+		if fd.wt != wtBytes || fd.num < 1 || fd.num > 7 {
 			return nil
 		}
 		// Keep the member if it is the one being merged into.
@@ -691,6 +714,11 @@ func (r *request) unmarshal(b []byte) error {
 				r.ping = &pingRequest{}
 			}
 			return eachField(fd.b, func(*field) error { return nil })
+		case 7:
+			if r.init = keep.init; r.init == nil {
+				r.init = &Init{}
+			}
+			return r.init.unmarshal(fd.b)
 		}
 		return nil
 	})
@@ -786,6 +814,11 @@ func (r *response) unmarshal(b []byte) error {
 				r.exec = &execResult{}
 			}
 			return r.exec.unmarshal(fd.b)
+		case 3:
+			if r.init == nil {
+				r.init = &InitResult{}
+			}
+			return r.init.unmarshal(fd.b)
 		}
 		return nil
 	})

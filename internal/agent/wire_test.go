@@ -41,6 +41,8 @@ func toPB(f *frame) *agentpb.Frame {
 			pr.Op = &agentpb.Request_GetArchive{GetArchive: &agentpb.GetArchiveRequest{Dir: r.getArchive.dir}}
 		case r.ping != nil:
 			pr.Op = &agentpb.Request_Ping{Ping: &agentpb.PingRequest{}}
+		case r.init != nil:
+			pr.Op = &agentpb.Request_Init{Init: initToPB(r.init)}
 		}
 		out.Msg = &agentpb.Frame_Request{Request: pr}
 	case f.data != nil:
@@ -58,6 +60,12 @@ func toPB(f *frame) *agentpb.Frame {
 			pr.Exec = &agentpb.ExecResult{
 				ExitCode: e.exitCode, Signal: e.signal, DurationNanos: e.durationNanos,
 				TimedOut: e.timedOut, StdoutTruncated: e.stdoutTruncated, StderrTruncated: e.stderrTruncated, PidsExhausted: e.pidsExhausted,
+			}
+		}
+		if e := f.response.init; e != nil {
+			pr.Init = &agentpb.InitResult{}
+			if c := e.Container; c != nil {
+				pr.Init.Container = &agentpb.ContainerInitResult{MqueueFd: c.MqueueFD, CgroupFds: c.CgroupFDs}
 			}
 		}
 		out.Msg = &agentpb.Frame_Response{Response: pr}
@@ -89,6 +97,8 @@ func fromPB(p *agentpb.Frame) *frame {
 			r.getArchive = &getArchiveRequest{dir: op.GetArchive.GetDir()}
 		case *agentpb.Request_Ping:
 			r.ping = &pingRequest{}
+		case *agentpb.Request_Init:
+			r.init = initFromPB(op.Init)
 		}
 		f.request = r
 	case *agentpb.Frame_Data:
@@ -108,6 +118,12 @@ func fromPB(p *agentpb.Frame) *frame {
 				timedOut: e.GetTimedOut(), stdoutTruncated: e.GetStdoutTruncated(), stderrTruncated: e.GetStderrTruncated(), pidsExhausted: e.GetPidsExhausted(),
 			}
 		}
+		if e := m.Response.GetInit(); e != nil {
+			r.init = &InitResult{}
+			if c := e.GetContainer(); c != nil {
+				r.init.Container = &ContainerInitResult{MqueueFD: c.GetMqueueFd(), CgroupFDs: c.GetCgroupFds()}
+			}
+		}
 		f.response = r
 	}
 	return f
@@ -123,6 +139,23 @@ func normalize(f *frame) *frame {
 		if len(r.exec.env) == 0 {
 			r.exec.env = nil
 		}
+	}
+	if r := f.request; r != nil && r.init != nil {
+		in := r.init
+		nilIfEmpty(&in.Env)
+		if len(in.Layers) == 0 {
+			in.Layers = nil
+		}
+		if c := in.Container; c != nil {
+			nilIfEmpty(&c.UserMoreTasks)
+			nilIfEmpty(&c.CgroupFiles)
+			if len(c.Seccomp) == 0 {
+				c.Seccomp = nil
+			}
+		}
+	}
+	if r := f.response; r != nil && r.init != nil && r.init.Container != nil && len(r.init.Container.CgroupFDs) == 0 {
+		r.init.Container.CgroupFDs = nil
 	}
 	if f.data != nil && len(f.data.chunk) == 0 {
 		f.data.chunk = nil
@@ -175,7 +208,7 @@ func randFrame(r *rand.Rand) *frame {
 	switch r.IntN(6) {
 	case 0:
 		req := &request{}
-		switch r.IntN(6) {
+		switch r.IntN(7) {
 		case 0:
 			req.exec = &execRequest{
 				argv: strs(), shell: str(), env: strs(), cwd: str(), user: str(),
@@ -191,6 +224,8 @@ func randFrame(r *rand.Rand) *frame {
 			req.getArchive = &getArchiveRequest{dir: str()}
 		case 5:
 			req.ping = &pingRequest{}
+		case 6:
+			req.init = randInit(r, u64, b, str, strs)
 		}
 		f.request = req
 	case 1:
@@ -215,6 +250,16 @@ func randFrame(r *rand.Rand) *frame {
 			resp.exec = &execResult{
 				exitCode: i32(), signal: i32(), durationNanos: i64(),
 				timedOut: b(), stdoutTruncated: b(), stderrTruncated: b(), pidsExhausted: b(),
+			}
+		}
+		if r.IntN(3) == 0 {
+			resp.init = &InitResult{}
+			if b() {
+				c := &ContainerInitResult{MqueueFD: i32()}
+				for range r.IntN(4) {
+					c.CgroupFDs = append(c.CgroupFDs, i32())
+				}
+				resp.init.Container = c
 			}
 		}
 		f.response = resp
@@ -390,4 +435,119 @@ func BenchmarkWireDataFrame(b *testing.B) {
 			}
 		}
 	})
+}
+
+func nilIfEmpty(s *[]string) {
+	if len(*s) == 0 {
+		*s = nil
+	}
+}
+
+func initToPB(in *Init) *agentpb.Init {
+	p := &agentpb.Init{Hostname: in.Hostname, Env: in.Env, Workdir: in.Workdir, User: in.User}
+	if r := in.Resources; r != nil {
+		p.Resources = &agentpb.Resources{MilliCpu: r.MilliCPU, MemoryBytes: r.MemoryBytes, Pids: r.Pids, DiskBytes: r.DiskBytes}
+	}
+	for i := range in.Layers {
+		p.Layers = append(p.Layers, sourceToPB(&in.Layers[i]))
+	}
+	if w := in.Writable; w != nil {
+		p.Writable = &agentpb.Writable{Upper: w.Upper, Work: w.Work}
+		if w.Source != nil {
+			p.Writable.Source = sourceToPB(w.Source)
+		}
+	}
+	if c := in.Container; c != nil {
+		p.Container = &agentpb.ContainerInit{Rootfs: c.Rootfs, UserNs: c.UserNS, Seccomp: c.Seccomp, Caps: c.Caps,
+			NoLockdown: c.NoLockdown, UserTasks: c.UserTasks, UserCgroupDir: c.UserCgroupDir,
+			UserMoreTasks: c.UserMoreTasks, CgroupFiles: c.CgroupFiles}
+	}
+	return p
+}
+
+// sourceToPB maps an empty Path to no member, as the hand codec writes it.
+func sourceToPB(s *Source) *agentpb.Source {
+	p := &agentpb.Source{Fstype: s.FSType}
+	switch {
+	case s.Path != "":
+		p.Kind = &agentpb.Source_Path{Path: s.Path}
+	case s.Block != nil:
+		p.Kind = &agentpb.Source_Block{Block: &agentpb.BlockDevice{Serial: s.Block.Serial}}
+	case s.Pmem != nil:
+		p.Kind = &agentpb.Source_Pmem{Pmem: &agentpb.PmemDevice{Index: s.Pmem.Index, Dax: s.Pmem.DAX}}
+	}
+	return p
+}
+
+func initFromPB(p *agentpb.Init) *Init {
+	in := &Init{Hostname: p.GetHostname(), Env: p.GetEnv(), Workdir: p.GetWorkdir(), User: p.GetUser()}
+	if r := p.GetResources(); r != nil {
+		in.Resources = &Resources{MilliCPU: r.GetMilliCpu(), MemoryBytes: r.GetMemoryBytes(), Pids: r.GetPids(), DiskBytes: r.GetDiskBytes()}
+	}
+	for _, l := range p.GetLayers() {
+		in.Layers = append(in.Layers, *sourceFromPB(l))
+	}
+	if w := p.GetWritable(); w != nil {
+		in.Writable = &Writable{Upper: w.GetUpper(), Work: w.GetWork()}
+		if s := w.GetSource(); s != nil {
+			in.Writable.Source = sourceFromPB(s)
+		}
+	}
+	if c := p.GetContainer(); c != nil {
+		in.Container = &ContainerInit{Rootfs: c.GetRootfs(), UserNS: c.GetUserNs(), Seccomp: c.GetSeccomp(), Caps: c.GetCaps(),
+			NoLockdown: c.GetNoLockdown(), UserTasks: c.GetUserTasks(), UserCgroupDir: c.GetUserCgroupDir(),
+			UserMoreTasks: c.GetUserMoreTasks(), CgroupFiles: c.GetCgroupFiles()}
+	}
+	return in
+}
+
+func sourceFromPB(p *agentpb.Source) *Source {
+	s := &Source{Path: p.GetPath(), FSType: p.GetFstype()}
+	if d := p.GetBlock(); d != nil {
+		s.Block = &BlockDevice{Serial: d.GetSerial()}
+	}
+	if d := p.GetPmem(); d != nil {
+		s.Pmem = &PmemDevice{Index: d.GetIndex(), DAX: d.GetDax()}
+	}
+	return s
+}
+
+// randInit returns an Init with random fields, nested messages present or
+// not, every kind of Source.
+func randInit(r *rand.Rand, u64 func() uint64, b func() bool, str func() string, strs func() []string) *Init {
+	src := func() Source {
+		s := Source{FSType: str()}
+		switch r.IntN(4) {
+		case 0:
+			s.Path = str()
+		case 1:
+			s.Block = &BlockDevice{Serial: str()}
+		case 2:
+			s.Pmem = &PmemDevice{Index: uint32(u64()), DAX: b()}
+		}
+		return s
+	}
+	in := &Init{Hostname: str(), Env: strs(), Workdir: str(), User: str()}
+	if b() {
+		in.Resources = &Resources{MilliCPU: int64(u64()), MemoryBytes: int64(u64()), Pids: int64(u64()), DiskBytes: int64(u64())}
+	}
+	for range r.IntN(4) {
+		in.Layers = append(in.Layers, src())
+	}
+	if b() {
+		in.Writable = &Writable{Upper: str(), Work: str()}
+		if b() {
+			s := src()
+			in.Writable.Source = &s
+		}
+	}
+	if b() {
+		c := &ContainerInit{Rootfs: str(), UserNS: b(), Caps: u64(), NoLockdown: b(), UserTasks: str(),
+			UserCgroupDir: str(), UserMoreTasks: strs(), CgroupFiles: strs()}
+		if b() {
+			c.Seccomp = []byte(str())
+		}
+		in.Container = c
+	}
+	return in
 }

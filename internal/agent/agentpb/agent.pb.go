@@ -307,6 +307,7 @@ type Request struct {
 	//	*Request_PutArchive
 	//	*Request_GetArchive
 	//	*Request_Ping
+	//	*Request_Init
 	Op            isRequest_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -403,6 +404,15 @@ func (x *Request) GetPing() *PingRequest {
 	return nil
 }
 
+func (x *Request) GetInit() *Init {
+	if x != nil {
+		if x, ok := x.Op.(*Request_Init); ok {
+			return x.Init
+		}
+	}
+	return nil
+}
+
 type isRequest_Op interface {
 	isRequest_Op()
 }
@@ -431,6 +441,10 @@ type Request_Ping struct {
 	Ping *PingRequest `protobuf:"bytes,6,opt,name=ping,proto3,oneof"`
 }
 
+type Request_Init struct {
+	Init *Init `protobuf:"bytes,7,opt,name=init,proto3,oneof"`
+}
+
 func (*Request_Exec) isRequest_Op() {}
 
 func (*Request_WriteFile) isRequest_Op() {}
@@ -442,6 +456,8 @@ func (*Request_PutArchive) isRequest_Op() {}
 func (*Request_GetArchive) isRequest_Op() {}
 
 func (*Request_Ping) isRequest_Op() {}
+
+func (*Request_Init) isRequest_Op() {}
 
 type Data struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -591,6 +607,7 @@ type Response struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Error         *Error                 `protobuf:"bytes,1,opt,name=error,proto3" json:"error,omitempty"`
 	Exec          *ExecResult            `protobuf:"bytes,2,opt,name=exec,proto3" json:"exec,omitempty"`
+	Init          *InitResult            `protobuf:"bytes,3,opt,name=init,proto3" json:"init,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -635,6 +652,13 @@ func (x *Response) GetError() *Error {
 func (x *Response) GetExec() *ExecResult {
 	if x != nil {
 		return x.Exec
+	}
+	return nil
+}
+
+func (x *Response) GetInit() *InitResult {
+	if x != nil {
+		return x.Init
 	}
 	return nil
 }
@@ -1135,6 +1159,697 @@ func (*PingRequest) Descriptor() ([]byte, []int) {
 	return file_agent_proto_rawDescGZIP(), []int{13}
 }
 
+// Init is the first request on a new sandbox's channel, and only the first:
+// what the agent sets up before it serves anything else (the sandbox's root
+// file system, its hostname, the exec defaults, its lockdown). The agent
+// answers with a Response whose init is set, or whose error says why the
+// sandbox could not be built; it then exits.
+//
+// The first part is backend-neutral: a VM guest's init reads the same
+// fields as a container's. The backend's own part follows (container).
+type Init struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Hostname string                 `protobuf:"bytes,1,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	// env, workdir and user are the defaults of every exec (the image's
+	// config): request env entries override env by key. The container
+	// backend leaves them empty and sends its spec's with each request, since
+	// a rebase changes them under a running agent.
+	Env     []string `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
+	Workdir string   `protobuf:"bytes,3,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	User    string   `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// resources are the sandbox's limits as the guest should know them (a VM
+	// guest sizes itself and limits its own processes by them; a container's
+	// are enforced from the host).
+	Resources *Resources `protobuf:"bytes,5,opt,name=resources,proto3" json:"resources,omitempty"`
+	// layers are the read-only layers, top first (overlay lowerdir order).
+	Layers []*Source `protobuf:"bytes,6,rep,name=layers,proto3" json:"layers,omitempty"`
+	// writable is the sandbox's writable layer (overlay upper and work).
+	Writable      *Writable      `protobuf:"bytes,7,opt,name=writable,proto3" json:"writable,omitempty"`
+	Container     *ContainerInit `protobuf:"bytes,8,opt,name=container,proto3" json:"container,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Init) Reset() {
+	*x = Init{}
+	mi := &file_agent_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Init) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Init) ProtoMessage() {}
+
+func (x *Init) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Init.ProtoReflect.Descriptor instead.
+func (*Init) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *Init) GetHostname() string {
+	if x != nil {
+		return x.Hostname
+	}
+	return ""
+}
+
+func (x *Init) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *Init) GetWorkdir() string {
+	if x != nil {
+		return x.Workdir
+	}
+	return ""
+}
+
+func (x *Init) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *Init) GetResources() *Resources {
+	if x != nil {
+		return x.Resources
+	}
+	return nil
+}
+
+func (x *Init) GetLayers() []*Source {
+	if x != nil {
+		return x.Layers
+	}
+	return nil
+}
+
+func (x *Init) GetWritable() *Writable {
+	if x != nil {
+		return x.Writable
+	}
+	return nil
+}
+
+func (x *Init) GetContainer() *ContainerInit {
+	if x != nil {
+		return x.Container
+	}
+	return nil
+}
+
+type Resources struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	MilliCpu      int64                  `protobuf:"varint,1,opt,name=milli_cpu,json=milliCpu,proto3" json:"milli_cpu,omitempty"`
+	MemoryBytes   int64                  `protobuf:"varint,2,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Pids          int64                  `protobuf:"varint,3,opt,name=pids,proto3" json:"pids,omitempty"`
+	DiskBytes     int64                  `protobuf:"varint,4,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Resources) Reset() {
+	*x = Resources{}
+	mi := &file_agent_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Resources) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Resources) ProtoMessage() {}
+
+func (x *Resources) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Resources.ProtoReflect.Descriptor instead.
+func (*Resources) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *Resources) GetMilliCpu() int64 {
+	if x != nil {
+		return x.MilliCpu
+	}
+	return 0
+}
+
+func (x *Resources) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *Resources) GetPids() int64 {
+	if x != nil {
+		return x.Pids
+	}
+	return 0
+}
+
+func (x *Resources) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
+// Source is where a file system comes from, as the agent sees it at init.
+type Source struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*Source_Path
+	//	*Source_Block
+	//	*Source_Pmem
+	Kind isSource_Kind `protobuf_oneof:"kind"`
+	// fstype is the file system on a device ("erofs" for layers, "ext4" for
+	// a writable disk); a path needs none.
+	Fstype        string `protobuf:"bytes,4,opt,name=fstype,proto3" json:"fstype,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Source) Reset() {
+	*x = Source{}
+	mi := &file_agent_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Source) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Source) ProtoMessage() {}
+
+func (x *Source) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Source.ProtoReflect.Descriptor instead.
+func (*Source) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *Source) GetKind() isSource_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *Source) GetPath() string {
+	if x != nil {
+		if x, ok := x.Kind.(*Source_Path); ok {
+			return x.Path
+		}
+	}
+	return ""
+}
+
+func (x *Source) GetBlock() *BlockDevice {
+	if x != nil {
+		if x, ok := x.Kind.(*Source_Block); ok {
+			return x.Block
+		}
+	}
+	return nil
+}
+
+func (x *Source) GetPmem() *PmemDevice {
+	if x != nil {
+		if x, ok := x.Kind.(*Source_Pmem); ok {
+			return x.Pmem
+		}
+	}
+	return nil
+}
+
+func (x *Source) GetFstype() string {
+	if x != nil {
+		return x.Fstype
+	}
+	return ""
+}
+
+type isSource_Kind interface {
+	isSource_Kind()
+}
+
+type Source_Path struct {
+	// path is a directory already in the agent's view: the container
+	// backend's layers are mounted once on the host and seen by the agent
+	// before it pivots into the sandbox's root.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3,oneof"`
+}
+
+type Source_Block struct {
+	// block is a disk of a VM guest (virtio-blk).
+	Block *BlockDevice `protobuf:"bytes,2,opt,name=block,proto3,oneof"`
+}
+
+type Source_Pmem struct {
+	// pmem is a persistent-memory device of a VM guest (virtio-pmem).
+	Pmem *PmemDevice `protobuf:"bytes,3,opt,name=pmem,proto3,oneof"`
+}
+
+func (*Source_Path) isSource_Kind() {}
+
+func (*Source_Block) isSource_Kind() {}
+
+func (*Source_Pmem) isSource_Kind() {}
+
+// BlockDevice names a virtio-blk disk by its serial (virtio-blk-*,serial=),
+// which the guest reads from /sys/block/*/serial: unlike vda, vdb... it does
+// not depend on the order the devices were probed in.
+type BlockDevice struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Serial        string                 `protobuf:"bytes,1,opt,name=serial,proto3" json:"serial,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockDevice) Reset() {
+	*x = BlockDevice{}
+	mi := &file_agent_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockDevice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockDevice) ProtoMessage() {}
+
+func (x *BlockDevice) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockDevice.ProtoReflect.Descriptor instead.
+func (*BlockDevice) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *BlockDevice) GetSerial() string {
+	if x != nil {
+		return x.Serial
+	}
+	return ""
+}
+
+// PmemDevice names a virtio-pmem device: the guest's /dev/pmem<index>, in
+// the order the devices are given to the VM.
+type PmemDevice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Index uint32                 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// dax mounts the file system with dax=always: reads go straight to the
+	// host's page cache, shared by every guest of the same layer.
+	Dax           bool `protobuf:"varint,2,opt,name=dax,proto3" json:"dax,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PmemDevice) Reset() {
+	*x = PmemDevice{}
+	mi := &file_agent_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PmemDevice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PmemDevice) ProtoMessage() {}
+
+func (x *PmemDevice) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PmemDevice.ProtoReflect.Descriptor instead.
+func (*PmemDevice) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *PmemDevice) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *PmemDevice) GetDax() bool {
+	if x != nil {
+		return x.Dax
+	}
+	return false
+}
+
+// Writable is the sandbox's writable layer: a file system (source) holding
+// the overlay's upper and work directories, named relative to its root (the
+// guest makes them on a fresh disk).
+type Writable struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Source        *Source                `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	Upper         string                 `protobuf:"bytes,2,opt,name=upper,proto3" json:"upper,omitempty"`
+	Work          string                 `protobuf:"bytes,3,opt,name=work,proto3" json:"work,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Writable) Reset() {
+	*x = Writable{}
+	mi := &file_agent_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Writable) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Writable) ProtoMessage() {}
+
+func (x *Writable) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Writable.ProtoReflect.Descriptor instead.
+func (*Writable) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *Writable) GetSource() *Source {
+	if x != nil {
+		return x.Source
+	}
+	return nil
+}
+
+func (x *Writable) GetUpper() string {
+	if x != nil {
+		return x.Upper
+	}
+	return ""
+}
+
+func (x *Writable) GetWork() string {
+	if x != nil {
+		return x.Work
+	}
+	return ""
+}
+
+// ContainerInit is what the container backend's init (sandboxinit) needs
+// beyond the neutral part. Paths are the host's, resolved before the agent
+// pivots into the sandbox's root.
+type ContainerInit struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// rootfs is an empty directory where the overlay is mounted inside the
+	// sandbox's mount namespace before pivot_root.
+	Rootfs string `protobuf:"bytes,1,opt,name=rootfs,proto3" json:"rootfs,omitempty"`
+	// user_ns: the sandbox has its own user namespace, so device nodes are
+	// bind-mounted from the host instead of created.
+	UserNs bool `protobuf:"varint,2,opt,name=user_ns,json=userNs,proto3" json:"user_ns,omitempty"`
+	// seccomp is a compiled classic-BPF program (8 bytes per instruction)
+	// installed on every thread; empty means none.
+	Seccomp []byte `protobuf:"bytes,3,opt,name=seccomp,proto3" json:"seccomp,omitempty"`
+	// caps is the capability set kept, bit c for capability c.
+	Caps uint64 `protobuf:"varint,4,opt,name=caps,proto3" json:"caps,omitempty"`
+	// no_lockdown skips capabilities, no_new_privs and seccomp (tests only).
+	NoLockdown bool `protobuf:"varint,5,opt,name=no_lockdown,json=noLockdown,proto3" json:"no_lockdown,omitempty"`
+	// User processes are born in a child cgroup whose pids limit excludes
+	// the agent: on cgroup v1 the spawner thread joins user_tasks and
+	// user_more_tasks (the user cgroups of the other hierarchies); on v2 it
+	// forks with CLONE_INTO_CGROUP into user_cgroup_dir.
+	UserTasks     string   `protobuf:"bytes,6,opt,name=user_tasks,json=userTasks,proto3" json:"user_tasks,omitempty"`
+	UserCgroupDir string   `protobuf:"bytes,7,opt,name=user_cgroup_dir,json=userCgroupDir,proto3" json:"user_cgroup_dir,omitempty"`
+	UserMoreTasks []string `protobuf:"bytes,8,rep,name=user_more_tasks,json=userMoreTasks,proto3" json:"user_more_tasks,omitempty"`
+	// cgroup_files are files of the user cgroup the agent opens read-only
+	// and keeps open for the edge to read through (cgroup_fds).
+	CgroupFiles   []string `protobuf:"bytes,9,rep,name=cgroup_files,json=cgroupFiles,proto3" json:"cgroup_files,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ContainerInit) Reset() {
+	*x = ContainerInit{}
+	mi := &file_agent_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ContainerInit) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ContainerInit) ProtoMessage() {}
+
+func (x *ContainerInit) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ContainerInit.ProtoReflect.Descriptor instead.
+func (*ContainerInit) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *ContainerInit) GetRootfs() string {
+	if x != nil {
+		return x.Rootfs
+	}
+	return ""
+}
+
+func (x *ContainerInit) GetUserNs() bool {
+	if x != nil {
+		return x.UserNs
+	}
+	return false
+}
+
+func (x *ContainerInit) GetSeccomp() []byte {
+	if x != nil {
+		return x.Seccomp
+	}
+	return nil
+}
+
+func (x *ContainerInit) GetCaps() uint64 {
+	if x != nil {
+		return x.Caps
+	}
+	return 0
+}
+
+func (x *ContainerInit) GetNoLockdown() bool {
+	if x != nil {
+		return x.NoLockdown
+	}
+	return false
+}
+
+func (x *ContainerInit) GetUserTasks() string {
+	if x != nil {
+		return x.UserTasks
+	}
+	return ""
+}
+
+func (x *ContainerInit) GetUserCgroupDir() string {
+	if x != nil {
+		return x.UserCgroupDir
+	}
+	return ""
+}
+
+func (x *ContainerInit) GetUserMoreTasks() []string {
+	if x != nil {
+		return x.UserMoreTasks
+	}
+	return nil
+}
+
+func (x *ContainerInit) GetCgroupFiles() []string {
+	if x != nil {
+		return x.CgroupFiles
+	}
+	return nil
+}
+
+// InitResult is a successful Init's outcome.
+type InitResult struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Container     *ContainerInitResult   `protobuf:"bytes,1,opt,name=container,proto3" json:"container,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InitResult) Reset() {
+	*x = InitResult{}
+	mi := &file_agent_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InitResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InitResult) ProtoMessage() {}
+
+func (x *InitResult) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InitResult.ProtoReflect.Descriptor instead.
+func (*InitResult) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *InitResult) GetContainer() *ContainerInitResult {
+	if x != nil {
+		return x.Container
+	}
+	return nil
+}
+
+type ContainerInitResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// mqueue_fd is the agent's descriptor of a detached mount of the
+	// sandbox's POSIX message queue file system; 0 if it has none.
+	MqueueFd int32 `protobuf:"varint,1,opt,name=mqueue_fd,json=mqueueFd,proto3" json:"mqueue_fd,omitempty"`
+	// cgroup_fds are the agent's descriptors of ContainerInit.cgroup_files,
+	// in their order (0: one it could not open).
+	CgroupFds     []int32 `protobuf:"varint,2,rep,packed,name=cgroup_fds,json=cgroupFds,proto3" json:"cgroup_fds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ContainerInitResult) Reset() {
+	*x = ContainerInitResult{}
+	mi := &file_agent_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ContainerInitResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ContainerInitResult) ProtoMessage() {}
+
+func (x *ContainerInitResult) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ContainerInitResult.ProtoReflect.Descriptor instead.
+func (*ContainerInitResult) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ContainerInitResult) GetMqueueFd() int32 {
+	if x != nil {
+		return x.MqueueFd
+	}
+	return 0
+}
+
+func (x *ContainerInitResult) GetCgroupFds() []int32 {
+	if x != nil {
+		return x.CgroupFds
+	}
+	return nil
+}
+
 var File_agent_proto protoreflect.FileDescriptor
 
 const file_agent_proto_rawDesc = "" +
@@ -1147,7 +1862,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x06window\x18\x04 \x01(\v2\x1b.dsec.agent.v1.WindowUpdateH\x00R\x06window\x12/\n" +
 	"\x06cancel\x18\x05 \x01(\v2\x15.dsec.agent.v1.CancelH\x00R\x06cancel\x125\n" +
 	"\bresponse\x18\x06 \x01(\v2\x17.dsec.agent.v1.ResponseH\x00R\bresponseB\x05\n" +
-	"\x03msg\"\xfe\x02\n" +
+	"\x03msg\"\xa9\x03\n" +
 	"\aRequest\x120\n" +
 	"\x04exec\x18\x01 \x01(\v2\x1a.dsec.agent.v1.ExecRequestH\x00R\x04exec\x12@\n" +
 	"\n" +
@@ -1157,7 +1872,8 @@ const file_agent_proto_rawDesc = "" +
 	"putArchive\x12C\n" +
 	"\vget_archive\x18\x05 \x01(\v2 .dsec.agent.v1.GetArchiveRequestH\x00R\n" +
 	"getArchive\x120\n" +
-	"\x04ping\x18\x06 \x01(\v2\x1a.dsec.agent.v1.PingRequestH\x00R\x04pingB\x04\n" +
+	"\x04ping\x18\x06 \x01(\v2\x1a.dsec.agent.v1.PingRequestH\x00R\x04ping\x12)\n" +
+	"\x04init\x18\a \x01(\v2\x13.dsec.agent.v1.InitH\x00R\x04initB\x04\n" +
 	"\x02op\"`\n" +
 	"\x04Data\x120\n" +
 	"\achannel\x18\x01 \x01(\x0e2\x16.dsec.agent.v1.ChannelR\achannel\x12\x14\n" +
@@ -1165,10 +1881,11 @@ const file_agent_proto_rawDesc = "" +
 	"\x03eof\x18\x03 \x01(\bR\x03eof\"$\n" +
 	"\fWindowUpdate\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\rR\x05bytes\"\b\n" +
-	"\x06Cancel\"e\n" +
+	"\x06Cancel\"\x94\x01\n" +
 	"\bResponse\x12*\n" +
 	"\x05error\x18\x01 \x01(\v2\x14.dsec.agent.v1.ErrorR\x05error\x12-\n" +
-	"\x04exec\x18\x02 \x01(\v2\x19.dsec.agent.v1.ExecResultR\x04exec\"J\n" +
+	"\x04exec\x18\x02 \x01(\v2\x19.dsec.agent.v1.ExecResultR\x04exec\x12-\n" +
+	"\x04init\x18\x03 \x01(\v2\x19.dsec.agent.v1.InitResultR\x04init\"J\n" +
 	"\x05Error\x12'\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x13.dsec.agent.v1.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\"\x80\x02\n" +
@@ -1201,7 +1918,57 @@ const file_agent_proto_rawDesc = "" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"%\n" +
 	"\x11GetArchiveRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"\r\n" +
-	"\vPingRequest*C\n" +
+	"\vPingRequest\"\xba\x02\n" +
+	"\x04Init\x12\x1a\n" +
+	"\bhostname\x18\x01 \x01(\tR\bhostname\x12\x10\n" +
+	"\x03env\x18\x02 \x03(\tR\x03env\x12\x18\n" +
+	"\aworkdir\x18\x03 \x01(\tR\aworkdir\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x126\n" +
+	"\tresources\x18\x05 \x01(\v2\x18.dsec.agent.v1.ResourcesR\tresources\x12-\n" +
+	"\x06layers\x18\x06 \x03(\v2\x15.dsec.agent.v1.SourceR\x06layers\x123\n" +
+	"\bwritable\x18\a \x01(\v2\x17.dsec.agent.v1.WritableR\bwritable\x12:\n" +
+	"\tcontainer\x18\b \x01(\v2\x1c.dsec.agent.v1.ContainerInitR\tcontainer\"~\n" +
+	"\tResources\x12\x1b\n" +
+	"\tmilli_cpu\x18\x01 \x01(\x03R\bmilliCpu\x12!\n" +
+	"\fmemory_bytes\x18\x02 \x01(\x03R\vmemoryBytes\x12\x12\n" +
+	"\x04pids\x18\x03 \x01(\x03R\x04pids\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x04 \x01(\x03R\tdiskBytes\"\xa3\x01\n" +
+	"\x06Source\x12\x14\n" +
+	"\x04path\x18\x01 \x01(\tH\x00R\x04path\x122\n" +
+	"\x05block\x18\x02 \x01(\v2\x1a.dsec.agent.v1.BlockDeviceH\x00R\x05block\x12/\n" +
+	"\x04pmem\x18\x03 \x01(\v2\x19.dsec.agent.v1.PmemDeviceH\x00R\x04pmem\x12\x16\n" +
+	"\x06fstype\x18\x04 \x01(\tR\x06fstypeB\x06\n" +
+	"\x04kind\"%\n" +
+	"\vBlockDevice\x12\x16\n" +
+	"\x06serial\x18\x01 \x01(\tR\x06serial\"4\n" +
+	"\n" +
+	"PmemDevice\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\rR\x05index\x12\x10\n" +
+	"\x03dax\x18\x02 \x01(\bR\x03dax\"c\n" +
+	"\bWritable\x12-\n" +
+	"\x06source\x18\x01 \x01(\v2\x15.dsec.agent.v1.SourceR\x06source\x12\x14\n" +
+	"\x05upper\x18\x02 \x01(\tR\x05upper\x12\x12\n" +
+	"\x04work\x18\x03 \x01(\tR\x04work\"\xa1\x02\n" +
+	"\rContainerInit\x12\x16\n" +
+	"\x06rootfs\x18\x01 \x01(\tR\x06rootfs\x12\x17\n" +
+	"\auser_ns\x18\x02 \x01(\bR\x06userNs\x12\x18\n" +
+	"\aseccomp\x18\x03 \x01(\fR\aseccomp\x12\x12\n" +
+	"\x04caps\x18\x04 \x01(\x04R\x04caps\x12\x1f\n" +
+	"\vno_lockdown\x18\x05 \x01(\bR\n" +
+	"noLockdown\x12\x1d\n" +
+	"\n" +
+	"user_tasks\x18\x06 \x01(\tR\tuserTasks\x12&\n" +
+	"\x0fuser_cgroup_dir\x18\a \x01(\tR\ruserCgroupDir\x12&\n" +
+	"\x0fuser_more_tasks\x18\b \x03(\tR\ruserMoreTasks\x12!\n" +
+	"\fcgroup_files\x18\t \x03(\tR\vcgroupFiles\"N\n" +
+	"\n" +
+	"InitResult\x12@\n" +
+	"\tcontainer\x18\x01 \x01(\v2\".dsec.agent.v1.ContainerInitResultR\tcontainer\"Q\n" +
+	"\x13ContainerInitResult\x12\x1b\n" +
+	"\tmqueue_fd\x18\x01 \x01(\x05R\bmqueueFd\x12\x1d\n" +
+	"\n" +
+	"cgroup_fds\x18\x02 \x03(\x05R\tcgroupFds*C\n" +
 	"\aChannel\x12\x10\n" +
 	"\fCHANNEL_BODY\x10\x00\x12\x12\n" +
 	"\x0eCHANNEL_STDOUT\x10\x01\x12\x12\n" +
@@ -1231,24 +1998,33 @@ func file_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_agent_proto_goTypes = []any{
-	(Channel)(0),              // 0: dsec.agent.v1.Channel
-	(Code)(0),                 // 1: dsec.agent.v1.Code
-	(*Frame)(nil),             // 2: dsec.agent.v1.Frame
-	(*Request)(nil),           // 3: dsec.agent.v1.Request
-	(*Data)(nil),              // 4: dsec.agent.v1.Data
-	(*WindowUpdate)(nil),      // 5: dsec.agent.v1.WindowUpdate
-	(*Cancel)(nil),            // 6: dsec.agent.v1.Cancel
-	(*Response)(nil),          // 7: dsec.agent.v1.Response
-	(*Error)(nil),             // 8: dsec.agent.v1.Error
-	(*ExecRequest)(nil),       // 9: dsec.agent.v1.ExecRequest
-	(*ExecResult)(nil),        // 10: dsec.agent.v1.ExecResult
-	(*WriteFileRequest)(nil),  // 11: dsec.agent.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),   // 12: dsec.agent.v1.ReadFileRequest
-	(*PutArchiveRequest)(nil), // 13: dsec.agent.v1.PutArchiveRequest
-	(*GetArchiveRequest)(nil), // 14: dsec.agent.v1.GetArchiveRequest
-	(*PingRequest)(nil),       // 15: dsec.agent.v1.PingRequest
+	(Channel)(0),                // 0: dsec.agent.v1.Channel
+	(Code)(0),                   // 1: dsec.agent.v1.Code
+	(*Frame)(nil),               // 2: dsec.agent.v1.Frame
+	(*Request)(nil),             // 3: dsec.agent.v1.Request
+	(*Data)(nil),                // 4: dsec.agent.v1.Data
+	(*WindowUpdate)(nil),        // 5: dsec.agent.v1.WindowUpdate
+	(*Cancel)(nil),              // 6: dsec.agent.v1.Cancel
+	(*Response)(nil),            // 7: dsec.agent.v1.Response
+	(*Error)(nil),               // 8: dsec.agent.v1.Error
+	(*ExecRequest)(nil),         // 9: dsec.agent.v1.ExecRequest
+	(*ExecResult)(nil),          // 10: dsec.agent.v1.ExecResult
+	(*WriteFileRequest)(nil),    // 11: dsec.agent.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),     // 12: dsec.agent.v1.ReadFileRequest
+	(*PutArchiveRequest)(nil),   // 13: dsec.agent.v1.PutArchiveRequest
+	(*GetArchiveRequest)(nil),   // 14: dsec.agent.v1.GetArchiveRequest
+	(*PingRequest)(nil),         // 15: dsec.agent.v1.PingRequest
+	(*Init)(nil),                // 16: dsec.agent.v1.Init
+	(*Resources)(nil),           // 17: dsec.agent.v1.Resources
+	(*Source)(nil),              // 18: dsec.agent.v1.Source
+	(*BlockDevice)(nil),         // 19: dsec.agent.v1.BlockDevice
+	(*PmemDevice)(nil),          // 20: dsec.agent.v1.PmemDevice
+	(*Writable)(nil),            // 21: dsec.agent.v1.Writable
+	(*ContainerInit)(nil),       // 22: dsec.agent.v1.ContainerInit
+	(*InitResult)(nil),          // 23: dsec.agent.v1.InitResult
+	(*ContainerInitResult)(nil), // 24: dsec.agent.v1.ContainerInitResult
 }
 var file_agent_proto_depIdxs = []int32{
 	3,  // 0: dsec.agent.v1.Frame.request:type_name -> dsec.agent.v1.Request
@@ -1262,15 +2038,25 @@ var file_agent_proto_depIdxs = []int32{
 	13, // 8: dsec.agent.v1.Request.put_archive:type_name -> dsec.agent.v1.PutArchiveRequest
 	14, // 9: dsec.agent.v1.Request.get_archive:type_name -> dsec.agent.v1.GetArchiveRequest
 	15, // 10: dsec.agent.v1.Request.ping:type_name -> dsec.agent.v1.PingRequest
-	0,  // 11: dsec.agent.v1.Data.channel:type_name -> dsec.agent.v1.Channel
-	8,  // 12: dsec.agent.v1.Response.error:type_name -> dsec.agent.v1.Error
-	10, // 13: dsec.agent.v1.Response.exec:type_name -> dsec.agent.v1.ExecResult
-	1,  // 14: dsec.agent.v1.Error.code:type_name -> dsec.agent.v1.Code
-	15, // [15:15] is the sub-list for method output_type
-	15, // [15:15] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	16, // 11: dsec.agent.v1.Request.init:type_name -> dsec.agent.v1.Init
+	0,  // 12: dsec.agent.v1.Data.channel:type_name -> dsec.agent.v1.Channel
+	8,  // 13: dsec.agent.v1.Response.error:type_name -> dsec.agent.v1.Error
+	10, // 14: dsec.agent.v1.Response.exec:type_name -> dsec.agent.v1.ExecResult
+	23, // 15: dsec.agent.v1.Response.init:type_name -> dsec.agent.v1.InitResult
+	1,  // 16: dsec.agent.v1.Error.code:type_name -> dsec.agent.v1.Code
+	17, // 17: dsec.agent.v1.Init.resources:type_name -> dsec.agent.v1.Resources
+	18, // 18: dsec.agent.v1.Init.layers:type_name -> dsec.agent.v1.Source
+	21, // 19: dsec.agent.v1.Init.writable:type_name -> dsec.agent.v1.Writable
+	22, // 20: dsec.agent.v1.Init.container:type_name -> dsec.agent.v1.ContainerInit
+	19, // 21: dsec.agent.v1.Source.block:type_name -> dsec.agent.v1.BlockDevice
+	20, // 22: dsec.agent.v1.Source.pmem:type_name -> dsec.agent.v1.PmemDevice
+	18, // 23: dsec.agent.v1.Writable.source:type_name -> dsec.agent.v1.Source
+	24, // 24: dsec.agent.v1.InitResult.container:type_name -> dsec.agent.v1.ContainerInitResult
+	25, // [25:25] is the sub-list for method output_type
+	25, // [25:25] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -1292,6 +2078,12 @@ func file_agent_proto_init() {
 		(*Request_PutArchive)(nil),
 		(*Request_GetArchive)(nil),
 		(*Request_Ping)(nil),
+		(*Request_Init)(nil),
+	}
+	file_agent_proto_msgTypes[16].OneofWrappers = []any{
+		(*Source_Path)(nil),
+		(*Source_Block)(nil),
+		(*Source_Pmem)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1299,7 +2091,7 @@ func file_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   14,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -21,8 +21,8 @@ import (
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
+	"github.com/dsec-dev/dsec/internal/agent"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
-	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
 )
 
 // agentPids is the headroom of tasks the sandbox cgroup keeps for the
@@ -82,8 +82,8 @@ type cgroup interface {
 	// files are the user cgroup's files an exec and a Reset read.
 	files() *userFiles
 	// user fills in where the sandbox's user processes are born (see
-	// sandboxinit.Config.UserTasks).
-	user(cfg *sandboxinit.Config)
+	// agent.ContainerInit.UserTasks).
+	user(cfg *agent.ContainerInit)
 	// freeze stops every process of the cgroup (and below) and returns
 	// once they are all stopped; thaw resumes them.
 	freeze() error
@@ -177,7 +177,7 @@ type userEvents struct {
 }
 
 // The user cgroup's files an exec and a Reset read (userFiles), in the
-// order of Config.CgroupFiles.
+// order of agent.ContainerInit.CgroupFiles.
 const (
 	// fileOOM is memory.oom_control (v1) or memory.events (v2): its
 	// oom_kill count.
@@ -482,7 +482,7 @@ func writeAll(w []cgroupWrite) error {
 
 func (c *cgroupV1) userDir() string { return filepath.Join(cgroupRoot, "pids", c.group, "user") }
 
-func (c *cgroupV1) user(cfg *sandboxinit.Config) {
+func (c *cgroupV1) user(cfg *agent.ContainerInit) {
 	cfg.UserTasks = filepath.Join(cgroupRoot, "pids", c.group, "user", "tasks")
 	for _, ctrl := range v1UserMore {
 		cfg.UserMoreTasks = append(cfg.UserMoreTasks, filepath.Join(cgroupRoot, ctrl, c.group, "user", "tasks"))
@@ -804,7 +804,7 @@ func (c *cgroupV2) set(from *rt.Resources, to rt.Resources) error {
 
 func (c *cgroupV2) userDir() string { return filepath.Join(cgroupRoot, c.group, "user") }
 
-func (c *cgroupV2) user(cfg *sandboxinit.Config) {
+func (c *cgroupV2) user(cfg *agent.ContainerInit) {
 	cfg.UserCgroupDir = filepath.Join(cgroupRoot, c.group, "user")
 }
 

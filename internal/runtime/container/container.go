@@ -57,7 +57,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/audit/caps"
 	"github.com/dsec-dev/dsec/internal/audit/seccomp"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
-	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
+	"github.com/dsec-dev/dsec/internal/runtime/agentconv"
 	"github.com/dsec-dev/dsec/internal/runtime/container/scratchfs"
 	"github.com/dsec-dev/dsec/internal/swap"
 )
@@ -383,19 +383,13 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		lower[len(spec.Layers)-1-i] = d
 	}
 
-	cfg := sandboxinit.Config{
-		Lower:      lower,
-		Upper:      p.upper,
-		Work:       p.work,
-		Rootfs:     filepath.Join(p.dir, "rootfs"),
-		Hostname:   spec.Hostname,
-		Seccomp:    b.opts.Seccomp,
-		Caps:       b.opts.Caps,
-		NoLockdown: b.opts.Unconfined,
+	in, err := b.initFor(p, spec, lower)
+	if err != nil {
+		return nil, err
 	}
-	p.cg.user(&cfg)
-	cfg.CgroupFiles = p.cg.files().path[:]
-	reply, err := b.initSandbox(ctx, p.conn, &cfg, p.done)
+	client := agent.NewClient(p.conn)
+	undo = append(undo, func() { client.Close() })
+	res, err := b.initSandbox(ctx, client, in, p.done)
 	if err != nil {
 		return nil, err
 	}
@@ -408,12 +402,12 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		return nil, err
 	}
 	defer unix.Close(proc)
-	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: agent.NewClient(p.conn),
-		lower: lower, upper: cfg.Upper, work: cfg.Work, attrs: attrs, mqueue: -1,
-		agentMqueue: reply.MqueueFD, agentFiles: reply.CgroupFDs, res: spec.Resources, resKnown: true}
+	sb := &sandbox{b: b, id: spec.ID, spec: spec, agentProc: p, client: client,
+		lower: lower, upper: p.upper, work: p.work, attrs: attrs, mqueue: -1,
+		agentMqueue: int(res.MqueueFD), agentFiles: fds(res.CgroupFDs), res: spec.Resources, resKnown: true}
 	// Taken before anyone can use the sandbox: what a Reset that finds
 	// nothing changed keeps.
-	sb.pristine = sb.pristineOrNil(cfg.Upper, cfg.Work, proc)
+	sb.pristine = sb.pristineOrNil(p.upper, p.work, proc)
 	sb.qos.lastEnd.Store(time.Now().UnixNano())
 	sb.qos.cpuMark = -1
 	b.mu.Lock()
@@ -423,7 +417,7 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 }
 
 // agentProc is a dsec-agent started in fresh namespaces and its cgroup,
-// waiting for its sandbox config. Its directory and cgroup are named by a
+// waiting for its sandbox's Init. Its directory and cgroup are named by a
 // slot name of the backend's own, not by the sandbox ID, so that agents can
 // be started before anyone asks for a sandbox.
 type agentProc struct {
@@ -673,25 +667,60 @@ func (b *Backend) Close() error {
 	return nil
 }
 
-// initSandbox sends the config and waits for the agent's reply, bounded by
-// the context, the init timeout and the agent's death.
-func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxinit.Config, done <-chan struct{}) (*sandboxinit.Reply, error) {
-	deadline := time.Now().Add(b.opts.InitTimeout)
-	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
-		deadline = d
+// initFor is the Init that sets p up as spec's sandbox over the layer
+// directories lower (top first). The exec defaults stay out of it: a
+// rebase changes them under a running agent, so each exec carries the
+// spec's (sandbox.exec).
+func (b *Backend) initFor(p *agentProc, spec rt.Spec, lower []string) (*agent.Init, error) {
+	// The overlay's directories are named relative to one writable
+	// directory, as a VM guest's are relative to its disk.
+	wdir := filepath.Dir(p.upper)
+	if filepath.Dir(p.work) != wdir {
+		return nil, fmt.Errorf("overlay upper %s and work %s are not in one directory", p.upper, p.work)
 	}
-	conn.SetDeadline(deadline)
-	defer conn.SetDeadline(time.Time{})
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
-	defer stop()
-	if err := sandboxinit.WriteMessage(conn, cfg); err != nil {
-		if ctx.Err() == nil && errors.Is(err, os.ErrDeadlineExceeded) {
-			return nil, fmt.Errorf("%w: sandbox setup took longer than %v: send sandbox config: %v", rt.ErrBusy, b.opts.InitTimeout, err)
+	in := &agent.Init{
+		Hostname: spec.Hostname,
+		Resources: &agent.Resources{MilliCPU: spec.Resources.MilliCPU, MemoryBytes: spec.Resources.MemoryBytes,
+			Pids: spec.Resources.Pids, DiskBytes: spec.Resources.DiskBytes},
+		Layers: make([]agent.Source, len(lower)),
+		Writable: &agent.Writable{Source: &agent.Source{Path: wdir},
+			Upper: filepath.Base(p.upper), Work: filepath.Base(p.work)},
+		Container: &agent.ContainerInit{
+			Rootfs:      filepath.Join(p.dir, "rootfs"),
+			Seccomp:     b.opts.Seccomp,
+			Caps:        uint64(caps.Of(b.opts.Caps...)),
+			NoLockdown:  b.opts.Unconfined,
+			CgroupFiles: p.cg.files().path[:],
+		},
+	}
+	for i, l := range lower {
+		in.Layers[i].Path = l
+	}
+	p.cg.user(in.Container)
+	return in, nil
+}
+
+// fds converts the agent's descriptor numbers.
+func fds(in []int32) []int {
+	out := make([]int, len(in))
+	for i, fd := range in {
+		out[i] = int(fd)
+	}
+	return out
+}
+
+// initSandbox sends the sandbox's Init and waits for the agent's answer,
+// bounded by the context, the init timeout and the agent's death. It
+// returns the container part of the answer.
+func (b *Backend) initSandbox(ctx context.Context, client *agent.Client, in *agent.Init, done <-chan struct{}) (*agent.ContainerInitResult, error) {
+	ictx, cancel := context.WithTimeout(ctx, b.opts.InitTimeout)
+	defer cancel()
+	res, err := client.Init(ictx, in)
+	if err != nil {
+		var ae *agent.Error
+		if errors.As(err, &ae) {
+			return nil, fmt.Errorf("sandbox setup: %s", ae.Message)
 		}
-		return nil, fmt.Errorf("send sandbox config: %w", err)
-	}
-	var reply sandboxinit.Reply
-	if err := sandboxinit.ReadMessage(conn, &reply); err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
@@ -700,15 +729,15 @@ func (b *Backend) initSandbox(ctx context.Context, conn net.Conn, cfg *sandboxin
 			return nil, fmt.Errorf("dsec-agent exited during sandbox setup: %w", err)
 		default:
 		}
-		if errors.Is(err, os.ErrDeadlineExceeded) {
+		if ictx.Err() != nil {
 			return nil, fmt.Errorf("%w: sandbox setup took longer than %v: %v", rt.ErrBusy, b.opts.InitTimeout, err)
 		}
 		return nil, fmt.Errorf("sandbox setup: %w", err)
 	}
-	if reply.Error != "" {
-		return nil, fmt.Errorf("sandbox setup: %s", reply.Error)
+	if res.Container == nil {
+		return nil, errors.New("sandbox setup: the agent's answer has no container part")
 	}
-	return &reply, nil
+	return res.Container, nil
 }
 
 // cleanStale removes sandboxes a previous process left behind: their
@@ -773,14 +802,14 @@ type sandbox struct {
 	// preparing the next); Destroy waits for it.
 	bg sync.WaitGroup
 	// agentMqueue is the agent's descriptor of a detached mount of the
-	// sandbox's mqueue file system (sandboxinit.Reply.MqueueFD), which
+	// sandbox's mqueue file system (agent.ContainerInitResult.MqueueFD), which
 	// Reset looks through (clearAgentMqueues); 0 if it has none. Then
 	// mqueue is the edge's own such mount (-1 until the first Reset makes
 	// it); only Reset uses them.
 	agentMqueue int
 	mqueue      int
 	// agentFiles are the agent's descriptors of the user cgroup's files
-	// (userFiles, sandboxinit.Reply.CgroupFDs), which openUserFile
+	// (userFiles, agent.ContainerInitResult.CgroupFDs), which openUserFile
 	// borrows.
 	agentFiles []int
 	// rf is what Reset learnt about the sandbox (under resetMu).
@@ -847,7 +876,9 @@ func (s *sandbox) exec(ctx context.Context, req rt.ExecRequest, events bool, out
 	if events {
 		before, evErr = s.cg.files().execStart(s.openUserFile)
 	}
-	res, err := s.client.Exec(ctx, req, out)
+	ares, err := s.client.Exec(ctx, agentconv.ExecRequest(req), agentconv.Output(out))
+	res := agentconv.ExecResult(ares)
+	err = agentconv.Err(err)
 	if events {
 		after, afterErr := s.cg.files().execEnd(s.openUserFile, err == nil && evErr == nil)
 		if err == nil && evErr == nil && afterErr == nil {
@@ -918,26 +949,26 @@ func (s *sandbox) UpperDir() string {
 func (s *sandbox) WriteFile(ctx context.Context, path string, data []byte, mode uint32) error {
 	s.begin()
 	defer s.end()
-	return s.gone(s.client.WriteFile(ctx, path, data, mode))
+	return s.gone(agentconv.Err(s.client.WriteFile(ctx, path, data, mode)))
 }
 
 func (s *sandbox) ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error) {
 	s.begin()
 	defer s.end()
 	b, err := s.client.ReadFile(ctx, path, maxBytes)
-	return b, s.gone(err)
+	return b, s.gone(agentconv.Err(err))
 }
 
 func (s *sandbox) PutArchive(ctx context.Context, dir string, tar io.Reader) error {
 	s.begin()
 	defer s.end()
-	return s.gone(s.client.PutArchive(ctx, dir, tar))
+	return s.gone(agentconv.Err(s.client.PutArchive(ctx, dir, tar)))
 }
 
 func (s *sandbox) GetArchive(ctx context.Context, dir string, w io.Writer) error {
 	s.begin()
 	defer s.end()
-	return s.gone(s.client.GetArchive(ctx, dir, w))
+	return s.gone(agentconv.Err(s.client.GetArchive(ctx, dir, w)))
 }
 
 // Destroy kills PID 1, which makes the kernel kill every other process of

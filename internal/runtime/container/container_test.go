@@ -272,3 +272,24 @@ func TestSetupTooSlowIsBusy(t *testing.T) {
 		t.Fatalf("the refused create left %v", leaked)
 	}
 }
+
+// TestSetupFailsInAgent: a sandbox the agent cannot build (here a seccomp
+// program it cannot load, carried in the Init) fails the create with the
+// agent's own reason, is not taken for a busy node, and leaves nothing
+// behind.
+func TestSetupFailsInAgent(t *testing.T) {
+	e := newEnvRootfs(t, 0, testsuite.BusyboxRootfs(t), func(o *container.Options) { o.Seccomp = []byte{1, 2, 3} })
+	leaks := testsuite.HostLeaks(e.backend.CgroupDirs(), []string{e.backend.StateDir()})
+	before := leaks(t)
+	sb, err := e.backend.Create(context.Background(), e.newSpec())
+	if err == nil {
+		sb.Destroy(context.Background())
+		t.Fatal("a sandbox came up with a 3-byte seccomp program")
+	}
+	if errors.Is(err, rt.ErrBusy) || !strings.Contains(err.Error(), "sandbox setup:") || !strings.Contains(err.Error(), "program is 3 bytes") {
+		t.Fatalf("create: %v; want the agent's reason for the failed setup", err)
+	}
+	if leaked := leaks(t).Leaked(before); len(leaked) > 0 {
+		t.Fatalf("the failed create left %v", leaked)
+	}
+}

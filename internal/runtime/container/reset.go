@@ -768,7 +768,7 @@ const mqueueMagic = 0x19800202
 
 // clearAgentMqueues unlinks every POSIX message queue of the sandbox's IPC
 // namespace through the detached mqueue mount the agent made at its start
-// in that namespace and keeps open (sandboxinit.Reply.MqueueFD), reached
+// in that namespace and keeps open (agent.ContainerInitResult.MqueueFD), reached
 // through the agent's /proc/PID/fd (proc: openProc) instead of a
 // descriptor the edge would keep per sandbox. The mqueue root directory's
 // size grows by a fixed amount with each queue made in it and shrinks with

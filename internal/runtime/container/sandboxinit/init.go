@@ -15,8 +15,6 @@
 package sandboxinit
 
 import (
-	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -28,144 +26,122 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsec-dev/dsec/internal/agent"
 )
 
-// Config is what the edge sends to a new sandbox's init, as the first message
-// on the control socket.
-type Config struct {
-	// Lower are the read-only layer directories, top first (overlay order).
-	Lower []string `json:"lower"`
-	// Upper and Work are the sandbox's private overlay directories.
-	Upper string `json:"upper"`
-	Work  string `json:"work"`
-	// Rootfs is an empty directory (on the host) where the overlay is mounted
-	// inside the sandbox's mount namespace before pivot_root.
-	Rootfs   string `json:"rootfs"`
-	Hostname string `json:"hostname"`
-	// UserNS is set when the sandbox runs in its own user namespace: device
-	// nodes are then bind-mounted from the host instead of created.
-	UserNS bool `json:"userns,omitempty"`
-	// Seccomp is a compiled classic-BPF program (8 bytes per instruction) to
-	// install on every thread; empty means none.
-	Seccomp []byte `json:"seccomp,omitempty"`
-	// Caps is the capability set kept; nil means keep all (tests only).
-	Caps []int `json:"caps,omitempty"`
-	// NoLockdown skips capabilities, no_new_privs and seccomp (tests only).
-	NoLockdown bool `json:"no_lockdown,omitempty"`
-	// User processes are born in a child cgroup whose pids limit excludes
-	// the agent's own threads, so a fork bomb cannot starve the agent (a Go
-	// program dies when it cannot create a thread). All of them are forked
-	// from one spawner thread: on cgroup v1 that thread lives in UserTasks
-	// (v1 places single threads); on v2 it forks with CLONE_INTO_CGROUP into
-	// UserCgroupDir. The files are opened before pivot_root, while the host
-	// cgroup file system is still visible.
-	UserTasks     string `json:"user_tasks,omitempty"`
-	UserCgroupDir string `json:"user_cgroup_dir,omitempty"`
-	// UserMoreTasks are, on cgroup v1, the tasks files of the user cgroups
-	// in the other hierarchies with one (memory, cpu), which the spawner
-	// thread joins too. A process is born in its forking thread's cgroups,
-	// and a v1 memory cgroup charges a process's memory to the cgroup of
-	// the process, not of the thread: so user processes are held to the
-	// user's memory limit and are the only candidates of its OOM killer,
-	// while the agent's memory stays in the sandbox's cgroup; and a fork
-	// storm competes for the sandbox's CPU quota as one group beside the
-	// agent, which keeps its share however many processes the storm has.
-	UserMoreTasks []string `json:"user_more_tasks,omitempty"`
-	// CgroupFiles are files of the user cgroup that the agent opens
-	// read-only before pivot_root and keeps open, unused, for the edge to
-	// read through (Reply.CgroupFDs): an exec and a Reset read them, and
-	// the edge, which keeps no descriptor per sandbox, borrows the
-	// agent's (pidfd_getfd) rather than open a cgroup file each time.
-	CgroupFiles []string `json:"cgroup_files,omitempty"`
+// config is the container's part of the sandbox's agent.Init, resolved:
+// the overlay's directories as host paths, and the files the agent opens
+// before it pivots.
+//
+// User processes are born in a child cgroup whose pids limit excludes the
+// agent's own threads, so a fork bomb cannot starve the agent (a Go program
+// dies when it cannot create a thread). All of them are forked from one
+// spawner thread: on cgroup v1 that thread lives in UserTasks (v1 places
+// single threads); on v2 it forks with CLONE_INTO_CGROUP into
+// UserCgroupDir. The files are opened before pivot_root, while the host
+// cgroup file system is still visible.
+//
+// UserMoreTasks are, on cgroup v1, the tasks files of the user cgroups in
+// the other hierarchies with one (memory, cpu), which the spawner thread
+// joins too. A process is born in its forking thread's cgroups, and a v1
+// memory cgroup charges a process's memory to the cgroup of the process,
+// not of the thread: so user processes are held to the user's memory limit
+// and are the only candidates of its OOM killer, while the agent's memory
+// stays in the sandbox's cgroup; and a fork storm competes for the
+// sandbox's CPU quota as one group beside the agent, which keeps its share
+// however many processes the storm has.
+//
+// CgroupFiles are files of the user cgroup that the agent opens read-only
+// before pivot_root and keeps open, unused, for the edge to read through
+// (ContainerInitResult.CgroupFDs): an exec and a Reset read them, and the
+// edge, which keeps no descriptor per sandbox, borrows the agent's
+// (pidfd_getfd) rather than open a cgroup file each time.
+type config struct {
+	// lower are the read-only layer directories, top first (overlay order).
+	lower []string
+	// upper and work are the sandbox's private overlay directories.
+	upper, work string
+	hostname    string
+	agent.ContainerInit
 
 	userTasks     *os.File   // opened UserTasks
 	userMoreTasks []*os.File // opened UserMoreTasks
 	userDirFD     int        // opened UserCgroupDir
-	cgroupFDs     []int      // opened CgroupFiles
+	cgroupFDs     []int32    // opened CgroupFiles
 }
 
-// Reply is init's answer: empty Error means the sandbox is ready.
-type Reply struct {
-	Error string `json:"error,omitempty"`
-	// MqueueFD is the agent's descriptor of a detached mount of the
-	// sandbox's POSIX message queue file system (openMqueue), which the
-	// agent keeps open and never uses; 0 if it has none.
-	MqueueFD int `json:"mqueue_fd,omitempty"`
-	// CgroupFDs are the agent's descriptors of Config.CgroupFiles, in
-	// their order (0: one it could not open).
-	CgroupFDs []int `json:"cgroup_fds,omitempty"`
-}
-
-// maxMessage bounds an init message, so a confused peer cannot make the
-// other side allocate without limit.
-const maxMessage = 1 << 20
-
-// WriteMessage writes v as one length-prefixed JSON message.
-func WriteMessage(w io.Writer, v any) error {
-	b, err := json.Marshal(v)
-	if err != nil {
-		return err
+// configFrom checks in for what the container backend needs, naming the
+// field at fault: every layer and the writable layer are directories (a
+// Source's path), and the container part is there.
+func configFrom(in *agent.Init) (*config, error) {
+	if err := in.Validate(); err != nil {
+		return nil, err
 	}
-	buf := make([]byte, 4+len(b))
-	binary.BigEndian.PutUint32(buf, uint32(len(b)))
-	copy(buf[4:], b)
-	_, err = w.Write(buf)
-	return err
-}
-
-// ReadMessage reads one length-prefixed JSON message into v.
-func ReadMessage(r io.Reader, v any) error {
-	var hdr [4]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return err
+	if in.Container == nil {
+		return nil, errors.New("init: container: none (the container backend's init needs it)")
 	}
-	n := binary.BigEndian.Uint32(hdr[:])
-	if n > maxMessage {
-		return fmt.Errorf("init message of %d bytes exceeds %d", n, maxMessage)
+	if in.Container.Rootfs == "" {
+		return nil, errors.New("init: container.rootfs: empty")
 	}
-	b := make([]byte, n)
-	if _, err := io.ReadFull(r, b); err != nil {
-		return err
+	cfg := &config{hostname: in.Hostname, ContainerInit: *in.Container, lower: make([]string, len(in.Layers))}
+	for i, l := range in.Layers {
+		if l.Path == "" {
+			return nil, fmt.Errorf("init: layers[%d]: not a directory (path): the container backend takes no devices", i)
+		}
+		cfg.lower[i] = l.Path
 	}
-	return json.Unmarshal(b, v)
+	w := in.Writable
+	if w == nil {
+		return nil, errors.New("init: writable: none")
+	}
+	if w.Source.Path == "" {
+		return nil, errors.New("init: writable.source: not a directory (path): the container backend takes no devices")
+	}
+	cfg.upper, cfg.work = filepath.Join(w.Source.Path, w.Upper), filepath.Join(w.Source.Path, w.Work)
+	return cfg, nil
 }
 
 // Lockdown restricts the agent, and so every process it forks. It is
 // provided by the agent (which links the audit packages) so that this
 // package stays free of them.
 type Lockdown struct {
-	// Thread drops the bounding set of the calling OS thread to caps: the
-	// spawner thread every sandbox process is forked from.
-	Thread func(caps []int) error
+	// Thread drops the bounding set of the calling OS thread to caps (bit
+	// c: capability c is kept): the spawner thread every sandbox process is
+	// forked from.
+	Thread func(caps uint64) error
 	// Process applies caps, no_new_privs and the seccomp program to every
 	// thread.
-	Process func(caps []int, seccomp []byte) error
+	Process func(caps uint64, seccomp []byte) error
 }
 
 // Fork wraps a process start so that the process is forked from the
 // sandbox's spawner thread; it matches agent.Options.Fork.
 type Fork func(attr *syscall.SysProcAttr, start func() error) error
 
-// Run reads the Config from conn, builds the sandbox and replies. It returns
-// an error (already reported to the edge) if the sandbox could not be built;
-// the caller must then exit. The returned Fork must wrap every process the
-// agent starts.
-func Run(conn io.ReadWriter, lock Lockdown) (Fork, error) {
+// Run reads the sandbox's agent.Init from conn (the first request on it),
+// builds the sandbox and answers. It returns an error (already reported to
+// the edge) if the sandbox could not be built; the caller must then exit.
+// The returned Fork must wrap every process the agent starts; the Init is
+// returned for what the agent itself applies (the exec defaults).
+func Run(conn io.ReadWriter, lock Lockdown) (Fork, *agent.Init, error) {
 	// While a pre-started agent waits for its sandbox.
 	mq := openMqueue()
-	var cfg Config
-	if err := ReadMessage(conn, &cfg); err != nil {
-		return nil, fmt.Errorf("read init config: %w", err)
-	}
-	fork, err := setup(&cfg, lock)
-	reply := Reply{MqueueFD: mq, CgroupFDs: cfg.cgroupFDs}
-	if err != nil {
-		reply.Error = err.Error()
-	}
-	if werr := WriteMessage(conn, reply); werr != nil && err == nil {
-		err = werr
-	}
-	return fork, err
+	var fork Fork
+	var init *agent.Init
+	err := agent.AcceptInit(conn, func(in *agent.Init) (*agent.InitResult, error) {
+		init = in
+		cfg, err := configFrom(in)
+		if err != nil {
+			return nil, err
+		}
+		fork, err = setup(cfg, lock)
+		if err != nil {
+			return nil, err
+		}
+		return &agent.InitResult{Container: &agent.ContainerInitResult{MqueueFD: int32(mq), CgroupFDs: cfg.cgroupFDs}}, nil
+	})
+	return fork, init, err
 }
 
 // openMqueue mounts the POSIX message queue file system of the agent's IPC
@@ -193,10 +169,7 @@ func openMqueue() int {
 	return fd
 }
 
-func setup(cfg *Config, lock Lockdown) (Fork, error) {
-	if len(cfg.Lower) == 0 {
-		return nil, errors.New("no lower layers")
-	}
+func setup(cfg *config, lock Lockdown) (Fork, error) {
 	if err := setupRoot(cfg); err != nil {
 		return nil, err
 	}
@@ -225,7 +198,7 @@ type spawnReq struct {
 // on cgroup v1 membership of the user cgroup (v1 places single threads), so
 // every process is born there (openUserCgroup opened its files before the
 // pivot).
-func startSpawner(cfg *Config, lock Lockdown) (Fork, error) {
+func startSpawner(cfg *config, lock Lockdown) (Fork, error) {
 	ready := make(chan error, 1)
 	reqs := make(chan spawnReq)
 	go func() {
@@ -269,13 +242,13 @@ func startSpawner(cfg *Config, lock Lockdown) (Fork, error) {
 
 // openUserCgroup opens the user cgroup's files while the host's cgroup file
 // system is still in view (before pivot_root).
-func openUserCgroup(cfg *Config) error {
+func openUserCgroup(cfg *config) error {
 	for _, name := range cfg.CgroupFiles {
 		fd, err := unix.Open(name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			fd = 0 // the edge opens it itself
 		}
-		cfg.cgroupFDs = append(cfg.cgroupFDs, fd)
+		cfg.cgroupFDs = append(cfg.cgroupFDs, int32(fd))
 	}
 	switch {
 	case cfg.UserCgroupDir != "":
@@ -301,7 +274,7 @@ func openUserCgroup(cfg *Config) error {
 	return nil
 }
 
-func setupRoot(cfg *Config) error {
+func setupRoot(cfg *config) error {
 	if err := openUserCgroup(cfg); err != nil {
 		return err
 	}
@@ -320,8 +293,8 @@ func setupRoot(cfg *Config) error {
 	if err := loopbackUp(); err != nil {
 		return err
 	}
-	if cfg.Hostname != "" {
-		if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+	if cfg.hostname != "" {
+		if err := unix.Sethostname([]byte(cfg.hostname)); err != nil {
 			return fmt.Errorf("sethostname: %w", err)
 		}
 	}
@@ -458,16 +431,16 @@ func overlayData(d *OverlayDirs) string {
 	return b.String()
 }
 
-func mountRootfs(cfg *Config) error {
+func mountRootfs(cfg *config) error {
 	r := cfg.Rootfs
-	dirs, err := OpenOverlayDirs(cfg.Lower, cfg.Upper, cfg.Work)
+	dirs, err := OpenOverlayDirs(cfg.lower, cfg.upper, cfg.work)
 	if err != nil {
 		return err
 	}
 	err = unix.Mount("overlay", r, "overlay", unix.MS_NODEV, overlayData(dirs))
 	dirs.Close()
 	if err != nil {
-		return fmt.Errorf("mount overlay (%d layers): %w", len(cfg.Lower), err)
+		return fmt.Errorf("mount overlay (%d layers): %w", len(cfg.lower), err)
 	}
 	if err := PrepareRoot(r); err != nil {
 		return err
