@@ -346,3 +346,55 @@ func TestPolicyWarmPoolAccounting(t *testing.T) {
 	}
 	n.mustCreate(t, a, memSpec)
 }
+
+// TestPolicyDisplay: a sandbox whose backend has a screen (a fullvm's;
+// memback's here) answers screenshots with the PNG and its size and takes
+// input in order; one without a screen refuses with FailedPrecondition,
+// a frozen one is refused until thawed, and another tenant's is NotFound.
+func TestPolicyDisplay(t *testing.T) {
+	vm := newMemback(t, memback.Options{Kind: runtime.KindFullVM, Display: true})
+	ct := newMemback(t, memback.Options{})
+	n := startMemNode(t, "pd1", vm, func(c *edge.Config) {
+		c.Backends[runtime.KindContainer] = ct
+		c.Capacity[runtime.KindContainer] = placement.Capacity{MilliCPU: 1 << 20, MemoryBytes: 1 << 40}
+	})
+	a := tenant("a")
+	ctx := t.Context()
+	sb := n.mustCreate(t, a, &dsecv1.SandboxSpec{Image: memImage, Backend: string(runtime.KindFullVM)})
+	shot := func(caller *dsecv1.Caller, id string) (*dsecv1.ScreenshotResponse, error) {
+		resp, err := n.client.ScreenshotOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: caller, SandboxId: id}))
+		if err != nil {
+			return nil, err
+		}
+		return resp.Msg, nil
+	}
+	first, err := shot(a, sb.Id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Width != int32(memback.Screen.X) || first.Height != int32(memback.Screen.Y) || len(first.Png) == 0 {
+		t.Fatalf("screenshot %dx%d (%d bytes), want %v", first.Width, first.Height, len(first.Png), memback.Screen)
+	}
+	if _, err := n.client.InputOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeInputRequest{Caller: a, Request: &dsecv1.InputRequest{
+		SandboxId: sb.Id, Events: []*dsecv1.InputEvent{{Kind: "text", Text: "ls"}, {Kind: "key", Key: "ret"}},
+	}})); err != nil {
+		t.Fatal(err)
+	}
+	if got := vm.Sandbox(sb.Id).Events(); len(got) != 2 || got[0].Text != "ls" || got[1].Key != "ret" {
+		t.Fatalf("the display received %+v", got)
+	}
+	if second, err := shot(a, sb.Id); err != nil || bytes.Equal(second.Png, first.Png) {
+		t.Fatalf("the screen did not change after input: %v", err)
+	}
+
+	_, err = shot(tenant("b"), sb.Id)
+	wantCode(t, err, connect.CodeNotFound, "not found")
+	plain := n.mustCreate(t, a, memSpec)
+	_, err = shot(a, plain.Id)
+	wantCode(t, err, connect.CodeFailedPrecondition, "has no screen")
+	if _, err := n.client.FreezeOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: a, SandboxId: sb.Id})); err != nil {
+		t.Fatal(err)
+	}
+	_, err = shot(a, sb.Id)
+	wantCode(t, err, connect.CodeFailedPrecondition, "thaw it first")
+}

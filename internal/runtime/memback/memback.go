@@ -1,6 +1,7 @@
 // Package memback is an in-memory runtime.Backend: sandboxes whose file
 // system is a map and whose "processes" are a handful of built-in commands
-// (echo, cat, sleep, exit, true, false, rm, mkdir, write).
+// (echo, cat, sleep, exit, true, false, rm, mkdir, write), optionally with
+// a screen, keyboard and mouse (runtime.Display).
 //
 // It exists so that what the edge and the control plane decide — quotas,
 // admission, placement, pool accounting, sandbox states, error codes — can
@@ -39,6 +40,10 @@ type Options struct {
 	// Reset makes sandboxes implement runtime.Resetter, so that warm and
 	// automatic pools recycle them.
 	Reset bool
+	// Display makes sandboxes implement runtime.Display (a screen of
+	// Screen pixels whose colour follows the input received), standing for
+	// a fullvm's screen, keyboard and mouse.
+	Display bool
 	// CreateHook, when set, is called by every Create before it builds the
 	// sandbox; an error it returns is Create's (say runtime.ErrBusy, to
 	// stand for a saturated node).
@@ -107,8 +112,13 @@ func (b *Backend) Create(ctx context.Context, spec runtime.Spec) (runtime.Sandbo
 	}
 	b.live[spec.ID] = sb
 	b.created++
-	if b.opts.Reset {
+	switch {
+	case b.opts.Reset && b.opts.Display:
+		return resettableDisplay{&resettable{sb}}, nil
+	case b.opts.Reset:
 		return &resettable{sb}, nil
+	case b.opts.Display:
+		return withDisplay{sb}, nil
 	}
 	return sb, nil
 }

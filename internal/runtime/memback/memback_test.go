@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"image/png"
 	"io"
 	"io/fs"
 	"slices"
@@ -286,5 +287,46 @@ func TestWriteDiff(t *testing.T) {
 	}
 	if !slices.Equal(names, want) {
 		t.Fatalf("diff entries\n got %q\nwant %q", names, want)
+	}
+}
+
+func TestDisplay(t *testing.T) {
+	plain := create(t, newBackend(t, memback.Options{}), "p")
+	if _, ok := plain.(runtime.Display); ok {
+		t.Fatal("a sandbox of a backend without Options.Display has a display")
+	}
+	b := newBackend(t, memback.Options{Display: true, Reset: true})
+	sb := create(t, b, "s1")
+	d, ok := sb.(runtime.Display)
+	if _, reset := sb.(runtime.Resetter); !ok || !reset {
+		t.Fatal("Options.Display and Reset: sandbox lacks one of them")
+	}
+	before, err := d.Screenshot(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := png.Decode(bytes.NewReader(before))
+	if err != nil || img.Bounds().Size() != memback.Screen {
+		t.Fatalf("screenshot is not a %v PNG: %v", memback.Screen, err)
+	}
+	evs := []runtime.InputEvent{{Kind: runtime.InputText, Text: "hi"}, {Kind: runtime.InputClick, X: 3, Y: 4}}
+	if err := d.Input(t.Context(), evs); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.Sandbox("s1").Events(); !slices.Equal(got, evs) {
+		t.Fatalf("events %+v, want %+v", got, evs)
+	}
+	after, err := d.Screenshot(t.Context())
+	if err != nil || bytes.Equal(before, after) {
+		t.Fatalf("the screen did not change after input: %v", err)
+	}
+	if err := d.Input(t.Context(), []runtime.InputEvent{{Kind: "wave"}}); !errors.Is(err, runtime.ErrInvalidSpec) {
+		t.Fatalf("an unknown event kind: %v, want ErrInvalidSpec", err)
+	}
+	if err := sb.(runtime.Resetter).Reset(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.Sandbox("s1").Events(); len(got) != 0 {
+		t.Fatalf("events after reset: %+v", got)
 	}
 }

@@ -48,6 +48,8 @@ type Sandbox struct {
 	frozen    bool
 	dead      string // why it died; "" while alive
 	destroyed bool
+	// events are the input events received (Options.Display).
+	events []runtime.InputEvent
 	// kill ends the commands running now (Kill, Reset, Destroy).
 	kill    context.Context
 	killAll context.CancelFunc
@@ -194,6 +196,7 @@ func (s *Sandbox) reset(ctx context.Context) error {
 	s.killAll()
 	s.kill, s.killAll = context.WithCancel(context.Background())
 	s.tree, s.removed = s.b.freshFS(), map[string]bool{}
+	s.events = nil
 	if s.frozen {
 		s.frozen = false
 		close(s.thawed)
