@@ -142,3 +142,81 @@ func TestPolicyBusyNodePlacedAgain(t *testing.T) {
 			c.metric("dsec_server_placement_retries_total", nil)-retries)
 	}
 }
+
+// TestPolicyJobStates: freezing a job reaches its sandboxes on every node
+// (and no one else's), they show as frozen, refuse execs until the job is
+// thawed, and a sandbox lost on its node (its runtime died) answers execs
+// with infra_error through the server.
+func TestPolicyJobStates(t *testing.T) {
+	c := newMemCluster(t)
+	b1 := c.addMemEdge("j1", memback.Options{}, placement.Capacity{MilliCPU: 8000, Sandboxes: 2})
+	c.addMemEdge("j2", memback.Options{}, placement.Capacity{MilliCPU: 8000, Sandboxes: 2})
+	ctx := t.Context()
+	job := map[string]string{"job": "j"}
+	var ids []string
+	nodes := map[string]bool{}
+	for range 3 {
+		sb, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: memImage, Labels: job})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, sb.GetId())
+		nodes[sb.GetNode()] = true
+	}
+	other, err := c.create(c.admin, &dsecv1.SandboxSpec{Image: memImage, Labels: map[string]string{"job": "other"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(nodes) != 2 {
+		t.Fatalf("the job's sandboxes are on %v, want both nodes", nodes)
+	}
+	resp, err := c.clients.sb.FreezeJob(ctx, req(c.admin, &dsecv1.JobRequest{Labels: job}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Msg.GetResults()) != 3 {
+		t.Fatalf("freeze job results %v, want the job's 3 sandboxes", resp.Msg.GetResults())
+	}
+	for _, r := range resp.Msg.GetResults() {
+		if r.GetError() != nil {
+			t.Fatalf("freeze %s: %v", r.GetId(), r.GetError())
+		}
+	}
+	all := byID(c.list(c.admin, nil))
+	for _, id := range ids {
+		if st := all[id].GetState(); st != "frozen" {
+			t.Fatalf("%s is %q after the job froze, want frozen", id, st)
+		}
+	}
+	if st := all[other.GetId()].GetState(); st != "running" {
+		t.Fatalf("another job's sandbox is %q", st)
+	}
+	_, err = c.exec(c.admin, ids[0], "true")
+	wantCode(t, err, connect.CodeFailedPrecondition, "thaw it first")
+	if _, err := c.clients.sb.ThawJob(ctx, req(c.admin, &dsecv1.JobRequest{Labels: job})); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if res, err := c.exec(c.admin, id, "echo", "ok"); err != nil || res.GetStdout() == nil {
+			t.Fatalf("exec in %s after the thaw: %v %v", id, res, err)
+		}
+	}
+
+	// The runtime of a sandbox on j1 dies under it.
+	var onJ1 string
+	for _, id := range append(ids, other.GetId()) {
+		if b1.Sandbox(id) != nil {
+			onJ1 = id
+			break
+		}
+	}
+	b1.Sandbox(onJ1).Kill("test")
+	res, err := c.exec(c.admin, onJ1, "true")
+	if err != nil || res.GetOutcome() != "infra_error" {
+		t.Fatalf("exec in a sandbox whose runtime died: %v %v, want infra_error", res, err)
+	}
+	got, err := c.clients.sb.Get(ctx, req(c.admin, &dsecv1.GetSandboxRequest{Id: onJ1}))
+	if err != nil || got.Msg.GetSandbox().GetState() != "lost" {
+		t.Fatalf("get a lost sandbox: %v %v", got, err)
+	}
+}
