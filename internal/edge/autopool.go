@@ -131,7 +131,7 @@ func (e *Edge) noteCreate(tenant, key string) {
 	e.recent[ak] = r
 	size := 0
 	if wp != nil {
-		size = e.autoPoolCapLocked(r, st.InUse)
+		size = e.autoPoolCapLocked(wp.kind, r, st.InUse)
 	}
 	e.mu.Unlock()
 	if wp == nil || size == st.Size {
@@ -146,12 +146,12 @@ func (e *Edge) noteCreate(tenant, key string) {
 
 // autoPoolCapLocked is the ready cap of the automatic pool of a spec with
 // recent r and inUse sandboxes taken from the pool, before the memory bound
-// (growable): its demand, at most the container sandboxes the node's
+// (growable): its demand, at most the sandboxes of its kind the node's
 // capacity leaves beside the other specs' live ones, at least
 // Config.AutoPool. The caller holds e.mu.
-func (e *Edge) autoPoolCapLocked(r recentCreate, inUse int) int {
-	others := max(e.used[runtime.KindContainer].Sandboxes-int64(inUse+r.unpooled), 0)
-	room := e.cfg.Capacity[runtime.KindContainer].Sandboxes - others
+func (e *Edge) autoPoolCapLocked(kind runtime.Kind, r recentCreate, inUse int) int {
+	others := max(e.used[kind].Sandboxes-int64(inUse+r.unpooled), 0)
+	room := e.cfg.Capacity[kind].Sandboxes - others
 	return max(int(min(int64(r.demand()), room)), e.cfg.AutoPool)
 }
 
@@ -224,7 +224,7 @@ func (e *Edge) sweepAutoPools(ctx context.Context) {
 
 // autoPoolFor returns the automatic pool for sb's tenant and spec,
 // creating it, or nil when sb cannot be recycled: recycling is off, the node
-// is closing, sb is not a container sandbox, its runtime cannot reset, or
+// is closing, its runtime cannot reset, or
 // its layers are no longer its spec's (rolled back to a checkpoint). It is
 // called once for each destroy of a sandbox that did not come from a pool,
 // and counts it out of its spec's unpooled sandboxes.
@@ -260,7 +260,7 @@ func (e *Edge) autoPoolFor(sb *sandbox, rs runtime.Sandbox) *warmPool {
 		idleShrink: autoPoolIdle,
 	}
 	// Memory is read under e.mu here, but only once per pool.
-	size := growable(e.autoPoolCapLocked(r, 0), 0, e.cfg.AutoPool)
+	size := growable(e.autoPoolCapLocked(sb.kind, r, 0), 0, e.cfg.AutoPool)
 	wp.p = pool.New(pool.Options{
 		Recycle: true, Size: size, IdleShrink: autoPoolIdle,
 		Logger: e.log.With("pool", id, "tenant", sb.tenant),
@@ -270,12 +270,9 @@ func (e *Edge) autoPoolFor(sb *sandbox, rs runtime.Sandbox) *warmPool {
 }
 
 // recyclable reports whether sb can go to an automatic pool: a live
-// container sandbox whose runtime can reset and whose layers are still its
-// spec's.
+// sandbox whose runtime can reset (of any backend: what its sandboxes
+// implement decides, not its kind) and whose layers are still its spec's.
 func recyclable(sb *sandbox, rs runtime.Sandbox) bool {
-	if sb.kind != runtime.KindContainer {
-		return false
-	}
 	if _, ok := rs.(runtime.Resetter); !ok {
 		return false
 	}

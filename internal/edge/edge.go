@@ -9,9 +9,17 @@
 // places from a view that may be a heartbeat old, so the edge refuses with
 // ResourceExhausted when it is full and the server retries elsewhere.
 //
+// The package is split where the parts have seams of their own: a
+// sandbox's states and the moves between them are package lifecycle's
+// (setState is the only place that moves one), checkpoints and the layers
+// of snapshot images package snapshot's, and the pools that reuse runtime
+// sandboxes are recyclers (recycle.go). Errors are fail kinds everywhere
+// below EdgeService and become Connect codes in one place (apierr.go).
+//
 // Lock order: Edge.mu is the only lock guarding sandbox records; it is never
 // held across a runtime call (create, exec, destroy), so a slow sandbox never
-// stalls operations on the others.
+// stalls operations on the others. snapshot.Store's lock may be taken under
+// Edge.mu, never the reverse.
 package edge
 
 import (
@@ -194,6 +202,9 @@ type Edge struct {
 	// says which specs are hot (see autopool.go).
 	autoPools map[string]*warmPool
 	recent    map[string]recentCreate
+	// recyclers are the pools above as creates and destroys see them
+	// (recycle.go).
+	recyclers []recycler
 	// rebasePools keep destroyed sandboxes, quiesced, for the next
 	// creates of any spec by their tenant, by rebasePoolKey (see
 	// rebase.go).
@@ -365,6 +376,7 @@ func New(cfg Config) (*Edge, error) {
 		stop:             stop,
 		stopCtx:          stopCtx,
 	}
+	e.recyclers = recyclersOf(e)
 	e.state.meters = map[runtime.Kind]runtime.UsageReporter{}
 	for kind, b := range cfg.Backends {
 		if m, ok := b.(runtime.UsageReporter); ok {

@@ -20,6 +20,7 @@ import (
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge"
+	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
@@ -237,16 +238,25 @@ func TestPolicyBusy(t *testing.T) {
 
 // TestPolicyRecycling: with automatic pools on, the second destroy of a
 // spec (hot by then) resets the sandbox and the next create of the same
-// tenant takes it; another tenant gets a new one.
+// tenant takes it; another tenant gets a new one; a frozen sandbox is not
+// recycled. Any backend whose sandboxes reset takes part (a microvm one
+// here), not only the container backend.
 func TestPolicyRecycling(t *testing.T) {
-	b := newMemback(t, memback.Options{Reset: true})
+	for _, kind := range []runtime.Kind{runtime.KindContainer, runtime.KindMicroVM} {
+		t.Run(string(kind), func(t *testing.T) { testRecycling(t, kind) })
+	}
+}
+
+func testRecycling(t *testing.T, kind runtime.Kind) {
+	b := newMemback(t, memback.Options{Kind: kind, Reset: true})
 	n := startMemNode(t, "pr1", b, func(c *edge.Config) { c.AutoPool = 4 })
+	spec := &dsecv1.SandboxSpec{Image: memImage, Backend: string(kind)}
 	a := tenant("a")
-	x := n.mustCreate(t, a, memSpec)
+	x := n.mustCreate(t, a, spec)
 	if err := n.destroy(t, a, x.Id); err != nil {
 		t.Fatal(err)
 	}
-	y := n.mustCreate(t, a, memSpec)
+	y := n.mustCreate(t, a, spec)
 	if _, err := n.client.WriteFileOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeWriteFileRequest{
 		Caller: a, Request: &dsecv1.WriteFileRequest{SandboxId: y.Id, Path: "/secret", Data: []byte("s")}})); err != nil {
 		t.Fatal(err)
@@ -261,7 +271,7 @@ func TestPolicyRecycling(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	z := n.mustCreate(t, a, memSpec)
+	z := n.mustCreate(t, a, spec)
 	if created, resets := b.Stats(); created != 2 || resets != 1 {
 		t.Fatalf("backend created %d and reset %d; want 2 and 1 (the third create recycled)", created, resets)
 	}
@@ -272,8 +282,67 @@ func TestPolicyRecycling(t *testing.T) {
 	if got := metricValue(t, n.reg, "dsec_edge_sandbox_creates_total", "source", "recycled"); got != 1 {
 		t.Fatalf("recycled creates %v, want 1", got)
 	}
-	n.mustCreate(t, tenant("b"), memSpec)
+	n.mustCreate(t, tenant("b"), spec)
 	if created, _ := b.Stats(); created != 3 {
 		t.Fatalf("another tenant's create was served from tenant a's pool (created %d, want 3)", created)
 	}
+
+	// A frozen sandbox is torn down, not handed to the next user frozen.
+	if _, err := n.client.FreezeOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: a, SandboxId: z.Id})); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.destroy(t, a, z.Id); err != nil {
+		t.Fatal(err)
+	}
+	// Only tenant b's sandbox is left in the backend.
+	if live := b.Live(); len(live) != 1 || recycledReady(n) != 0 {
+		t.Fatalf("a frozen sandbox was recycled: live %v, ready %d", live, recycledReady(n))
+	}
+}
+
+// TestPolicyWarmPoolAccounting: a warm pool fills the node up to its last
+// slot (the sandbox it is making counts once, not twice), its ready
+// sandboxes are charged to the node's capacity (a create of another spec
+// is refused when the pool holds the room), a matching create takes one
+// (its charge becomes the sandbox's own, so it is admitted on a full
+// node), and deleting the pool gives the room back and destroys what it
+// held.
+func TestPolicyWarmPoolAccounting(t *testing.T) {
+	b := newMemback(t, memback.Options{Reset: true})
+	n := startMemNode(t, "pw1", b, func(c *edge.Config) {
+		c.Capacity[runtime.KindContainer] = placement.Capacity{MilliCPU: 4000, MemoryBytes: 1 << 40, Sandboxes: 2}
+	})
+	a := tenant("a")
+	pooled := &dsecv1.SandboxSpec{Image: memImage, Env: []string{"P=1"}}
+	poolID := ids.NewSandbox(n.id)
+	if _, err := n.client.CreatePoolOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeCreatePoolRequest{
+		Caller: a, PoolId: poolID, Request: &dsecv1.CreatePoolRequest{Spec: pooled, Size: 2},
+	})); err != nil {
+		t.Fatal(err)
+	}
+	n.waitPool(t, poolID, func(p *dsecv1.Pool) bool { return p.Ready == 2 })
+
+	_, err := n.create(t, a, memSpec)
+	wantCode(t, err, connect.CodeResourceExhausted, "out of sandboxes (2 of 2 in use)")
+	sb := n.mustCreate(t, a, pooled)
+	if got := metricValue(t, n.reg, "dsec_edge_sandbox_creates_total", "source", "pool"); got != 1 {
+		t.Fatalf("creates from the pool %v, want 1", got)
+	}
+	if created, _ := b.Stats(); created != 2 {
+		t.Fatalf("backend created %d sandboxes, want the pool's 2 only", created)
+	}
+	if err := n.destroy(t, a, sb.Id); err != nil {
+		t.Fatal(err)
+	}
+	n.waitPool(t, poolID, func(p *dsecv1.Pool) bool { return p.Ready == 2 && p.InUse == 0 })
+	if _, resets := b.Stats(); resets != 1 {
+		t.Fatalf("resets %d, want 1 (the sandbox went back to its pool)", resets)
+	}
+	if _, err := n.client.DeletePoolOnEdge(t.Context(), connect.NewRequest(&dsecv1.EdgeDeletePoolRequest{Caller: a, PoolId: poolID})); err != nil {
+		t.Fatal(err)
+	}
+	if live := b.Live(); len(live) != 0 {
+		t.Fatalf("a deleted pool's sandboxes live on: %v", live)
+	}
+	n.mustCreate(t, a, memSpec)
 }

@@ -115,28 +115,6 @@ func (e *Edge) pooledLocked(kind runtime.Kind) placement.Capacity {
 	return c
 }
 
-// takeWarm takes a ready sandbox of a pool matching spec for caller, or
-// waits for one being reset for it (a reset costs a few milliseconds, a
-// create tens), or returns nils.
-func (e *Edge) takeWarm(ctx context.Context, caller *dsecv1.Caller, spec *dsecv1.SandboxSpec, layers []string) (*warmPool, runtime.Sandbox) {
-	key := PoolKey(spec.Backend, layers, spec.Resources, spec.Env)
-	e.mu.Lock()
-	var cands []*warmPool
-	for _, wp := range e.pools {
-		if wp.key == key && wp.serves(caller) {
-			cands = append(cands, wp)
-		}
-	}
-	e.mu.Unlock()
-	for _, wp := range cands {
-		if rs, err := wp.p.TakeWarm(ctx); rs != nil && err == nil {
-			return wp, rs
-		}
-	}
-	e.noteCreate(caller.GetTenant(), key)
-	return e.takeRecycled(ctx, caller, key)
-}
-
 // dropRuntime destroys a sandbox's runtime sandbox and, if it came from a
 // pool, counts it out of the pool.
 func dropRuntime(ctx context.Context, wp *warmPool, rs runtime.Sandbox) error {
@@ -216,12 +194,14 @@ func (e *Edge) createPool(ctx context.Context, caller *dsecv1.Caller, id string,
 	return wp.toProto(e.cfg.NodeID), nil
 }
 
-// poolRoom says whether the node has room for one more pooled sandbox:
-// pools fill only capacity that sandboxes do not use.
+// poolRoom says whether the node has room for the pooled sandbox wp is
+// making: pools fill only capacity that sandboxes do not use. That sandbox
+// is charged already (held counts the pool's Creating): counting it again
+// kept a pool from filling the node's last slot.
 func (e *Edge) poolRoom(wp *warmPool) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if short := e.shortLocked(wp.kind, wp.req); short != "" {
+	if short := e.shortLocked(wp.kind, wp.req, true); short != "" {
 		return fail.New(fail.ResourceExhausted, fmt.Errorf("node %q has no room to fill pool %q: out of %s", e.cfg.NodeID, wp.id, short))
 	}
 	return nil

@@ -88,7 +88,10 @@ func quiesce(ctx context.Context, s runtime.Sandbox) error {
 // has found no automatic or explicit pool for sb, which is still charged
 // to the node. The pool's cap grows to the tenant's demand (see above).
 func (e *Edge) rebasePoolFor(sb *sandbox, rs runtime.Sandbox) *pool.Pool {
-	if e.cfg.AutoPool <= 0 || !recyclable(sb, rs) {
+	// Container sandboxes only: a rebase pool's demand is its tenant's
+	// container sandboxes (tenantContainers), and only the container
+	// backend's sandboxes rebase so far.
+	if e.cfg.AutoPool <= 0 || sb.kind != runtime.KindContainer || !recyclable(sb, rs) {
 		return nil
 	}
 	if _, ok := rs.(runtime.Rebaser); !ok {

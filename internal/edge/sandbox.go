@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io/fs"
 	"maps"
-	"strings"
 	"sync"
 	"time"
 
@@ -20,7 +19,6 @@ import (
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/image"
 	"github.com/dsec-dev/dsec/internal/placement"
-	"github.com/dsec-dev/dsec/internal/pool"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/spec"
 	"github.com/dsec-dev/dsec/internal/trajectory"
@@ -270,29 +268,24 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		// never counted there but was taken off it when it ran, and
 		// dsec_edge_sandboxes{state="creating"} went negative).
 	}
-	// A ready sandbox of a matching warm pool is taken before admission:
-	// the pool's charge for it turns into the sandbox's own.
-	wp, rs := e.takeWarm(ctx, caller, spec, digests)
+	// A ready sandbox of a matching pool is taken before admission: the
+	// pool's charge for it turns into the sandbox's own (recycle.go).
+	c := &claim{caller: caller, sb: sb, key: PoolKey(spec.Backend, digests, spec.Resources, spec.Env)}
+	rs, source := e.takeFromRecyclers(ctx, c, true)
 	if err := e.admit(sb); err != nil {
 		if rs != nil {
-			wp.p.Put(rs)
+			c.pool.p.Put(rs)
 		}
 		return nil, err
 	}
 	sb.rspec = rspec
-	source := createSource(wp)
 	if rs != nil {
 		// The sandbox keeps its pool's runtime ID: rollback re-creates
 		// under it.
 		sb.rspec.ID = rs.ID()
-		sb.pool = wp
-	} else if rs = e.takeRebased(ctx, sb); rs != nil {
-		// A sandbox of another spec rebased onto this one: it keeps its
-		// runtime ID, as a recycled one does, and belongs to no pool.
-		// Its hostname is this sandbox's ID, kept for a rollback.
-		sb.rspec.ID, sb.rspec.Hostname = rs.ID(), runtime.HostnameFor(id)
-		source = sourceRebased
-	} else {
+		sb.pool = c.pool
+	} else if rs, source = e.takeFromRecyclers(ctx, c, false); rs == nil {
+		source = "fresh"
 		rs, err = e.cfg.Backends[kind].Create(ctx, sb.rspec)
 	}
 
@@ -350,18 +343,6 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 // from another spec (see rebase.go).
 const sourceRebased = "rebased"
 
-// createSource is the creates metric's source label of a sandbox taken
-// from wp (nil: built by the backend).
-func createSource(wp *warmPool) string {
-	switch {
-	case wp == nil:
-		return "fresh"
-	case strings.HasPrefix(wp.id, autoPoolPrefix):
-		return "recycled"
-	}
-	return "pool"
-}
-
 func backendLabel(spec *dsecv1.SandboxSpec) string {
 	if spec.GetBackend() == "" {
 		return string(runtime.KindContainer)
@@ -379,7 +360,7 @@ func (e *Edge) admit(sb *sandbox) error {
 	if _, dup := e.sandboxes[sb.id]; dup {
 		return fail.New(fail.AlreadyExists, fmt.Errorf("sandbox %q already exists", sb.id))
 	}
-	short := e.shortLocked(sb.kind, sb.req)
+	short := e.shortLocked(sb.kind, sb.req, false)
 	if short != "" {
 		e.metrics.failures.WithLabelValues(string(sb.kind), "admission").Inc()
 		return fail.New(fail.ResourceExhausted,
@@ -395,12 +376,19 @@ func (e *Edge) admit(sb *sandbox) error {
 // requesting req, or "" when it has room; the caller holds mu. The node is
 // charged what it measures in use plus its share of what live and pooled
 // sandboxes request (see nodestate.go), and its measured state must have
-// room for one more sandbox.
-func (e *Edge) shortLocked(kind runtime.Kind, req placement.Capacity) string {
+// room for one more sandbox. With counted, the sandbox is among those
+// charged already (a pool's sandbox being made, in its Creating count):
+// the node needs room for it, not for one more besides it.
+func (e *Edge) shortLocked(kind runtime.Kind, req placement.Capacity, counted bool) string {
 	capa, c := e.cfg.Capacity[kind], e.chargedLocked(kind)
 	sh := e.cfg.RequestShare[kind]
 	st, since := e.state.get()
 	cpu, mem := placement.ChargeOf(req.MilliCPU, sh.CPU), placement.ChargeOf(req.MemoryBytes, sh.Memory)
+	if counted {
+		c.Sandboxes--
+		c.MilliCPU -= cpu
+		c.MemoryBytes -= mem
+	}
 	switch {
 	case c.Sandboxes+1 > capa.Sandboxes:
 		return fmt.Sprintf("sandboxes (%d of %d in use)", c.Sandboxes, capa.Sandboxes)
@@ -714,25 +702,14 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.setState(sb, lifecycle.Destroying, "")
 	rs, wp, closing := sb.rt, sb.pool, e.closed
 	e.mu.Unlock()
-	var rebase *pool.Pool
-	if wp == nil && !frozen && !closing && e.roomToKeep(sb.kind) {
-		wp = e.autoPoolFor(sb, rs) // recycled rather than torn down
-		if wp == nil {
-			// Kept for the tenant's next create of another spec.
-			rebase = e.rebasePoolFor(sb, rs)
-		}
-	}
-
 	var err error
 	switch {
 	case wp != nil && !frozen && !closing:
-		// Back to its warm pool: reset in place in the background, then
+		// Back to its pool: reset in place in the background, then
 		// ready for the next create (or destroyed if the pool is full).
 		wp.p.Put(rs)
-	case rebase != nil:
-		// Quiesced in the background, then ready to be rebased (or
-		// destroyed if the pool is full).
-		rebase.Put(rs)
+	case wp == nil && !frozen && !closing && e.roomToKeep(sb.kind) && e.keepInRecyclers(sb, rs):
+		// Kept by a recycler rather than torn down.
 	default:
 		err = dropRuntime(context.WithoutCancel(ctx), wp, rs)
 	}
