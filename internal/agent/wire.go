@@ -257,6 +257,11 @@ func sizeMsg(size int) int { return sizeTag + sizeVarint(uint64(size)) + size }
 func appendFrame(b []byte, f *frame) []byte {
 	b = appendUint(b, 1, f.stream)
 	switch {
+	case f.request != nil && f.request.init != nil:
+		// Init's nested messages are encoded to learn their size: once.
+		sub := f.request.init.appendTo(nil)
+		b = appendMsgHeader(b, 2, sizeMsg(len(sub)))
+		b = appendSub(b, 7, sub)
 	case f.request != nil:
 		b = appendMsgHeader(b, 2, f.request.size())
 		b = f.request.appendTo(b)
