@@ -66,6 +66,8 @@ type server struct {
 	level int  // see nsLevel
 	oom   bool // reset children's oom_score_adj to 0
 	home  homeCache
+	// egress holds the proxy listeners EgressAccept relays from.
+	egress egressListeners
 }
 
 // Serve answers requests on conn until conn fails or ctx ends. On return
@@ -134,13 +136,22 @@ func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
 	}()
 
 	err := m.readLoop()
+	select {
+	case <-m.closed:
+		// A failed write ended the connection first (the edge went away
+		// while a handler answered): that is why reading stopped.
+		err = m.err
+	default:
+	}
 	m.fail(err)
 	cancel()
+	srv.egress.close()
 	handlers.Wait()
 	switch {
 	case ctx.Err() != nil:
 		return ctx.Err()
-	case errors.Is(err, io.EOF):
+	case errors.Is(err, io.EOF), errors.Is(err, syscall.EPIPE), errors.Is(err, syscall.ECONNRESET):
+		// The edge closed its end: a clean end, whichever side noticed.
 		return nil
 	}
 	return err
@@ -160,6 +171,8 @@ func (srv *server) handle(s *stream, req *request) *response {
 	case req.getArchive != nil:
 		err = srv.getArchive(s, req.getArchive)
 	case req.ping != nil:
+	case req.egress != nil:
+		err = srv.egressAccept(s, req.egress)
 	case req.init != nil:
 		err = errorf(CodeFailedPrecondition, "init: the sandbox is set up already (init must be the first request)")
 	default:

@@ -100,6 +100,7 @@ type request struct {
 	getArchive *getArchiveRequest
 	ping       *pingRequest
 	init       *Init
+	egress     *egressAcceptRequest
 }
 
 type dataMsg struct {
@@ -161,6 +162,8 @@ type putArchiveRequest struct{ dir string }
 type getArchiveRequest struct{ dir string }
 
 type pingRequest struct{}
+
+type egressAcceptRequest struct{ listen string }
 
 // Protobuf wire types.
 const (
@@ -296,6 +299,8 @@ func (r *request) size() int {
 		return sizeMsg(0)
 	case r.init != nil:
 		return sizeMsg(len(r.init.appendTo(nil)))
+	case r.egress != nil:
+		return sizeMsg(sizeString(r.egress.listen, false))
 	}
 	return 0
 }
@@ -325,6 +330,9 @@ func (r *request) appendTo(b []byte) []byte {
 		b = appendMsgHeader(b, 6, 0)
 	case r.init != nil:
 		b = appendSub(b, 7, r.init.appendTo(nil))
+	case r.egress != nil:
+		b = appendMsgHeader(b, 15, sizeString(r.egress.listen, false))
+		b = appendString(b, 1, r.egress.listen, false)
 	}
 	return b
 }
@@ -443,6 +451,8 @@ func (f *frame) checkUTF8() error {
 			check(r.getArchive.dir)
 		case r.init != nil:
 			ok = validUTF8(r.init.strings())
+		case r.egress != nil:
+			check(r.egress.listen)
 		}
 	}
 	if r := f.response; r != nil && r.err != nil {
@@ -662,7 +672,7 @@ func unmarshalFrame(b []byte) (*frame, error) {
 
 func (r *request) unmarshal(b []byte) error {
 	return eachField(b, func(fd *field) error {
-		if fd.wt != wtBytes || fd.num < 1 || fd.num > 7 {
+		if fd.wt != wtBytes || fd.num < 1 || fd.num > 7 && fd.num != 15 {
 			return nil
 		}
 		// Keep the member if it is the one being merged into.
@@ -724,6 +734,11 @@ func (r *request) unmarshal(b []byte) error {
 				r.init = &Init{}
 			}
 			return r.init.unmarshal(fd.b)
+		case 15:
+			if r.egress = keep.egress; r.egress == nil {
+				r.egress = &egressAcceptRequest{}
+			}
+			return unmarshalDir(fd.b, &r.egress.listen)
 		}
 		return nil
 	})

@@ -43,6 +43,8 @@ func toPB(f *frame) *agentpb.Frame {
 			pr.Op = &agentpb.Request_Ping{Ping: &agentpb.PingRequest{}}
 		case r.init != nil:
 			pr.Op = &agentpb.Request_Init{Init: initToPB(r.init)}
+		case r.egress != nil:
+			pr.Op = &agentpb.Request_EgressAccept{EgressAccept: &agentpb.EgressAcceptRequest{Listen: r.egress.listen}}
 		}
 		out.Msg = &agentpb.Frame_Request{Request: pr}
 	case f.data != nil:
@@ -99,6 +101,8 @@ func fromPB(p *agentpb.Frame) *frame {
 			r.ping = &pingRequest{}
 		case *agentpb.Request_Init:
 			r.init = initFromPB(op.Init)
+		case *agentpb.Request_EgressAccept:
+			r.egress = &egressAcceptRequest{listen: op.EgressAccept.GetListen()}
 		}
 		f.request = r
 	case *agentpb.Frame_Data:
@@ -208,7 +212,7 @@ func randFrame(r *rand.Rand) *frame {
 	switch r.IntN(6) {
 	case 0:
 		req := &request{}
-		switch r.IntN(7) {
+		switch r.IntN(8) {
 		case 0:
 			req.exec = &execRequest{
 				argv: strs(), shell: str(), env: strs(), cwd: str(), user: str(),
@@ -226,6 +230,8 @@ func randFrame(r *rand.Rand) *frame {
 			req.ping = &pingRequest{}
 		case 6:
 			req.init = randInit(r, u64, b, str, strs)
+		case 7:
+			req.egress = &egressAcceptRequest{listen: str()}
 		}
 		f.request = req
 	case 1:
