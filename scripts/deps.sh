@@ -8,6 +8,12 @@ have mkfs.erofs || need+=(erofs-utils)
 # The sandboxes' writable layers live on btrfs with quotas (internal/runtime/container/scratchfs).
 have mkfs.btrfs || need+=(btrfs-progs)
 [ -x /bin/busybox ] || need+=(busybox-static)
+# The VM backends (microvm, fullvm) run QEMU; a microVM's writable disk is
+# ext4 made on the host (mkfs.ext4, never mounted there); the guest kernel is
+# a Debian package fetched with apt-get download and unpacked with dpkg-deb
+# (internal/runtime/microvm/vmimage, on first use).
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+have mkfs.ext4 || need+=(e2fsprogs)
 [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import httpx' 2>/dev/null || need+=(python3-httpx)
 /usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
 # pip install ./sdk/python (README): venv with Debian's packages, built offline.
