@@ -100,6 +100,7 @@ type request struct {
 	getArchive *getArchiveRequest
 	ping       *pingRequest
 	init       *Init
+	diff       *diffRequest
 }
 
 type dataMsg struct {
@@ -163,6 +164,8 @@ type putArchiveRequest struct{ dir string }
 type getArchiveRequest struct{ dir string }
 
 type pingRequest struct{}
+
+type diffRequest struct{}
 
 // Protobuf wire types.
 const (
@@ -294,7 +297,7 @@ func (r *request) size() int {
 		return sizeMsg(sizeString(r.putArchive.dir, false))
 	case r.getArchive != nil:
 		return sizeMsg(sizeString(r.getArchive.dir, false))
-	case r.ping != nil:
+	case r.ping != nil, r.diff != nil:
 		return sizeMsg(0)
 	case r.init != nil:
 		return sizeMsg(len(r.init.appendTo(nil)))
@@ -325,6 +328,8 @@ func (r *request) appendTo(b []byte) []byte {
 		b = appendString(b, 1, r.getArchive.dir, false)
 	case r.ping != nil:
 		b = appendMsgHeader(b, 6, 0)
+	case r.diff != nil:
+		b = appendMsgHeader(b, 8, 0)
 	case r.init != nil:
 		b = appendSub(b, 7, r.init.appendTo(nil))
 	}
@@ -667,7 +672,7 @@ func unmarshalFrame(b []byte) (*frame, error) {
 
 func (r *request) unmarshal(b []byte) error {
 	return eachField(b, func(fd *field) error {
-		if fd.wt != wtBytes || fd.num < 1 || fd.num > 7 {
+		if fd.wt != wtBytes || fd.num < 1 || fd.num > 8 {
 			return nil
 		}
 		// Keep the member if it is the one being merged into.
@@ -729,6 +734,11 @@ func (r *request) unmarshal(b []byte) error {
 				r.init = &Init{}
 			}
 			return r.init.unmarshal(fd.b)
+		case 8:
+			if r.diff = keep.diff; r.diff == nil {
+				r.diff = &diffRequest{}
+			}
+			return eachField(fd.b, func(*field) error { return nil })
 		}
 		return nil
 	})

@@ -308,6 +308,7 @@ type Request struct {
 	//	*Request_GetArchive
 	//	*Request_Ping
 	//	*Request_Init
+	//	*Request_Diff
 	Op            isRequest_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -413,6 +414,15 @@ func (x *Request) GetInit() *Init {
 	return nil
 }
 
+func (x *Request) GetDiff() *DiffRequest {
+	if x != nil {
+		if x, ok := x.Op.(*Request_Diff); ok {
+			return x.Diff
+		}
+	}
+	return nil
+}
+
 type isRequest_Op interface {
 	isRequest_Op()
 }
@@ -445,6 +455,10 @@ type Request_Init struct {
 	Init *Init `protobuf:"bytes,7,opt,name=init,proto3,oneof"`
 }
 
+type Request_Diff struct {
+	Diff *DiffRequest `protobuf:"bytes,8,opt,name=diff,proto3,oneof"`
+}
+
 func (*Request_Exec) isRequest_Op() {}
 
 func (*Request_WriteFile) isRequest_Op() {}
@@ -458,6 +472,8 @@ func (*Request_GetArchive) isRequest_Op() {}
 func (*Request_Ping) isRequest_Op() {}
 
 func (*Request_Init) isRequest_Op() {}
+
+func (*Request_Diff) isRequest_Op() {}
 
 type Data struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -1178,6 +1194,48 @@ func (*PingRequest) Descriptor() ([]byte, []int) {
 	return file_agent_proto_rawDescGZIP(), []int{13}
 }
 
+// DiffRequest: the agent answers with BODY Data, a tar stream of what the
+// sandbox changed over its layers with OCI whiteouts (".wh.NAME" for a
+// removed NAME, ".wh..wh..opq" in a directory that hides its layers'
+// contents), then the Response. Only an agent that keeps its sandbox's
+// writable layer to itself serves it (a VM guest's: the host never mounts
+// a file system the guest wrote); others answer INVALID_ARGUMENT.
+type DiffRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DiffRequest) Reset() {
+	*x = DiffRequest{}
+	mi := &file_agent_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DiffRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DiffRequest) ProtoMessage() {}
+
+func (x *DiffRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DiffRequest.ProtoReflect.Descriptor instead.
+func (*DiffRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{14}
+}
+
 // Init is the first request on a new sandbox's channel, and only the first:
 // what the agent sets up before it serves anything else (the sandbox's root
 // file system, its hostname, the exec defaults, its lockdown). The agent
@@ -1211,7 +1269,7 @@ type Init struct {
 
 func (x *Init) Reset() {
 	*x = Init{}
-	mi := &file_agent_proto_msgTypes[14]
+	mi := &file_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1223,7 +1281,7 @@ func (x *Init) String() string {
 func (*Init) ProtoMessage() {}
 
 func (x *Init) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[14]
+	mi := &file_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1236,7 +1294,7 @@ func (x *Init) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Init.ProtoReflect.Descriptor instead.
 func (*Init) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{14}
+	return file_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Init) GetHostname() string {
@@ -1307,7 +1365,7 @@ type Resources struct {
 
 func (x *Resources) Reset() {
 	*x = Resources{}
-	mi := &file_agent_proto_msgTypes[15]
+	mi := &file_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1319,7 +1377,7 @@ func (x *Resources) String() string {
 func (*Resources) ProtoMessage() {}
 
 func (x *Resources) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[15]
+	mi := &file_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1332,7 +1390,7 @@ func (x *Resources) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Resources.ProtoReflect.Descriptor instead.
 func (*Resources) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{15}
+	return file_agent_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Resources) GetMilliCpu() int64 {
@@ -1381,7 +1439,7 @@ type Source struct {
 
 func (x *Source) Reset() {
 	*x = Source{}
-	mi := &file_agent_proto_msgTypes[16]
+	mi := &file_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1393,7 +1451,7 @@ func (x *Source) String() string {
 func (*Source) ProtoMessage() {}
 
 func (x *Source) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[16]
+	mi := &file_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1406,7 +1464,7 @@ func (x *Source) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Source.ProtoReflect.Descriptor instead.
 func (*Source) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{16}
+	return file_agent_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Source) GetKind() isSource_Kind {
@@ -1489,7 +1547,7 @@ type BlockDevice struct {
 
 func (x *BlockDevice) Reset() {
 	*x = BlockDevice{}
-	mi := &file_agent_proto_msgTypes[17]
+	mi := &file_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1501,7 +1559,7 @@ func (x *BlockDevice) String() string {
 func (*BlockDevice) ProtoMessage() {}
 
 func (x *BlockDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[17]
+	mi := &file_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1514,7 +1572,7 @@ func (x *BlockDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockDevice.ProtoReflect.Descriptor instead.
 func (*BlockDevice) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{17}
+	return file_agent_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BlockDevice) GetSerial() string {
@@ -1538,7 +1596,7 @@ type PmemDevice struct {
 
 func (x *PmemDevice) Reset() {
 	*x = PmemDevice{}
-	mi := &file_agent_proto_msgTypes[18]
+	mi := &file_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1550,7 +1608,7 @@ func (x *PmemDevice) String() string {
 func (*PmemDevice) ProtoMessage() {}
 
 func (x *PmemDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[18]
+	mi := &file_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1563,7 +1621,7 @@ func (x *PmemDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PmemDevice.ProtoReflect.Descriptor instead.
 func (*PmemDevice) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{18}
+	return file_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PmemDevice) GetIndex() uint32 {
@@ -1594,7 +1652,7 @@ type Writable struct {
 
 func (x *Writable) Reset() {
 	*x = Writable{}
-	mi := &file_agent_proto_msgTypes[19]
+	mi := &file_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1606,7 +1664,7 @@ func (x *Writable) String() string {
 func (*Writable) ProtoMessage() {}
 
 func (x *Writable) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[19]
+	mi := &file_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1619,7 +1677,7 @@ func (x *Writable) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Writable.ProtoReflect.Descriptor instead.
 func (*Writable) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{19}
+	return file_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Writable) GetSource() *Source {
@@ -1677,7 +1735,7 @@ type ContainerInit struct {
 
 func (x *ContainerInit) Reset() {
 	*x = ContainerInit{}
-	mi := &file_agent_proto_msgTypes[20]
+	mi := &file_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1689,7 +1747,7 @@ func (x *ContainerInit) String() string {
 func (*ContainerInit) ProtoMessage() {}
 
 func (x *ContainerInit) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[20]
+	mi := &file_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1702,7 +1760,7 @@ func (x *ContainerInit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerInit.ProtoReflect.Descriptor instead.
 func (*ContainerInit) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{20}
+	return file_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ContainerInit) GetRootfs() string {
@@ -1778,7 +1836,7 @@ type InitResult struct {
 
 func (x *InitResult) Reset() {
 	*x = InitResult{}
-	mi := &file_agent_proto_msgTypes[21]
+	mi := &file_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1790,7 +1848,7 @@ func (x *InitResult) String() string {
 func (*InitResult) ProtoMessage() {}
 
 func (x *InitResult) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[21]
+	mi := &file_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1803,7 +1861,7 @@ func (x *InitResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InitResult.ProtoReflect.Descriptor instead.
 func (*InitResult) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{21}
+	return file_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *InitResult) GetContainer() *ContainerInitResult {
@@ -1827,7 +1885,7 @@ type ContainerInitResult struct {
 
 func (x *ContainerInitResult) Reset() {
 	*x = ContainerInitResult{}
-	mi := &file_agent_proto_msgTypes[22]
+	mi := &file_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1839,7 +1897,7 @@ func (x *ContainerInitResult) String() string {
 func (*ContainerInitResult) ProtoMessage() {}
 
 func (x *ContainerInitResult) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[22]
+	mi := &file_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1852,7 +1910,7 @@ func (x *ContainerInitResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerInitResult.ProtoReflect.Descriptor instead.
 func (*ContainerInitResult) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{22}
+	return file_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ContainerInitResult) GetMqueueFd() int32 {
@@ -1881,7 +1939,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x06window\x18\x04 \x01(\v2\x1b.dsec.agent.v1.WindowUpdateH\x00R\x06window\x12/\n" +
 	"\x06cancel\x18\x05 \x01(\v2\x15.dsec.agent.v1.CancelH\x00R\x06cancel\x125\n" +
 	"\bresponse\x18\x06 \x01(\v2\x17.dsec.agent.v1.ResponseH\x00R\bresponseB\x05\n" +
-	"\x03msg\"\xa9\x03\n" +
+	"\x03msg\"\xdb\x03\n" +
 	"\aRequest\x120\n" +
 	"\x04exec\x18\x01 \x01(\v2\x1a.dsec.agent.v1.ExecRequestH\x00R\x04exec\x12@\n" +
 	"\n" +
@@ -1892,7 +1950,8 @@ const file_agent_proto_rawDesc = "" +
 	"\vget_archive\x18\x05 \x01(\v2 .dsec.agent.v1.GetArchiveRequestH\x00R\n" +
 	"getArchive\x120\n" +
 	"\x04ping\x18\x06 \x01(\v2\x1a.dsec.agent.v1.PingRequestH\x00R\x04ping\x12)\n" +
-	"\x04init\x18\a \x01(\v2\x13.dsec.agent.v1.InitH\x00R\x04initB\x04\n" +
+	"\x04init\x18\a \x01(\v2\x13.dsec.agent.v1.InitH\x00R\x04init\x120\n" +
+	"\x04diff\x18\b \x01(\v2\x1a.dsec.agent.v1.DiffRequestH\x00R\x04diffB\x04\n" +
 	"\x02op\"`\n" +
 	"\x04Data\x120\n" +
 	"\achannel\x18\x01 \x01(\x0e2\x16.dsec.agent.v1.ChannelR\achannel\x12\x14\n" +
@@ -1940,7 +1999,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"%\n" +
 	"\x11GetArchiveRequest\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\"\r\n" +
-	"\vPingRequest\"\xba\x02\n" +
+	"\vPingRequest\"\r\n" +
+	"\vDiffRequest\"\xba\x02\n" +
 	"\x04Init\x12\x1a\n" +
 	"\bhostname\x18\x01 \x01(\tR\bhostname\x12\x10\n" +
 	"\x03env\x18\x02 \x03(\tR\x03env\x12\x18\n" +
@@ -2020,7 +2080,7 @@ func file_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_agent_proto_goTypes = []any{
 	(Channel)(0),                // 0: dsec.agent.v1.Channel
 	(Code)(0),                   // 1: dsec.agent.v1.Code
@@ -2038,15 +2098,16 @@ var file_agent_proto_goTypes = []any{
 	(*PutArchiveRequest)(nil),   // 13: dsec.agent.v1.PutArchiveRequest
 	(*GetArchiveRequest)(nil),   // 14: dsec.agent.v1.GetArchiveRequest
 	(*PingRequest)(nil),         // 15: dsec.agent.v1.PingRequest
-	(*Init)(nil),                // 16: dsec.agent.v1.Init
-	(*Resources)(nil),           // 17: dsec.agent.v1.Resources
-	(*Source)(nil),              // 18: dsec.agent.v1.Source
-	(*BlockDevice)(nil),         // 19: dsec.agent.v1.BlockDevice
-	(*PmemDevice)(nil),          // 20: dsec.agent.v1.PmemDevice
-	(*Writable)(nil),            // 21: dsec.agent.v1.Writable
-	(*ContainerInit)(nil),       // 22: dsec.agent.v1.ContainerInit
-	(*InitResult)(nil),          // 23: dsec.agent.v1.InitResult
-	(*ContainerInitResult)(nil), // 24: dsec.agent.v1.ContainerInitResult
+	(*DiffRequest)(nil),         // 16: dsec.agent.v1.DiffRequest
+	(*Init)(nil),                // 17: dsec.agent.v1.Init
+	(*Resources)(nil),           // 18: dsec.agent.v1.Resources
+	(*Source)(nil),              // 19: dsec.agent.v1.Source
+	(*BlockDevice)(nil),         // 20: dsec.agent.v1.BlockDevice
+	(*PmemDevice)(nil),          // 21: dsec.agent.v1.PmemDevice
+	(*Writable)(nil),            // 22: dsec.agent.v1.Writable
+	(*ContainerInit)(nil),       // 23: dsec.agent.v1.ContainerInit
+	(*InitResult)(nil),          // 24: dsec.agent.v1.InitResult
+	(*ContainerInitResult)(nil), // 25: dsec.agent.v1.ContainerInitResult
 }
 var file_agent_proto_depIdxs = []int32{
 	3,  // 0: dsec.agent.v1.Frame.request:type_name -> dsec.agent.v1.Request
@@ -2060,25 +2121,26 @@ var file_agent_proto_depIdxs = []int32{
 	13, // 8: dsec.agent.v1.Request.put_archive:type_name -> dsec.agent.v1.PutArchiveRequest
 	14, // 9: dsec.agent.v1.Request.get_archive:type_name -> dsec.agent.v1.GetArchiveRequest
 	15, // 10: dsec.agent.v1.Request.ping:type_name -> dsec.agent.v1.PingRequest
-	16, // 11: dsec.agent.v1.Request.init:type_name -> dsec.agent.v1.Init
-	0,  // 12: dsec.agent.v1.Data.channel:type_name -> dsec.agent.v1.Channel
-	8,  // 13: dsec.agent.v1.Response.error:type_name -> dsec.agent.v1.Error
-	10, // 14: dsec.agent.v1.Response.exec:type_name -> dsec.agent.v1.ExecResult
-	23, // 15: dsec.agent.v1.Response.init:type_name -> dsec.agent.v1.InitResult
-	1,  // 16: dsec.agent.v1.Error.code:type_name -> dsec.agent.v1.Code
-	17, // 17: dsec.agent.v1.Init.resources:type_name -> dsec.agent.v1.Resources
-	18, // 18: dsec.agent.v1.Init.layers:type_name -> dsec.agent.v1.Source
-	21, // 19: dsec.agent.v1.Init.writable:type_name -> dsec.agent.v1.Writable
-	22, // 20: dsec.agent.v1.Init.container:type_name -> dsec.agent.v1.ContainerInit
-	19, // 21: dsec.agent.v1.Source.block:type_name -> dsec.agent.v1.BlockDevice
-	20, // 22: dsec.agent.v1.Source.pmem:type_name -> dsec.agent.v1.PmemDevice
-	18, // 23: dsec.agent.v1.Writable.source:type_name -> dsec.agent.v1.Source
-	24, // 24: dsec.agent.v1.InitResult.container:type_name -> dsec.agent.v1.ContainerInitResult
-	25, // [25:25] is the sub-list for method output_type
-	25, // [25:25] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	17, // 11: dsec.agent.v1.Request.init:type_name -> dsec.agent.v1.Init
+	16, // 12: dsec.agent.v1.Request.diff:type_name -> dsec.agent.v1.DiffRequest
+	0,  // 13: dsec.agent.v1.Data.channel:type_name -> dsec.agent.v1.Channel
+	8,  // 14: dsec.agent.v1.Response.error:type_name -> dsec.agent.v1.Error
+	10, // 15: dsec.agent.v1.Response.exec:type_name -> dsec.agent.v1.ExecResult
+	24, // 16: dsec.agent.v1.Response.init:type_name -> dsec.agent.v1.InitResult
+	1,  // 17: dsec.agent.v1.Error.code:type_name -> dsec.agent.v1.Code
+	18, // 18: dsec.agent.v1.Init.resources:type_name -> dsec.agent.v1.Resources
+	19, // 19: dsec.agent.v1.Init.layers:type_name -> dsec.agent.v1.Source
+	22, // 20: dsec.agent.v1.Init.writable:type_name -> dsec.agent.v1.Writable
+	23, // 21: dsec.agent.v1.Init.container:type_name -> dsec.agent.v1.ContainerInit
+	20, // 22: dsec.agent.v1.Source.block:type_name -> dsec.agent.v1.BlockDevice
+	21, // 23: dsec.agent.v1.Source.pmem:type_name -> dsec.agent.v1.PmemDevice
+	19, // 24: dsec.agent.v1.Writable.source:type_name -> dsec.agent.v1.Source
+	25, // 25: dsec.agent.v1.InitResult.container:type_name -> dsec.agent.v1.ContainerInitResult
+	26, // [26:26] is the sub-list for method output_type
+	26, // [26:26] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -2101,8 +2163,9 @@ func file_agent_proto_init() {
 		(*Request_GetArchive)(nil),
 		(*Request_Ping)(nil),
 		(*Request_Init)(nil),
+		(*Request_Diff)(nil),
 	}
-	file_agent_proto_msgTypes[16].OneofWrappers = []any{
+	file_agent_proto_msgTypes[17].OneofWrappers = []any{
 		(*Source_Path)(nil),
 		(*Source_Block)(nil),
 		(*Source_Pmem)(nil),
@@ -2113,7 +2176,7 @@ func file_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
