@@ -62,6 +62,10 @@ type Options struct {
 	// returns is added to the result. A VM guest's agent sets it, because
 	// there the host can read neither the sandbox's cgroups nor its disk.
 	Verdict func() Verdict
+	// Diff, if set, serves the diff request: it writes what the sandbox
+	// changed over its layers to w as a tar stream with OCI whiteouts. A
+	// VM guest's agent sets it.
+	Diff func(ctx context.Context, w io.Writer) error
 }
 
 // Verdict is what Options.Verdict reports about a failed command.
@@ -188,6 +192,12 @@ func (srv *server) handle(s *stream, req *request) *response {
 	case req.ping != nil:
 	case req.egress != nil:
 		err = srv.egressAccept(s, req.egress)
+	case req.diff != nil:
+		if srv.opts.Diff == nil {
+			err = errorf(CodeInvalidArgument, "diff: this agent does not serve its sandbox's writable layer")
+		} else {
+			err = srv.opts.Diff(s.ctx, bodyWriter{ctx: s.ctx, s: s})
+		}
 	case req.init != nil:
 		err = errorf(CodeFailedPrecondition, "init: the sandbox is set up already (init must be the first request)")
 	default:

@@ -101,6 +101,7 @@ type request struct {
 	ping       *pingRequest
 	init       *Init
 	egress     *egressAcceptRequest
+	diff       *diffRequest
 }
 
 type dataMsg struct {
@@ -166,6 +167,7 @@ type getArchiveRequest struct{ dir string }
 type pingRequest struct{}
 
 type egressAcceptRequest struct{ listen string }
+type diffRequest struct{}
 
 // Protobuf wire types.
 const (
@@ -297,7 +299,7 @@ func (r *request) size() int {
 		return sizeMsg(sizeString(r.putArchive.dir, false))
 	case r.getArchive != nil:
 		return sizeMsg(sizeString(r.getArchive.dir, false))
-	case r.ping != nil:
+	case r.ping != nil, r.diff != nil:
 		return sizeMsg(0)
 	case r.init != nil:
 		return sizeMsg(len(r.init.appendTo(nil)))
@@ -330,6 +332,8 @@ func (r *request) appendTo(b []byte) []byte {
 		b = appendString(b, 1, r.getArchive.dir, false)
 	case r.ping != nil:
 		b = appendMsgHeader(b, 6, 0)
+	case r.diff != nil:
+		b = appendMsgHeader(b, 8, 0)
 	case r.init != nil:
 		b = appendSub(b, 7, r.init.appendTo(nil))
 	case r.egress != nil:
@@ -677,7 +681,7 @@ func unmarshalFrame(b []byte) (*frame, error) {
 
 func (r *request) unmarshal(b []byte) error {
 	return eachField(b, func(fd *field) error {
-		if fd.wt != wtBytes || fd.num < 1 || fd.num > 7 && fd.num != 15 {
+		if fd.wt != wtBytes || fd.num < 1 || fd.num > 8 && fd.num != 15 {
 			return nil
 		}
 		// Keep the member if it is the one being merged into.
@@ -744,6 +748,11 @@ func (r *request) unmarshal(b []byte) error {
 				r.egress = &egressAcceptRequest{}
 			}
 			return unmarshalDir(fd.b, &r.egress.listen)
+		case 8:
+			if r.diff = keep.diff; r.diff == nil {
+				r.diff = &diffRequest{}
+			}
+			return eachField(fd.b, func(*field) error { return nil })
 		}
 		return nil
 	})
