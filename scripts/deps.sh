@@ -8,6 +8,15 @@ have mkfs.erofs || need+=(erofs-utils)
 # The sandboxes' writable layers live on btrfs with quotas (internal/runtime/container/scratchfs).
 have mkfs.btrfs || need+=(btrfs-progs)
 [ -x /bin/busybox ] || need+=(busybox-static)
+# The VM backends (internal/runtime/fullvm, microvm) and the Debian disk
+# image scripts/vm-disk-image.sh builds: QEMU and qemu-img, debootstrap,
+# extlinux with syslinux's MBR, sfdisk to partition the raw disk.
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+have qemu-img || need+=(qemu-utils)
+have debootstrap || need+=(debootstrap)
+have extlinux || need+=(extlinux)
+[ -r /usr/lib/syslinux/mbr/mbr.bin ] || need+=(syslinux-common)
+have sfdisk || need+=(fdisk)
 [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import httpx' 2>/dev/null || need+=(python3-httpx)
 /usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
 # pip install ./sdk/python (README): venv with Debian's packages, built offline.
