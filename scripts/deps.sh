@@ -8,10 +8,15 @@ have mkfs.erofs || need+=(erofs-utils)
 # The sandboxes' writable layers live on btrfs with quotas (internal/runtime/container/scratchfs).
 have mkfs.btrfs || need+=(btrfs-progs)
 [ -x /bin/busybox ] || need+=(busybox-static)
-# The VM backends (internal/runtime/fullvm, microvm) and the Debian disk
-# image scripts/vm-disk-image.sh builds: QEMU and qemu-img, debootstrap,
-# extlinux with syslinux's MBR, sfdisk to partition the raw disk.
+# The VM backends (microvm, fullvm) run QEMU; a microVM's writable disk is
+# ext4 made on the host (mkfs.ext4, never mounted there); the guest kernel is
+# a Debian package fetched with apt-get download and unpacked with dpkg-deb
+# (internal/runtime/microvm/vmimage, on first use).
 have qemu-system-x86_64 || need+=(qemu-system-x86)
+have mkfs.ext4 || need+=(e2fsprogs)
+# fullvm: qemu-img (overlays, snapshots as disk images), and what
+# scripts/vm-disk-image.sh builds the Debian disk image with: debootstrap,
+# extlinux with syslinux's MBR, sfdisk to partition the raw disk.
 have qemu-img || need+=(qemu-utils)
 have debootstrap || need+=(debootstrap)
 have extlinux || need+=(extlinux)

@@ -210,6 +210,8 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest, out OutputFunc) (Exe
 			res.StdoutTruncated = r.stdoutTruncated
 			res.StderrTruncated = r.stderrTruncated
 			res.PidsExhausted = r.pidsExhausted
+			res.OOMKilled = r.oomKilled
+			res.DiskFull = r.diskFull
 		}
 		if ctxErr != nil {
 			return res, fmt.Errorf("agent exec %s: %w", execName(req), ctxErr)

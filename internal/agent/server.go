@@ -57,6 +57,21 @@ type Options struct {
 	// processes born in a child cgroup whose pids limit excludes the agent,
 	// so a fork bomb cannot starve the agent of threads.
 	Fork func(attr *syscall.SysProcAttr, start func() error) error
+	// Verdict, if set, is called once a command that failed (non-zero
+	// exit, or a signal) has ended, before its result is sent: what it
+	// returns is added to the result. A VM guest's agent sets it, because
+	// there the host can read neither the sandbox's cgroups nor its disk.
+	Verdict func() Verdict
+}
+
+// Verdict is what Options.Verdict reports about a failed command.
+type Verdict struct {
+	// OOMKilled: the memory limit killed a process since the last call.
+	OOMKilled bool
+	// PidsExhausted: the pids limit refused a fork since the last call.
+	PidsExhausted bool
+	// DiskFull: the writable layer is full now.
+	DiskFull bool
 }
 
 type server struct {

@@ -144,6 +144,8 @@ type execResult struct {
 	stdoutTruncated bool
 	stderrTruncated bool
 	pidsExhausted   bool
+	oomKilled       bool
+	diskFull        bool
 }
 
 type writeFileRequest struct {
@@ -402,7 +404,8 @@ func (e *wireError) size() int {
 func (e *execResult) size() int {
 	return sizeUint(uint64(int64(e.exitCode))) + sizeUint(uint64(int64(e.signal))) +
 		sizeUint(uint64(e.durationNanos)) + sizeUint(b2u(e.timedOut)) +
-		sizeUint(b2u(e.stdoutTruncated)) + sizeUint(b2u(e.stderrTruncated)) + sizeUint(b2u(e.pidsExhausted))
+		sizeUint(b2u(e.stdoutTruncated)) + sizeUint(b2u(e.stderrTruncated)) + sizeUint(b2u(e.pidsExhausted)) +
+		sizeUint(b2u(e.oomKilled)) + sizeUint(b2u(e.diskFull))
 }
 
 func (e *execResult) appendTo(b []byte) []byte {
@@ -412,7 +415,9 @@ func (e *execResult) appendTo(b []byte) []byte {
 	b = appendUint(b, 4, b2u(e.timedOut))
 	b = appendUint(b, 5, b2u(e.stdoutTruncated))
 	b = appendUint(b, 6, b2u(e.stderrTruncated))
-	return appendUint(b, 7, b2u(e.pidsExhausted))
+	b = appendUint(b, 7, b2u(e.pidsExhausted))
+	b = appendUint(b, 8, b2u(e.oomKilled))
+	return appendUint(b, 9, b2u(e.diskFull))
 }
 
 // errInvalidUTF8 matches what protobuf-go reports for such strings.
@@ -849,6 +854,10 @@ func (e *execResult) unmarshal(b []byte) error {
 			e.stderrTruncated = fd.u != 0
 		case 7:
 			e.pidsExhausted = fd.u != 0
+		case 8:
+			e.oomKilled = fd.u != 0
+		case 9:
+			e.diskFull = fd.u != 0
 		}
 		return nil
 	})

@@ -60,6 +60,7 @@ func toPB(f *frame) *agentpb.Frame {
 			pr.Exec = &agentpb.ExecResult{
 				ExitCode: e.exitCode, Signal: e.signal, DurationNanos: e.durationNanos,
 				TimedOut: e.timedOut, StdoutTruncated: e.stdoutTruncated, StderrTruncated: e.stderrTruncated, PidsExhausted: e.pidsExhausted,
+				OomKilled: e.oomKilled, DiskFull: e.diskFull,
 			}
 		}
 		if e := f.response.init; e != nil {
@@ -116,6 +117,7 @@ func fromPB(p *agentpb.Frame) *frame {
 			r.exec = &execResult{
 				exitCode: e.GetExitCode(), signal: e.GetSignal(), durationNanos: e.GetDurationNanos(),
 				timedOut: e.GetTimedOut(), stdoutTruncated: e.GetStdoutTruncated(), stderrTruncated: e.GetStderrTruncated(), pidsExhausted: e.GetPidsExhausted(),
+				oomKilled: e.GetOomKilled(), diskFull: e.GetDiskFull(),
 			}
 		}
 		if e := m.Response.GetInit(); e != nil {
@@ -249,7 +251,7 @@ func randFrame(r *rand.Rand) *frame {
 		if b() {
 			resp.exec = &execResult{
 				exitCode: i32(), signal: i32(), durationNanos: i64(),
-				timedOut: b(), stdoutTruncated: b(), stderrTruncated: b(), pidsExhausted: b(),
+				timedOut: b(), stdoutTruncated: b(), stderrTruncated: b(), pidsExhausted: b(), oomKilled: b(), diskFull: b(),
 			}
 		}
 		if r.IntN(3) == 0 {

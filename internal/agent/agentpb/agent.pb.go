@@ -844,6 +844,11 @@ type ExecResult struct {
 	// sandbox's process limit is reached (fork failed with EAGAIN); the
 	// result is a failure (exit code 126) with the reason on stderr.
 	PidsExhausted bool `protobuf:"varint,7,opt,name=pids_exhausted,json=pidsExhausted,proto3" json:"pids_exhausted,omitempty"`
+	// oom_killed, disk_full: the sandbox's memory limit killed one of its
+	// processes, or its writable layer was full, while the command ran; set
+	// by an agent that can tell (a VM guest's, see Options.Verdict).
+	OomKilled     bool `protobuf:"varint,8,opt,name=oom_killed,json=oomKilled,proto3" json:"oom_killed,omitempty"`
+	DiskFull      bool `protobuf:"varint,9,opt,name=disk_full,json=diskFull,proto3" json:"disk_full,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -923,6 +928,20 @@ func (x *ExecResult) GetStderrTruncated() bool {
 func (x *ExecResult) GetPidsExhausted() bool {
 	if x != nil {
 		return x.PidsExhausted
+	}
+	return false
+}
+
+func (x *ExecResult) GetOomKilled() bool {
+	if x != nil {
+		return x.OomKilled
+	}
+	return false
+}
+
+func (x *ExecResult) GetDiskFull() bool {
+	if x != nil {
+		return x.DiskFull
 	}
 	return false
 }
@@ -1898,7 +1917,7 @@ const file_agent_proto_rawDesc = "" +
 	"\rtimeout_nanos\x18\x06 \x01(\x03R\ftimeoutNanos\x12(\n" +
 	"\x10max_output_bytes\x18\a \x01(\x03R\x0emaxOutputBytes\x12#\n" +
 	"\rstream_output\x18\b \x01(\bR\fstreamOutput\x12\x1b\n" +
-	"\thas_stdin\x18\t \x01(\bR\bhasStdin\"\x82\x02\n" +
+	"\thas_stdin\x18\t \x01(\bR\bhasStdin\"\xbe\x02\n" +
 	"\n" +
 	"ExecResult\x12\x1b\n" +
 	"\texit_code\x18\x01 \x01(\x05R\bexitCode\x12\x16\n" +
@@ -1907,7 +1926,10 @@ const file_agent_proto_rawDesc = "" +
 	"\ttimed_out\x18\x04 \x01(\bR\btimedOut\x12)\n" +
 	"\x10stdout_truncated\x18\x05 \x01(\bR\x0fstdoutTruncated\x12)\n" +
 	"\x10stderr_truncated\x18\x06 \x01(\bR\x0fstderrTruncated\x12%\n" +
-	"\x0epids_exhausted\x18\a \x01(\bR\rpidsExhausted\":\n" +
+	"\x0epids_exhausted\x18\a \x01(\bR\rpidsExhausted\x12\x1d\n" +
+	"\n" +
+	"oom_killed\x18\b \x01(\bR\toomKilled\x12\x1b\n" +
+	"\tdisk_full\x18\t \x01(\bR\bdiskFull\":\n" +
 	"\x10WriteFileRequest\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x02 \x01(\rR\x04mode\"B\n" +
