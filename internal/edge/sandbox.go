@@ -181,7 +181,7 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 		switch {
 		case errors.Is(err, image.ErrNotFound):
 			return runtime.Spec{}, nil, fail.New(fail.NotFound, err)
-		case errors.Is(err, image.ErrInvalidRef):
+		case errors.Is(err, image.ErrInvalidRef), errors.Is(err, image.ErrBackend):
 			return runtime.Spec{}, nil, fail.New(fail.InvalidArgument, err)
 		}
 		return runtime.Spec{}, nil, fail.New(fail.Unavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
@@ -217,7 +217,10 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 // spec's own resolved here.
 func (e *Edge) resolved(ctx context.Context, spec *dsecv1.SandboxSpec, sent *dsecv1.ResolvedImages) (image.Resolved, error) {
 	if sent == nil {
-		return e.images.Resolve(ctx, spec.Image, spec.Workspace, spec.Toolkits...)
+		// A fullvm boots its disk image (Layers[0].Path is the disk blob,
+		// through e.local.Path as any layer); every other backend mounts
+		// EROFS layers: ResolveFor refuses a mix-up naming the field.
+		return e.images.ResolveFor(ctx, spec.Backend, spec.Image, spec.Workspace, spec.Toolkits...)
 	}
 	if len(sent.GetLayers()) == 0 {
 		return image.Resolved{}, fmt.Errorf("resolved: no layers: %w", image.ErrInvalidRef)

@@ -3852,7 +3852,10 @@ type Image struct {
 	Size      int64                  `protobuf:"varint,4,opt,name=size,proto3" json:"size,omitempty"`
 	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// Owning tenant; empty for public images.
-	Tenant        string `protobuf:"bytes,6,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	Tenant string `protobuf:"bytes,6,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// Set on a disk image (imported with disk): "qcow2" or "raw". Its one
+	// layer is a bootable disk only backend fullvm runs.
+	DiskFormat    string `protobuf:"bytes,7,opt,name=disk_format,json=diskFormat,proto3" json:"disk_format,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3925,6 +3928,13 @@ func (x *Image) GetCreatedAt() *timestamppb.Timestamp {
 func (x *Image) GetTenant() string {
 	if x != nil {
 		return x.Tenant
+	}
+	return ""
+}
+
+func (x *Image) GetDiskFormat() string {
+	if x != nil {
+		return x.DiskFormat
 	}
 	return ""
 }
@@ -4019,7 +4029,11 @@ type ImportHeader struct {
 	// (directory, rootfs tarball, OCI layout dir or docker-save archive).
 	ServerPath string `protobuf:"bytes,2,opt,name=server_path,json=serverPath,proto3" json:"server_path,omitempty"`
 	// Make the image visible to every tenant (admin only).
-	Public        bool `protobuf:"varint,3,opt,name=public,proto3" json:"public,omitempty"`
+	Public bool `protobuf:"varint,3,opt,name=public,proto3" json:"public,omitempty"`
+	// The upload (or server_path) is one bootable disk file, qcow2 or raw,
+	// for backend fullvm: stored as one blob, not built into EROFS layers.
+	// A qcow2 with a backing file or an external data file is refused.
+	Disk          bool `protobuf:"varint,4,opt,name=disk,proto3" json:"disk,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4071,6 +4085,13 @@ func (x *ImportHeader) GetServerPath() string {
 func (x *ImportHeader) GetPublic() bool {
 	if x != nil {
 		return x.Public
+	}
+	return false
+}
+
+func (x *ImportHeader) GetDisk() bool {
+	if x != nil {
+		return x.Disk
 	}
 	return false
 }
@@ -6944,7 +6965,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x0eReleaseRequest\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\tR\x03ids\"H\n" +
 	"\x0fReleaseResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.dsec.v1.BatchDestroyResultR\aresults\"\xb0\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.dsec.v1.BatchDestroyResultR\aresults\"\xd1\x01\n" +
 	"\x05Image\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x16\n" +
@@ -6952,16 +6973,19 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x04size\x18\x04 \x01(\x03R\x04size\x129\n" +
 	"\n" +
 	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x16\n" +
-	"\x06tenant\x18\x06 \x01(\tR\x06tenant\"e\n" +
+	"\x06tenant\x18\x06 \x01(\tR\x06tenant\x12\x1f\n" +
+	"\vdisk_format\x18\a \x01(\tR\n" +
+	"diskFormat\"e\n" +
 	"\x12ImportImageRequest\x12/\n" +
 	"\x06header\x18\x01 \x01(\v2\x15.dsec.v1.ImportHeaderH\x00R\x06header\x12\x16\n" +
 	"\x05chunk\x18\x02 \x01(\fH\x00R\x05chunkB\x06\n" +
-	"\x04part\"Y\n" +
+	"\x04part\"m\n" +
 	"\fImportHeader\x12\x10\n" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x1f\n" +
 	"\vserver_path\x18\x02 \x01(\tR\n" +
 	"serverPath\x12\x16\n" +
-	"\x06public\x18\x03 \x01(\bR\x06public\";\n" +
+	"\x06public\x18\x03 \x01(\bR\x06public\x12\x12\n" +
+	"\x04disk\x18\x04 \x01(\bR\x04disk\";\n" +
 	"\x13ImportImageResponse\x12$\n" +
 	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"\x13\n" +
 	"\x11ListImagesRequest\"<\n" +
