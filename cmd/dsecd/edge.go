@@ -341,7 +341,7 @@ func newEdgeCmd() *cobra.Command {
 	fl.StringVar(&advertise, "advertise", "", "URL servers reach this edge at (default http://LISTEN-ADDR)")
 	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "this node's data directory (sandbox state, layer mounts)")
 	fl.StringVar(&f.listen, "listen", defaultEdgeListen, "address to serve EdgeService on")
-	fl.StringVar(&f.store, "store", "", "blob store URL shared with the servers (default DATA-DIR/blobs)")
+	f.registerStore(cmd, "blob store URL shared with the servers (default DATA-DIR/blobs)")
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "the servers' shared secret (default DATA-DIR/cluster.token)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	ef.register(cmd)

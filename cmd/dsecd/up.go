@@ -131,7 +131,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 	fl := cmd.Flags()
 	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "data directory (blobs, sandboxes, layers, tokens)")
 	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve the API on")
-	fl.StringVar(&f.store, "store", "", "blob store URL (default DATA-DIR/blobs)")
+	f.registerStore(cmd, "blob store URL (default DATA-DIR/blobs)")
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "shared secret for extra edges (default DATA-DIR/cluster.token)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fl.StringArrayVar(&imports, "import", nil, "NAME:TAG=PATH: import PATH as a public image before serving, unless NAME:TAG exists (repeatable)")

@@ -86,7 +86,9 @@ type Config struct {
 	DataDir string
 	// Store is the shared blob store holding layers, manifests and refs.
 	// Its blobs must be local files (blobstore.Local) so layers can be
-	// mounted straight from it.
+	// mounted straight from it: a dir store, or a blobstore.Cache that
+	// fetches a remote store's layers to this node when a create needs
+	// them.
 	Store blobstore.Repository
 	// Backends this node offers, by kind. At least one is required.
 	Backends map[runtime.Kind]runtime.Backend

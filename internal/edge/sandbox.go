@@ -189,7 +189,7 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 	layers := make([]runtime.Layer, len(resolved.Layers))
 	digests := make([]string, len(resolved.Layers))
 	for i, l := range resolved.Layers {
-		p, err := e.local.Path(l.Digest)
+		p, err := blobstore.LocalPath(ctx, e.local, l.Digest)
 		if err != nil {
 			e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
 			kind := fail.Unavailable
