@@ -56,6 +56,9 @@ type Conn interface {
 // Event is one decision, recorded when the connection ends (or at once
 // when it is refused): what the trajectory and the metrics get.
 type Event struct {
+	// Start is when the connection was made, Time when it was decided
+	// (refused) or ended.
+	Start   time.Time
 	Time    time.Time
 	Host    string
 	Port    int
@@ -211,6 +214,7 @@ func (sb *Sandbox) Run(ctx context.Context, accept func(ctx context.Context) (Co
 // request with an absolute http:// URL. Every outcome is recorded.
 func (sb *Sandbox) Serve(ctx context.Context, c Conn) {
 	defer c.Close()
+	start := time.Now()
 	lr := &io.LimitedReader{R: c, N: maxHeaderBytes}
 	br := bufio.NewReaderSize(lr, 4096)
 	req, err := http.ReadRequest(br)
@@ -244,7 +248,7 @@ func (sb *Sandbox) Serve(ctx context.Context, c Conn) {
 			}
 		}
 	}
-	ev := Event{Host: q.Host, Port: q.Port, Method: q.Method}
+	ev := Event{Start: start, Host: q.Host, Port: q.Port, Method: q.Method}
 	deny := func(status int, rule string) {
 		ev.Rule = rule
 		reply(c, status, "dsec egress: "+rule)
@@ -377,6 +381,9 @@ func (sb *Sandbox) remove(t *tunnel) {
 
 func (sb *Sandbox) record(e Event) {
 	e.Time = time.Now()
+	if e.Start.IsZero() {
+		e.Start = e.Time
+	}
 	sb.p.cfg.Record(sb.id, e)
 }
 

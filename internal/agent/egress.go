@@ -109,9 +109,17 @@ func (srv *server) egressAccept(s *stream, r *egressAcceptRequest) error {
 		return errCanceled
 	}
 	defer c.Close()
-	// A Cancel (the policy now forbids the connection, the sandbox goes)
-	// closes it, which ends both copies below.
-	stop := context.AfterFunc(s.ctx, func() { c.Close() })
+	// A Cancel ends the connection: reading from the workload stops at
+	// once, and what the edge sent before it (a reply, then its end) is
+	// still written out, as the frames arrived in order; without that end
+	// the inbound copy fails on the canceled context and closes c.
+	stop := context.AfterFunc(s.ctx, func() {
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.CloseRead()
+		} else {
+			c.Close()
+		}
+	})
 	defer stop()
 	if err := s.sendData(s.ctx, chBody, nil, false); err != nil {
 		return nil // the edge is gone; nobody to answer
