@@ -415,6 +415,8 @@ func (b *Backend) makeDisk(ctx context.Context, path string, size int64) error {
 	return nil
 }
 
+var _ rt.DiffArchiver = (*sandbox)(nil)
+
 // sandbox is one microVM.
 type sandbox struct {
 	b      *Backend
@@ -498,6 +500,30 @@ func (s *sandbox) gone(err error) error {
 	default:
 		return err
 	}
+}
+
+// WriteDiff writes what the sandbox changed over its layers as a tar
+// stream with OCI whiteouts (runtime.DiffArchiver): the guest agent walks
+// its overlay's upper directory with the workload's cgroup frozen. A
+// frozen (paused) guest is resumed for the walk — its workload stays
+// frozen by the cgroup — and paused again after.
+func (s *sandbox) WriteDiff(ctx context.Context, w io.Writer) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.destroyed {
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("microvm %s: %w", s.id, rt.ErrSandboxGone))
+	}
+	if s.frozen {
+		if err := s.vm.Cont(ctx); err != nil {
+			return s.gone(err)
+		}
+		defer func() {
+			if err := s.vm.Stop(context.WithoutCancel(ctx)); err != nil {
+				s.b.opts.Logger.Warn("microvm: pause after diff", "sandbox", s.id, "err", err)
+			}
+		}()
+	}
+	return agentconv.Err(s.client.Diff(ctx, w))
 }
 
 // Destroy kills QEMU and removes the sandbox's directory (its writable

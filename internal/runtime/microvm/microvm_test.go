@@ -99,3 +99,18 @@ func TestSmoke(t *testing.T) {
 		t.Fatalf("exit %d", res.ExitCode)
 	}
 }
+
+// TestConformance runs the runtime conformance suite against microVMs.
+func TestConformance(t *testing.T) {
+	e := newEnv(t)
+	testsuite.Run(t, testsuite.Harness{
+		Backend:    e.backend,
+		NewSpec:    e.spec,
+		Leaks:      testsuite.HostLeaks(nil, []string{e.backend.StateDir()}),
+		AgentName:  "/init",
+		LeakCycles: 10,
+		Lacks: map[testsuite.Capability]string{
+			testsuite.CPUQuota: "a microVM's CPU is whole vCPUs (-smp); fractions of a core are not enforced",
+		},
+	})
+}

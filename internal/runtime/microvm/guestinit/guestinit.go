@@ -72,6 +72,7 @@ type Guest struct {
 
 	cgroup   int // UserCgroup, opened before the switch of root
 	writable int // the writable disk's root, for statfs
+	upper    int // the overlay's upper directory, for diff
 	mu       sync.Mutex
 	oomKills uint64
 	pidsMax  uint64
@@ -108,7 +109,7 @@ func Start() (*Guest, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := &Guest{cgroup: -1, writable: -1}
+	g := &Guest{cgroup: -1, writable: -1, upper: -1}
 	driver := "virtio_mmio"
 	if transport == "pci" {
 		driver = "virtio_pci"
@@ -125,6 +126,10 @@ func Start() (*Guest, error) {
 	conn, err := os.OpenFile(port, os.O_RDWR, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open the agent port: %w", err)
+	}
+	if err := waitForHost(conn); err != nil {
+		conn.Close()
+		return nil, err
 	}
 	var in *agent.Init
 	err = agent.AcceptInit(conn, func(i *agent.Init) (*agent.InitResult, error) {
@@ -149,6 +154,7 @@ func Start() (*Guest, error) {
 		User:    in.User,
 		Fork:    g.fork,
 		Verdict: g.verdict,
+		Diff:    g.diff,
 	}
 	return g, nil
 }
@@ -203,6 +209,9 @@ func (g *Guest) setup(in *agent.Init, mods modules) error {
 		return err
 	}
 	g.writable = fd
+	if g.upper, err = unix.Open(upper, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
+		return err
+	}
 	data := "lowerdir=" + strings.Join(lower, ":") + ",upperdir=" + upper + ",workdir=" + work
 	if err := unix.Mount("overlay", newRoot, "overlay", unix.MS_NODEV, data); err != nil {
 		return fmt.Errorf("mount overlay (%d layers): %w", len(lower), err)
@@ -392,6 +401,36 @@ func waitFor(path string) error {
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("%s did not appear", path)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// waitForHost waits until the host's first request is readable on the
+// port. Until QEMU's "port open" message reaches the guest's driver, a
+// read of the port returns end of file (and poll says POLLHUP), though
+// the host is connected and has written: the guest opens the port that
+// early at every boot, so it polls past it.
+func waitForHost(conn *os.File) error {
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	for {
+		var ready bool
+		var perr error
+		err := rc.Control(func(fd uintptr) {
+			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			_, perr = unix.Poll(fds, 100)
+			ready = fds[0].Revents&unix.POLLIN != 0
+		})
+		switch {
+		case err != nil:
+			return err
+		case perr != nil && perr != unix.EINTR:
+			return fmt.Errorf("poll the agent port: %w", perr)
+		case ready:
+			return nil
 		}
 		time.Sleep(time.Millisecond)
 	}
