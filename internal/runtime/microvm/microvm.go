@@ -381,7 +381,8 @@ func (b *Backend) config(dir string, spec rt.Spec, r rt.Resources, disk string) 
 				fmt.Sprintf("memory-backend-file,id=%s,share=on,readonly=on,mem-path=%s,size=%d", id, l.Path, size))
 			cfg.Devices = append(cfg.Devices, fmt.Sprintf("virtio-pmem-pci,memdev=%s,id=pmem%d", id, i))
 		}
-		cfg.Args = append(cfg.Args, "-m", fmt.Sprintf("%dM,slots=%d,maxmem=%dM", memMiB, len(spec.Layers)+1, memMiB+int(slots>>20)+len(spec.Layers)*2))
+		cfg.Slots = len(spec.Layers) + 1
+		cfg.MaxMemMiB = memMiB + int(slots>>20) + 2*len(spec.Layers)
 	} else {
 		for i, l := range spec.Layers {
 			cfg.Drives = append(cfg.Drives, qemu.Drive{File: l.Path, ReadOnly: true, Serial: "l" + strconv.Itoa(i)})
