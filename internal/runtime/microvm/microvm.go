@@ -32,6 +32,8 @@ import (
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/agent"
+	"github.com/dsec-dev/dsec/internal/audit/caps"
+	"github.com/dsec-dev/dsec/internal/audit/seccomp"
 	"github.com/dsec-dev/dsec/internal/fail"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/agentconv"
@@ -91,6 +93,10 @@ type Backend struct {
 	accel string
 	khz   int
 	mkfs  string
+	// caps and seccomp are the container backend's lockdown, which the
+	// guest applies to the workload (not to its agent).
+	caps    uint64
+	seccomp []byte
 }
 
 // New prepares the guest image (fetching the kernel on first use) and
@@ -151,6 +157,25 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 	}
 	b.img = img
 	b.khz = hostKHz()
+	// The container's policy, with clone3 allowed: the guest's spawner
+	// thread forks every workload process with clone3 (CLONE_INTO_CGROUP)
+	// under the filter it installs on itself. seccomp cannot read clone3's
+	// flags, which is why Docker refuses it; what a workload could do with
+	// them (namespaces of its own) happens in its own guest kernel, behind
+	// the VM boundary.
+	pol, err := seccomp.DefaultPolicy()
+	if err != nil {
+		return nil, fail.Errorf(fail.Internal, "microvm: seccomp policy: %w", err)
+	}
+	pol.Rules = append([]seccomp.Rule{{Syscall: "clone3", Action: seccomp.Allow}}, pol.Rules...)
+	prog, err := seccomp.Compile(pol)
+	if err != nil {
+		return nil, fail.Errorf(fail.Internal, "microvm: compile seccomp profile: %w", err)
+	}
+	if b.seccomp, err = prog.MarshalBinary(); err != nil {
+		return nil, fail.Errorf(fail.Internal, "microvm: %w", err)
+	}
+	b.caps = uint64(caps.DockerDefault())
 	return b, nil
 }
 
@@ -274,6 +299,11 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		Workdir:   spec.Workdir,
 		User:      spec.User,
 		Resources: &agent.Resources{MilliCPU: r.MilliCPU, MemoryBytes: r.MemoryBytes, Pids: r.Pids, DiskBytes: r.DiskBytes},
+		// Only the lockdown of the container's part applies in a guest:
+		// the workload gets a container's capabilities and seccomp filter,
+		// so it can neither reach the agent nor read what a container
+		// could not.
+		Container: &agent.ContainerInit{Caps: b.caps, Seccomp: b.seccomp},
 		Writable: &agent.Writable{
 			Source: &agent.Source{Block: &agent.BlockDevice{Serial: "rw"}, FSType: "ext4"},
 			Upper:  "upper", Work: "work",

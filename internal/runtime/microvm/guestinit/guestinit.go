@@ -73,6 +73,7 @@ type Guest struct {
 	cgroup   int // UserCgroup, opened before the switch of root
 	writable int // the writable disk's root, for statfs
 	upper    int // the overlay's upper directory, for diff
+	spawn    chan spawnReq
 	mu       sync.Mutex
 	oomKills uint64
 	pidsMax  uint64
@@ -212,7 +213,17 @@ func (g *Guest) setup(in *agent.Init, mods modules) error {
 	if g.upper, err = unix.Open(upper, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
 		return err
 	}
+	// The container's overlay options: xino=on keeps inode numbers
+	// consistent across the layers' file systems (readdir and stat agree),
+	// index, redirect_dir and metacopy off, volatile (the disk dies with
+	// the sandbox: no syncs).
 	data := "lowerdir=" + strings.Join(lower, ":") + ",upperdir=" + upper + ",workdir=" + work
+	for _, o := range sandboxinit.OverlayOptions {
+		data += "," + o[0]
+		if o[1] != "" {
+			data += "=" + o[1]
+		}
+	}
 	if err := unix.Mount("overlay", newRoot, "overlay", unix.MS_NODEV, data); err != nil {
 		return fmt.Errorf("mount overlay (%d layers): %w", len(lower), err)
 	}
@@ -236,6 +247,20 @@ func (g *Guest) setup(in *agent.Init, mods modules) error {
 		return err
 	}
 	if err := g.limits(in.Resources); err != nil {
+		return err
+	}
+	// The kernel's log is the guest's, but a container cannot read its
+	// kernel's either (dmesg needs CAP_SYSLOG, which the workload lacks).
+	for _, kv := range [][2]string{{"kernel/dmesg_restrict", "1"}, {"kernel/kptr_restrict", "2"}} {
+		if err := os.WriteFile("/proc/sys/"+kv[0], []byte(kv[1]), 0); err != nil {
+			return fmt.Errorf("sysctl %s: %w", kv[0], err)
+		}
+	}
+	if c := in.Container; c != nil && !c.NoLockdown {
+		if err := g.startSpawner(c.Caps, c.Seccomp); err != nil {
+			return err
+		}
+	} else if err := g.startSpawner(^uint64(0), nil); err != nil {
 		return err
 	}
 	if err := sandboxinit.MaskPaths(newRoot); err != nil {
@@ -300,11 +325,12 @@ func (g *Guest) limits(r *agent.Resources) error {
 	return nil
 }
 
-// fork has every process the agent starts born in UserCgroup.
+// fork has every process the agent starts forked by the locked-down
+// spawner thread and born in UserCgroup.
 func (g *Guest) fork(attr *syscall.SysProcAttr, start func() error) error {
-	attr.UseCgroupFD = true
-	attr.CgroupFD = g.cgroup
-	return start()
+	done := make(chan error, 1)
+	g.spawn <- spawnReq{attr: attr, start: start, done: done}
+	return <-done
 }
 
 // verdict tells a failed command's result what the guest's kernel saw:
