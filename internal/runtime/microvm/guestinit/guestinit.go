@@ -436,7 +436,7 @@ func waitFor(path string) error {
 // port. Until QEMU's "port open" message reaches the guest's driver, a
 // read of the port returns end of file (and poll says POLLHUP), though
 // the host is connected and has written: the guest opens the port that
-// early at every boot, so it polls past it.
+// early at every boot, so it polls past it (POLLHUP set).
 func waitForHost(conn *os.File) error {
 	rc, err := conn.SyscallConn()
 	if err != nil {
@@ -448,7 +448,9 @@ func waitForHost(conn *os.File) error {
 		err := rc.Control(func(fd uintptr) {
 			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
 			_, perr = unix.Poll(fds, 100)
-			ready = fds[0].Revents&unix.POLLIN != 0
+			// The driver says POLLIN|POLLHUP while the host is not
+			// connected (a read would not block: it returns EOF).
+			ready = fds[0].Revents&(unix.POLLIN|unix.POLLHUP) == unix.POLLIN
 		})
 		switch {
 		case err != nil:
