@@ -20,7 +20,7 @@ func (b *Backend) FloorConfig(ctx context.Context, dir string, spec rt.Spec, dis
 	if err := b.makeDisk(ctx, disk, r.DiskBytes); err != nil {
 		return qemu.Config{}, err
 	}
-	return b.config(dir, spec, r, disk), nil
+	return b.config(dir, spec, r, disk, nil), nil
 }
 
 // QEMUPid is the pid of the QEMU running sb.
