@@ -57,9 +57,9 @@ type Options struct {
 	// processes born in a child cgroup whose pids limit excludes the agent,
 	// so a fork bomb cannot starve the agent of threads.
 	Fork func(attr *syscall.SysProcAttr, start func() error) error
-	// Verdict, if set, is called once a command that failed (non-zero
-	// exit, or a signal) has ended, before its result is sent: what it
-	// returns is added to the result. A VM guest's agent sets it, because
+	// Verdict, if set, is called once a command has ended, before its
+	// result is sent: what it returns is added to the result (DiskFull only
+	// to a command that failed: non-zero exit, or a signal). A VM guest's agent sets it, because
 	// there the host can read neither the sandbox's cgroups nor its disk.
 	Verdict func() Verdict
 	// Diff, if set, serves the diff request: it writes what the sandbox

@@ -32,6 +32,8 @@ import (
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/agent"
+	"github.com/dsec-dev/dsec/internal/audit/caps"
+	"github.com/dsec-dev/dsec/internal/audit/seccomp"
 	"github.com/dsec-dev/dsec/internal/fail"
 	rt "github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/agentconv"
@@ -91,6 +93,10 @@ type Backend struct {
 	accel string
 	khz   int
 	mkfs  string
+	// caps and seccomp are the container backend's lockdown, which the
+	// guest applies to the workload (not to its agent).
+	caps    uint64
+	seccomp []byte
 }
 
 // New prepares the guest image (fetching the kernel on first use) and
@@ -151,6 +157,25 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 	}
 	b.img = img
 	b.khz = hostKHz()
+	// The container's policy, with clone3 allowed: the guest's spawner
+	// thread forks every workload process with clone3 (CLONE_INTO_CGROUP)
+	// under the filter it installs on itself. seccomp cannot read clone3's
+	// flags, which is why Docker refuses it; what a workload could do with
+	// them (namespaces of its own) happens in its own guest kernel, behind
+	// the VM boundary.
+	pol, err := seccomp.DefaultPolicy()
+	if err != nil {
+		return nil, fail.Errorf(fail.Internal, "microvm: seccomp policy: %w", err)
+	}
+	pol.Rules = append([]seccomp.Rule{{Syscall: "clone3", Action: seccomp.Allow}}, pol.Rules...)
+	prog, err := seccomp.Compile(pol)
+	if err != nil {
+		return nil, fail.Errorf(fail.Internal, "microvm: compile seccomp profile: %w", err)
+	}
+	if b.seccomp, err = prog.MarshalBinary(); err != nil {
+		return nil, fail.Errorf(fail.Internal, "microvm: %w", err)
+	}
+	b.caps = uint64(caps.DockerDefault())
 	return b, nil
 }
 
@@ -263,7 +288,13 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		return nil, err
 	}
 
-	cfg := b.config(dir, spec, r, disk)
+	var pmem map[int]string
+	if b.opts.DAX {
+		if pmem, err = b.pmemFiles(spec.Layers); err != nil {
+			return nil, err
+		}
+	}
+	cfg := b.config(dir, spec, r, disk, pmem)
 	vm, err = qemu.Start(ctx, cfg)
 	if err != nil {
 		return nil, err
@@ -274,6 +305,11 @@ func (b *Backend) Create(ctx context.Context, spec rt.Spec) (_ rt.Sandbox, err e
 		Workdir:   spec.Workdir,
 		User:      spec.User,
 		Resources: &agent.Resources{MilliCPU: r.MilliCPU, MemoryBytes: r.MemoryBytes, Pids: r.Pids, DiskBytes: r.DiskBytes},
+		// Only the lockdown of the container's part applies in a guest:
+		// the workload gets a container's capabilities and seccomp filter,
+		// so it can neither reach the agent nor read what a container
+		// could not.
+		Container: &agent.ContainerInit{Caps: b.caps, Seccomp: b.seccomp},
 		Writable: &agent.Writable{
 			Source: &agent.Source{Block: &agent.BlockDevice{Serial: "rw"}, FSType: "ext4"},
 			Upper:  "upper", Work: "work",
@@ -329,7 +365,7 @@ func (b *Backend) bootErr(ctx, bootCtx context.Context, vm *qemu.VM, dir string,
 }
 
 // config is QEMU's configuration for one sandbox.
-func (b *Backend) config(dir string, spec rt.Spec, r rt.Resources, disk string) qemu.Config {
+func (b *Backend) config(dir string, spec rt.Spec, r rt.Resources, disk string, pmem map[int]string) qemu.Config {
 	memMiB := int((r.MemoryBytes + guestOverheadBytes + (1<<20 - 1)) >> 20)
 	smp := 1
 	if r.MilliCPU > 1000 {
@@ -347,6 +383,13 @@ func (b *Backend) config(dir string, spec rt.Spec, r rt.Resources, disk string) 
 		// The guest is one sandbox: side-channel mitigations inside it
 		// protect the sandbox from itself, at a cost TCG makes large.
 		"mitigations=off", "random.trust_cpu=on",
+		// Boot-time work the guest does not need, measured under TCG at
+		// about a second of its boot: the guest's own LSMs, audit, IMA/EVM
+		// and crypto self-tests (the workload's lockdown is its
+		// capabilities and seccomp filter, and the VM boundary). TSC is
+		// reliable enough for a guest: else the clocksource watchdog moves
+		// it to jiffies, whose 4 ms ticks every sleep in the guest pays.
+		"apparmor=0", "audit=0", "ima_appraise=off", "evm=off", "cryptomgr.notests", "tsc=reliable",
 	}
 	if b.khz > 0 {
 		cmdline = append(cmdline, "tsc_early_khz="+strconv.Itoa(b.khz))
@@ -373,15 +416,21 @@ func (b *Backend) config(dir string, spec rt.Spec, r rt.Resources, disk string) 
 		// cache pages.
 		var slots int64
 		for i, l := range spec.Layers {
-			fi, _ := os.Stat(l.Path)
-			size := (fi.Size() + (2<<20 - 1)) &^ (2<<20 - 1)
+			path, size := l.Path, int64(0)
+			if p, ok := pmem[i]; ok {
+				path = p
+			}
+			if fi, err := os.Stat(path); err == nil {
+				size = fi.Size()
+			}
 			slots += size
 			id := "pm" + strconv.Itoa(i)
 			cfg.Args = append(cfg.Args, "-object",
-				fmt.Sprintf("memory-backend-file,id=%s,share=on,readonly=on,mem-path=%s,size=%d", id, l.Path, size))
+				fmt.Sprintf("memory-backend-file,id=%s,share=on,readonly=on,mem-path=%s,size=%d", id, path, size))
 			cfg.Devices = append(cfg.Devices, fmt.Sprintf("virtio-pmem-pci,memdev=%s,id=pmem%d", id, i))
 		}
-		cfg.Args = append(cfg.Args, "-m", fmt.Sprintf("%dM,slots=%d,maxmem=%dM", memMiB, len(spec.Layers)+1, memMiB+int(slots>>20)+len(spec.Layers)*2))
+		cfg.Slots = len(spec.Layers) + 1
+		cfg.MaxMemMiB = memMiB + int(slots>>20) + 2*len(spec.Layers)
 	} else {
 		for i, l := range spec.Layers {
 			cfg.Drives = append(cfg.Drives, qemu.Drive{File: l.Path, ReadOnly: true, Serial: "l" + strconv.Itoa(i)})
@@ -390,6 +439,76 @@ func (b *Backend) config(dir string, spec rt.Spec, r rt.Resources, disk string) 
 	cfg.Drives = append(cfg.Drives, qemu.Drive{File: disk, Serial: "rw"})
 	cfg.Devices = append(cfg.Devices, cfg.Virtio("balloon")+",free-page-reporting=on")
 	return cfg
+}
+
+// pmemAlign is the size a virtio-pmem region must be a multiple of for
+// the guest's nvdimm driver to take it.
+const pmemAlign = 2 << 20
+
+// pmemFiles returns, for each layer whose file is not a multiple of
+// pmemAlign, a copy padded with zeros to one (EROFS ignores what follows
+// its last block), kept by digest under the cache directory for every
+// later sandbox: the layer file itself is read-only and shared.
+func (b *Backend) pmemFiles(layers []rt.Layer) (map[int]string, error) {
+	out := map[int]string{}
+	dir := filepath.Join(filepath.Dir(b.img.Initrd), "pmem")
+	for i, l := range layers {
+		fi, err := os.Stat(l.Path)
+		if err != nil {
+			return nil, fail.Errorf(fail.NotFound, "microvm: spec.layers[%d]: %w", i, err)
+		}
+		if fi.Size()%pmemAlign == 0 {
+			continue
+		}
+		name := strings.TrimPrefix(l.Digest, "sha256:")
+		if name == "" || strings.ContainsAny(name, "/.") {
+			return nil, invalid("spec.layers[%d].digest %q: not a sha256 digest", i, l.Digest)
+		}
+		p := filepath.Join(dir, name+".pmem")
+		if _, err := os.Stat(p); err == nil {
+			out[i] = p
+			continue
+		}
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, fail.Errorf(fail.Internal, "microvm: %w", err)
+		}
+		if err := padCopy(l.Path, p, (fi.Size()+pmemAlign-1)/pmemAlign*pmemAlign); err != nil {
+			return nil, fail.Errorf(fail.Internal, "microvm: pmem copy of layer %d: %w", i, err)
+		}
+		out[i] = p
+	}
+	return out, nil
+}
+
+// padCopy copies src to dst (through a temporary name) and extends it to
+// size.
+func padCopy(src, dst string, size int64) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	tmp, err := os.CreateTemp(filepath.Dir(dst), ".pmem-")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := io.Copy(tmp, in); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Truncate(size); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Chmod(0o444); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), dst)
 }
 
 // makeDisk makes the sandbox's writable disk: a sparse file of size bytes
@@ -414,6 +533,8 @@ func (b *Backend) makeDisk(ctx context.Context, path string, size int64) error {
 	}
 	return nil
 }
+
+var _ rt.DiffArchiver = (*sandbox)(nil)
 
 // sandbox is one microVM.
 type sandbox struct {
@@ -498,6 +619,30 @@ func (s *sandbox) gone(err error) error {
 	default:
 		return err
 	}
+}
+
+// WriteDiff writes what the sandbox changed over its layers as a tar
+// stream with OCI whiteouts (runtime.DiffArchiver): the guest agent walks
+// its overlay's upper directory with the workload's cgroup frozen. A
+// frozen (paused) guest is resumed for the walk — its workload stays
+// frozen by the cgroup — and paused again after.
+func (s *sandbox) WriteDiff(ctx context.Context, w io.Writer) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.destroyed {
+		return fail.New(fail.FailedPrecondition, fmt.Errorf("microvm %s: %w", s.id, rt.ErrSandboxGone))
+	}
+	if s.frozen {
+		if err := s.vm.Cont(ctx); err != nil {
+			return s.gone(err)
+		}
+		defer func() {
+			if err := s.vm.Stop(context.WithoutCancel(ctx)); err != nil {
+				s.b.opts.Logger.Warn("microvm: pause after diff", "sandbox", s.id, "err", err)
+			}
+		}()
+	}
+	return agentconv.Err(s.client.Diff(ctx, w))
 }
 
 // Destroy kills QEMU and removes the sandbox's directory (its writable
