@@ -143,4 +143,3 @@ func BenchmarkScreenshot(b *testing.B) {
 		b.SetBytes(int64(len(png)))
 	}
 }
-
