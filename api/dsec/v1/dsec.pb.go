@@ -4119,6 +4119,157 @@ func (x *ImportImageResponse) GetImage() *Image {
 	return nil
 }
 
+// Pull converts an image an OCI registry serves into the store's layers,
+// once: the image records the registry's manifest digest, and a pull of a
+// digest already converted (under any name) converts nothing. Non-admin
+// callers cannot reach registries at loopback, private or link-local
+// addresses (the server's own network).
+type PullImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The registry reference: [HOST[:PORT]/]REPO[:TAG|@sha256:HEX]; Docker
+	// Hub without a host. Plain HTTP for loopback and private hosts.
+	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	// NAME:TAG to create or move; default the source's repository and tag.
+	Ref string `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`
+	// Make the image visible to every tenant (admin only).
+	Public        bool `protobuf:"varint,3,opt,name=public,proto3" json:"public,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageRequest) Reset() {
+	*x = PullImageRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageRequest) ProtoMessage() {}
+
+func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
+func (*PullImageRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+}
+
+func (x *PullImageRequest) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetPublic() bool {
+	if x != nil {
+		return x.Public
+	}
+	return false
+}
+
+// The stream says how many layers are converted as it goes, then ends
+// with one message carrying the image.
+type PullImageResponse struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	LayersDone  int64                  `protobuf:"varint,1,opt,name=layers_done,json=layersDone,proto3" json:"layers_done,omitempty"`
+	LayersTotal int64                  `protobuf:"varint,2,opt,name=layers_total,json=layersTotal,proto3" json:"layers_total,omitempty"`
+	// Set on the last message.
+	Image *Image `protobuf:"bytes,3,opt,name=image,proto3" json:"image,omitempty"`
+	// On the last message: false when nothing was converted (the digest was
+	// converted before).
+	Converted bool `protobuf:"varint,4,opt,name=converted,proto3" json:"converted,omitempty"`
+	// The manifest (or index) digest the registry served.
+	SourceDigest  string `protobuf:"bytes,5,opt,name=source_digest,json=sourceDigest,proto3" json:"source_digest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageResponse) Reset() {
+	*x = PullImageResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageResponse) ProtoMessage() {}
+
+func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageResponse.ProtoReflect.Descriptor instead.
+func (*PullImageResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+}
+
+func (x *PullImageResponse) GetLayersDone() int64 {
+	if x != nil {
+		return x.LayersDone
+	}
+	return 0
+}
+
+func (x *PullImageResponse) GetLayersTotal() int64 {
+	if x != nil {
+		return x.LayersTotal
+	}
+	return 0
+}
+
+func (x *PullImageResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
+func (x *PullImageResponse) GetConverted() bool {
+	if x != nil {
+		return x.Converted
+	}
+	return false
+}
+
+func (x *PullImageResponse) GetSourceDigest() string {
+	if x != nil {
+		return x.SourceDigest
+	}
+	return ""
+}
+
 type ListImagesRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -4127,7 +4278,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4139,7 +4290,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4152,7 +4303,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
 }
 
 type ListImagesResponse struct {
@@ -4164,7 +4315,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4176,7 +4327,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4189,7 +4340,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -4208,7 +4359,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4220,7 +4371,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4233,7 +4384,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -4252,7 +4403,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4264,7 +4415,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4277,7 +4428,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -4297,7 +4448,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4309,7 +4460,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4322,7 +4473,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -4348,7 +4499,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4360,7 +4511,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4373,7 +4524,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -4392,7 +4543,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4404,7 +4555,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4417,7 +4568,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -4435,7 +4586,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4447,7 +4598,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4460,7 +4611,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -4482,7 +4633,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4494,7 +4645,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4507,7 +4658,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -4551,7 +4702,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4563,7 +4714,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4576,7 +4727,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -4693,7 +4844,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4705,7 +4856,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4718,7 +4869,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *Pool) GetId() string {
@@ -4817,7 +4968,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4829,7 +4980,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4842,7 +4993,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -4882,7 +5033,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4894,7 +5045,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4907,7 +5058,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -4925,7 +5076,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4937,7 +5088,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4950,7 +5101,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 type ListPoolsResponse struct {
@@ -4962,7 +5113,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4974,7 +5125,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4987,7 +5138,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -5006,7 +5157,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5018,7 +5169,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5031,7 +5182,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -5049,7 +5200,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5061,7 +5212,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5074,7 +5225,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -5108,7 +5259,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5120,7 +5271,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5133,7 +5284,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -5234,7 +5385,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5246,7 +5397,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5259,7 +5410,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -5342,7 +5493,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5354,7 +5505,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5367,7 +5518,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -5421,7 +5572,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5433,7 +5584,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5446,7 +5597,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -5490,7 +5641,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5502,7 +5653,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5515,7 +5666,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *TenantUsage) GetSandboxes() int64 {
@@ -5554,7 +5705,7 @@ type Tenant struct {
 
 func (x *Tenant) Reset() {
 	*x = Tenant{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5566,7 +5717,7 @@ func (x *Tenant) String() string {
 func (*Tenant) ProtoMessage() {}
 
 func (x *Tenant) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5579,7 +5730,7 @@ func (x *Tenant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
 func (*Tenant) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *Tenant) GetName() string {
@@ -5628,7 +5779,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5640,7 +5791,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5653,7 +5804,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -5689,7 +5840,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5701,7 +5852,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5714,7 +5865,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5759,7 +5910,7 @@ type UpdateTenantRequest struct {
 
 func (x *UpdateTenantRequest) Reset() {
 	*x = UpdateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5771,7 +5922,7 @@ func (x *UpdateTenantRequest) String() string {
 func (*UpdateTenantRequest) ProtoMessage() {}
 
 func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5784,7 +5935,7 @@ func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
 func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *UpdateTenantRequest) GetName() string {
@@ -5859,7 +6010,7 @@ type UpdateTenantResponse struct {
 
 func (x *UpdateTenantResponse) Reset() {
 	*x = UpdateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5871,7 +6022,7 @@ func (x *UpdateTenantResponse) String() string {
 func (*UpdateTenantResponse) ProtoMessage() {}
 
 func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5884,7 +6035,7 @@ func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
 func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *UpdateTenantResponse) GetTenant() *Tenant {
@@ -5904,7 +6055,7 @@ type GetTenantRequest struct {
 
 func (x *GetTenantRequest) Reset() {
 	*x = GetTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5916,7 +6067,7 @@ func (x *GetTenantRequest) String() string {
 func (*GetTenantRequest) ProtoMessage() {}
 
 func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5929,7 +6080,7 @@ func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
 func (*GetTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *GetTenantRequest) GetName() string {
@@ -5948,7 +6099,7 @@ type GetTenantResponse struct {
 
 func (x *GetTenantResponse) Reset() {
 	*x = GetTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5960,7 +6111,7 @@ func (x *GetTenantResponse) String() string {
 func (*GetTenantResponse) ProtoMessage() {}
 
 func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5973,7 +6124,7 @@ func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
 func (*GetTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *GetTenantResponse) GetTenant() *Tenant {
@@ -5991,7 +6142,7 @@ type ListTenantsRequest struct {
 
 func (x *ListTenantsRequest) Reset() {
 	*x = ListTenantsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6003,7 +6154,7 @@ func (x *ListTenantsRequest) String() string {
 func (*ListTenantsRequest) ProtoMessage() {}
 
 func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6016,7 +6167,7 @@ func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
 func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
 }
 
 type ListTenantsResponse struct {
@@ -6028,7 +6179,7 @@ type ListTenantsResponse struct {
 
 func (x *ListTenantsResponse) Reset() {
 	*x = ListTenantsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6040,7 +6191,7 @@ func (x *ListTenantsResponse) String() string {
 func (*ListTenantsResponse) ProtoMessage() {}
 
 func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6053,7 +6204,7 @@ func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
 func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *ListTenantsResponse) GetTenants() []*Tenant {
@@ -6071,7 +6222,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6083,7 +6234,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6096,7 +6247,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
 }
 
 type ListNodesResponse struct {
@@ -6109,7 +6260,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6121,7 +6272,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6134,7 +6285,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -6176,7 +6327,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6188,7 +6339,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6201,7 +6352,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
 }
 
 func (x *Node) GetId() string {
@@ -6319,7 +6470,7 @@ type NodeBackend struct {
 
 func (x *NodeBackend) Reset() {
 	*x = NodeBackend{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6331,7 +6482,7 @@ func (x *NodeBackend) String() string {
 func (*NodeBackend) ProtoMessage() {}
 
 func (x *NodeBackend) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6344,7 +6495,7 @@ func (x *NodeBackend) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
 func (*NodeBackend) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
 }
 
 func (x *NodeBackend) GetBackend() string {
@@ -6474,7 +6625,7 @@ type NodeMeasurement struct {
 
 func (x *NodeMeasurement) Reset() {
 	*x = NodeMeasurement{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6486,7 +6637,7 @@ func (x *NodeMeasurement) String() string {
 func (*NodeMeasurement) ProtoMessage() {}
 
 func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6499,7 +6650,7 @@ func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
 func (*NodeMeasurement) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{104}
 }
 
 func (x *NodeMeasurement) GetMilliCpu() int64 {
@@ -6604,7 +6755,7 @@ type SandboxCount struct {
 
 func (x *SandboxCount) Reset() {
 	*x = SandboxCount{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6616,7 +6767,7 @@ func (x *SandboxCount) String() string {
 func (*SandboxCount) ProtoMessage() {}
 
 func (x *SandboxCount) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6629,7 +6780,7 @@ func (x *SandboxCount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
 func (*SandboxCount) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{105}
 }
 
 func (x *SandboxCount) GetBackend() string {
@@ -6963,7 +7114,18 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"serverPath\x12\x16\n" +
 	"\x06public\x18\x03 \x01(\bR\x06public\";\n" +
 	"\x13ImportImageResponse\x12$\n" +
-	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"\x13\n" +
+	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"T\n" +
+	"\x10PullImageRequest\x12\x16\n" +
+	"\x06source\x18\x01 \x01(\tR\x06source\x12\x10\n" +
+	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
+	"\x06public\x18\x03 \x01(\bR\x06public\"\xc0\x01\n" +
+	"\x11PullImageResponse\x12\x1f\n" +
+	"\vlayers_done\x18\x01 \x01(\x03R\n" +
+	"layersDone\x12!\n" +
+	"\flayers_total\x18\x02 \x01(\x03R\vlayersTotal\x12$\n" +
+	"\x05image\x18\x03 \x01(\v2\x0e.dsec.v1.ImageR\x05image\x12\x1c\n" +
+	"\tconverted\x18\x04 \x01(\bR\tconverted\x12#\n" +
+	"\rsource_digest\x18\x05 \x01(\tR\fsourceDigest\"\x13\n" +
 	"\x11ListImagesRequest\"<\n" +
 	"\x12ListImagesResponse\x12&\n" +
 	"\x06images\x18\x01 \x03(\v2\x0e.dsec.v1.ImageR\x06images\"#\n" +
@@ -7209,9 +7371,10 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\aAcquire\x12\x17.dsec.v1.AcquireRequest\x1a\x18.dsec.v1.AcquireResponse\x12B\n" +
 	"\tBatchExec\x12\x19.dsec.v1.BatchExecRequest\x1a\x1a.dsec.v1.BatchExecResponse\x12N\n" +
 	"\rBatchRollback\x12\x1d.dsec.v1.BatchRollbackRequest\x1a\x1e.dsec.v1.BatchRollbackResponse\x12<\n" +
-	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xa6\x03\n" +
+	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xe7\x03\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
+	"\x04Pull\x12\x19.dsec.v1.PullImageRequest\x1a\x1a.dsec.v1.PullImageResponse0\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
 	"\x03Get\x12\x18.dsec.v1.GetImageRequest\x1a\x19.dsec.v1.GetImageResponse\x12:\n" +
 	"\x03Tag\x12\x18.dsec.v1.TagImageRequest\x1a\x19.dsec.v1.TagImageResponse\x12C\n" +
@@ -7243,7 +7406,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 110)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 112)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -7312,63 +7475,65 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*ImportImageRequest)(nil),            // 64: dsec.v1.ImportImageRequest
 	(*ImportHeader)(nil),                  // 65: dsec.v1.ImportHeader
 	(*ImportImageResponse)(nil),           // 66: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 67: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 68: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 69: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 70: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 71: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 72: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 73: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 74: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 75: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 76: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 77: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 78: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 79: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 80: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 81: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 82: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 83: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 84: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 85: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 86: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 87: dsec.v1.Quota
-	(*TenantUsage)(nil),                   // 88: dsec.v1.TenantUsage
-	(*Tenant)(nil),                        // 89: dsec.v1.Tenant
-	(*CreateTenantRequest)(nil),           // 90: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 91: dsec.v1.CreateTenantResponse
-	(*UpdateTenantRequest)(nil),           // 92: dsec.v1.UpdateTenantRequest
-	(*UpdateTenantResponse)(nil),          // 93: dsec.v1.UpdateTenantResponse
-	(*GetTenantRequest)(nil),              // 94: dsec.v1.GetTenantRequest
-	(*GetTenantResponse)(nil),             // 95: dsec.v1.GetTenantResponse
-	(*ListTenantsRequest)(nil),            // 96: dsec.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),           // 97: dsec.v1.ListTenantsResponse
-	(*ListNodesRequest)(nil),              // 98: dsec.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),             // 99: dsec.v1.ListNodesResponse
-	(*Node)(nil),                          // 100: dsec.v1.Node
-	(*NodeBackend)(nil),                   // 101: dsec.v1.NodeBackend
-	(*NodeMeasurement)(nil),               // 102: dsec.v1.NodeMeasurement
-	(*SandboxCount)(nil),                  // 103: dsec.v1.SandboxCount
-	nil,                                   // 104: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 105: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 106: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 107: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 108: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 109: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 110: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 111: google.protobuf.Timestamp
+	(*PullImageRequest)(nil),              // 67: dsec.v1.PullImageRequest
+	(*PullImageResponse)(nil),             // 68: dsec.v1.PullImageResponse
+	(*ListImagesRequest)(nil),             // 69: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 70: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 71: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 72: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 73: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 74: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 75: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 76: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 77: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 78: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 79: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 80: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 81: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 82: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 83: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 84: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 85: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 86: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 87: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 88: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 89: dsec.v1.Quota
+	(*TenantUsage)(nil),                   // 90: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 91: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 92: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 93: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 94: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 95: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 96: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 97: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 98: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 99: dsec.v1.ListTenantsResponse
+	(*ListNodesRequest)(nil),              // 100: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 101: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 102: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 103: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 104: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 105: dsec.v1.SandboxCount
+	nil,                                   // 106: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 107: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 108: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 109: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 110: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 111: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 112: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 113: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	104, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	110, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	110, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	106, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	112, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	112, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	1,   // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	111, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	111, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	113, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	113, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,   // 7: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
-	111, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
-	110, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	113, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	112, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
 	1,   // 10: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	2,   // 11: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,   // 12: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -7376,23 +7541,23 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	7,   // 14: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	8,   // 15: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	2,   // 16: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	105, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	107, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	2,   // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	110, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	110, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	112, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	112, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	15,  // 21: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	15,  // 22: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
 	1,   // 23: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
 	14,  // 24: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
 	15,  // 25: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	106, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	108, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	7,   // 27: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	31,  // 28: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
 	63,  // 29: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
 	2,   // 30: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
 	2,   // 31: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
 	47,  // 32: dsec.v1.InputRequest.events:type_name -> dsec.v1.InputEvent
-	107, // 33: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	109, // 33: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
 	7,   // 34: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
 	51,  // 35: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
 	1,   // 36: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -7406,129 +7571,132 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	7,   // 44: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
 	59,  // 45: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
 	31,  // 46: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	111, // 47: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	113, // 47: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	65,  // 48: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
 	63,  // 49: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	63,  // 50: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	63,  // 51: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	63,  // 52: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	110, // 53: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,   // 54: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	110, // 55: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,   // 56: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	110, // 57: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	77,  // 58: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	77,  // 59: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	110, // 60: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	110, // 61: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	108, // 62: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	85,  // 63: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	85,  // 64: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	109, // 65: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	87,  // 66: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
-	0,   // 67: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
-	88,  // 68: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	111, // 69: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	87,  // 70: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	0,   // 71: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
-	89,  // 72: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	89,  // 73: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	89,  // 74: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	89,  // 75: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	100, // 76: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
-	111, // 77: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
-	101, // 78: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
-	102, // 79: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
-	103, // 80: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
-	4,   // 81: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	6,   // 82: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	10,  // 83: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	12,  // 84: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	14,  // 85: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	14,  // 86: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	18,  // 87: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	20,  // 88: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	22,  // 89: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	28,  // 90: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	30,  // 91: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	24,  // 92: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	26,  // 93: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	33,  // 94: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	35,  // 95: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	37,  // 96: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	39,  // 97: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	41,  // 98: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	43,  // 99: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	45,  // 100: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	48,  // 101: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
-	50,  // 102: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	50,  // 103: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	53,  // 104: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	55,  // 105: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	58,  // 106: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	61,  // 107: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	64,  // 108: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	67,  // 109: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	69,  // 110: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	71,  // 111: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	73,  // 112: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	75,  // 113: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	78,  // 114: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	80,  // 115: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	82,  // 116: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	84,  // 117: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	90,  // 118: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	92,  // 119: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	94,  // 120: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	96,  // 121: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	98,  // 122: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
-	5,   // 123: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	9,   // 124: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	11,  // 125: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	13,  // 126: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	16,  // 127: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	17,  // 128: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	19,  // 129: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	21,  // 130: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	23,  // 131: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	29,  // 132: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	32,  // 133: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	25,  // 134: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	27,  // 135: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	34,  // 136: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	36,  // 137: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	38,  // 138: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	40,  // 139: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	42,  // 140: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	44,  // 141: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	46,  // 142: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	49,  // 143: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
-	52,  // 144: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	52,  // 145: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	54,  // 146: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	57,  // 147: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	60,  // 148: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	62,  // 149: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	66,  // 150: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	68,  // 151: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	70,  // 152: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	72,  // 153: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	74,  // 154: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	76,  // 155: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	79,  // 156: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	81,  // 157: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	83,  // 158: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	86,  // 159: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	91,  // 160: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	93,  // 161: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	95,  // 162: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	97,  // 163: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	99,  // 164: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
-	123, // [123:165] is the sub-list for method output_type
-	81,  // [81:123] is the sub-list for method input_type
-	81,  // [81:81] is the sub-list for extension type_name
-	81,  // [81:81] is the sub-list for extension extendee
-	0,   // [0:81] is the sub-list for field type_name
+	63,  // 50: dsec.v1.PullImageResponse.image:type_name -> dsec.v1.Image
+	63,  // 51: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	63,  // 52: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	63,  // 53: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	112, // 54: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 55: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	112, // 56: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 57: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	112, // 58: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	79,  // 59: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	79,  // 60: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	112, // 61: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	112, // 62: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	110, // 63: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	87,  // 64: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	87,  // 65: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	111, // 66: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	89,  // 67: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 68: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	90,  // 69: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	113, // 70: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	89,  // 71: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 72: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	91,  // 73: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	91,  // 74: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	91,  // 75: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	91,  // 76: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	102, // 77: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	113, // 78: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	103, // 79: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	104, // 80: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	105, // 81: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	4,   // 82: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	6,   // 83: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	10,  // 84: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	12,  // 85: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	14,  // 86: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	14,  // 87: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	18,  // 88: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	20,  // 89: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	22,  // 90: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	28,  // 91: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	30,  // 92: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	24,  // 93: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	26,  // 94: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	33,  // 95: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	35,  // 96: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	37,  // 97: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	39,  // 98: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	41,  // 99: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	43,  // 100: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	45,  // 101: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	48,  // 102: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
+	50,  // 103: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	50,  // 104: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	53,  // 105: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	55,  // 106: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	58,  // 107: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	61,  // 108: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	64,  // 109: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	67,  // 110: dsec.v1.ImageService.Pull:input_type -> dsec.v1.PullImageRequest
+	69,  // 111: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	71,  // 112: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	73,  // 113: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	75,  // 114: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	77,  // 115: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	80,  // 116: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	82,  // 117: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	84,  // 118: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	86,  // 119: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	92,  // 120: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	94,  // 121: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	96,  // 122: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	98,  // 123: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	100, // 124: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	5,   // 125: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	9,   // 126: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	11,  // 127: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	13,  // 128: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	16,  // 129: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	17,  // 130: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	19,  // 131: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	21,  // 132: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	23,  // 133: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	29,  // 134: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	32,  // 135: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	25,  // 136: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	27,  // 137: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	34,  // 138: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	36,  // 139: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	38,  // 140: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	40,  // 141: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	42,  // 142: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	44,  // 143: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	46,  // 144: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	49,  // 145: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
+	52,  // 146: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	52,  // 147: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	54,  // 148: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	57,  // 149: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	60,  // 150: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	62,  // 151: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	66,  // 152: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	68,  // 153: dsec.v1.ImageService.Pull:output_type -> dsec.v1.PullImageResponse
+	70,  // 154: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	72,  // 155: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	74,  // 156: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	76,  // 157: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	78,  // 158: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	81,  // 159: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	83,  // 160: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	85,  // 161: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	88,  // 162: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	93,  // 163: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	95,  // 164: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	97,  // 165: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	99,  // 166: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	101, // 167: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	125, // [125:168] is the sub-list for method output_type
+	82,  // [82:125] is the sub-list for method input_type
+	82,  // [82:82] is the sub-list for extension type_name
+	82,  // [82:82] is the sub-list for extension extendee
+	0,   // [0:82] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -7550,14 +7718,14 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[92].OneofWrappers = []any{}
+	file_dsec_v1_dsec_proto_msgTypes[94].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   110,
+			NumMessages:   112,
 			NumExtensions: 0,
 			NumServices:   6,
 		},
