@@ -27,9 +27,14 @@ func startRegistry(t *testing.T) string {
 	srv := httptest.NewServer(registry.New())
 	t.Cleanup(srv.Close)
 	ref := strings.TrimPrefix(srv.URL, "http://") + "/tools/busybox:v1"
+	// Tarred once: the library opens the layer several times (digest,
+	// size, upload) and each must give the same bytes.
+	b, err := tarTree(busyboxRootfs(t))
+	if err != nil {
+		t.Fatal(err)
+	}
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
-		b, err := tarTree(busyboxRootfs(t))
-		return io.NopCloser(bytes.NewReader(b)), err
+		return io.NopCloser(bytes.NewReader(b)), nil
 	})
 	if err != nil {
 		t.Fatal(err)
