@@ -89,11 +89,11 @@ func (f *daemonFlags) openStore(ctx context.Context) (blobstore.Repository, erro
 	if u == "" {
 		u = filepath.Join(f.dataDir, "blobs")
 	}
+	if err := f.validateStore(); err != nil {
+		return nil, err
+	}
 	if strings.HasPrefix(u, "s3://") {
 		return f.openS3(ctx, u)
-	}
-	if f.s3Endpoint != "" {
-		return nil, cli.Usagef("--s3-endpoint is for an s3:// --store, not %q", u)
 	}
 	repo, err := blobstore.New(u)
 	if err != nil {
@@ -102,13 +102,31 @@ func (f *daemonFlags) openStore(ctx context.Context) (blobstore.Repository, erro
 	return repo, nil
 }
 
+// validateStore refuses --store and --s3-endpoint that do not go
+// together, before anything is made on disk.
+func (f *daemonFlags) validateStore() error {
+	if !strings.HasPrefix(f.store, "s3://") {
+		if f.s3Endpoint != "" {
+			return cli.Usagef("--s3-endpoint is for an s3:// --store, not %q", f.store)
+		}
+		return nil
+	}
+	if _, _, err := s3store.ParseURL(f.store); err != nil {
+		return cli.Usagef("--store: %v", err)
+	}
+	if f.s3Endpoint == "" {
+		return cli.Usagef("--store %s: give the S3 server with --s3-endpoint http[s]://HOST[:PORT]", f.store)
+	}
+	if !strings.HasPrefix(f.s3Endpoint, "http://") && !strings.HasPrefix(f.s3Endpoint, "https://") {
+		return cli.Usagef("--s3-endpoint %q: want http[s]://HOST[:PORT]", f.s3Endpoint)
+	}
+	return nil
+}
+
 func (f *daemonFlags) openS3(ctx context.Context, u string) (blobstore.Repository, error) {
 	bucket, prefix, err := s3store.ParseURL(u)
 	if err != nil {
 		return nil, cli.Usagef("--store: %v", err)
-	}
-	if f.s3Endpoint == "" {
-		return nil, cli.Usagef("--store %s: give the S3 server with --s3-endpoint http[s]://HOST[:PORT]", u)
 	}
 	local, err := blobstore.NewDir(filepath.Join(f.dataDir, "blobcache"))
 	if err != nil {

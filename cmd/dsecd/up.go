@@ -48,6 +48,9 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 			if err := sf.validate(); err != nil {
 				return err
 			}
+			if err := f.validateStore(); err != nil {
+				return err
+			}
 			if err := os.MkdirAll(f.dataDir, 0o755); err != nil {
 				return fmt.Errorf("--data-dir: %w", err)
 			}

@@ -35,6 +35,11 @@ type fetch struct {
 	done chan struct{}
 	path string
 	err  error
+	// waiters is how many Fetch calls wait (under Cache.mu); when the
+	// last gives up, cancel stops the download, so a hung store holds
+	// nothing once nobody wants the blob.
+	waiters int
+	cancel  context.CancelFunc
 }
 
 var (
@@ -172,31 +177,52 @@ func (c *Cache) Fetch(ctx context.Context, digest string) (string, error) {
 	c.mu.Lock()
 	f, ok := c.inflight[digest]
 	if !ok {
-		f = &fetch{done: make(chan struct{})}
-		c.inflight[digest] = f
+		// Again under the lock: a download that finished since the
+		// check above placed the file before it left inflight.
+		if p, err := c.local.Path(digest); err == nil {
+			c.mu.Unlock()
+			return p, nil
+		}
 		// The download belongs to no one caller: one that gives up must
 		// not fail the others waiting for it, so it runs on its own
-		// context and each caller waits on its own.
-		go c.download(digest, f)
+		// context, cancelled when the last waiter is gone.
+		dctx, cancel := context.WithCancel(context.Background())
+		f = &fetch{done: make(chan struct{}), cancel: cancel}
+		c.inflight[digest] = f
+		go c.download(dctx, digest, f)
 	}
+	f.waiters++
 	c.mu.Unlock()
 	select {
 	case <-f.done:
 		return f.path, f.err
 	case <-ctx.Done():
+		c.mu.Lock()
+		f.waiters--
+		if f.waiters == 0 {
+			f.cancel()
+			// A later Fetch starts a download of its own rather than
+			// join this cancelled one.
+			if c.inflight[digest] == f {
+				delete(c.inflight, digest)
+			}
+		}
+		c.mu.Unlock()
 		return "", ctx.Err()
 	}
 }
 
 // download copies a blob from the remote store into the local one.
-func (c *Cache) download(digest string, f *fetch) {
+func (c *Cache) download(ctx context.Context, digest string, f *fetch) {
 	defer func() {
 		c.mu.Lock()
-		delete(c.inflight, digest)
+		if c.inflight[digest] == f {
+			delete(c.inflight, digest)
+		}
 		c.mu.Unlock()
+		f.cancel()
 		close(f.done)
 	}()
-	ctx := context.Background()
 	rc, err := c.remote.Open(ctx, digest)
 	if err != nil {
 		f.err = err

@@ -18,7 +18,8 @@ import (
 
 // TestS3Store runs `dsec up --store s3://...` against a real S3 server
 // (SeaweedFS): an imported image's layers and tag land in the bucket, not
-// on the node; a sandbox runs from them; its trajectory ships to the
+// on the node; a sandbox runs from them; an image pulled from a registry
+// converts into the bucket and runs; its trajectory ships to the
 // bucket and is read back from there after the sandbox is gone. A second
 // `dsec up` on a fresh data directory, sharing only the bucket, sees the
 // image, fetches its layer into its own cache and runs it: what a second
@@ -81,6 +82,9 @@ func TestS3Store(t *testing.T) {
 	if got := c.ok(t, "run", "--image", "busybox:latest", "--", "echo", "hello from s3"); got != "hello from s3" {
 		t.Fatalf("run printed %q", got)
 	}
+
+	// An image pulled from a registry is converted into the bucket too.
+	testPull(t, c, startRegistry(t))
 
 	// A sandbox's trajectory ships to the bucket when it ends, and is read
 	// back from there.

@@ -4335,6 +4335,157 @@ func (x *ImportImageResponse) GetImage() *Image {
 	return nil
 }
 
+// Pull converts an image an OCI registry serves into the store's layers,
+// once: the image records the registry's manifest digest, and a pull of a
+// digest already converted (under any name) converts nothing. Non-admin
+// callers cannot reach registries at loopback, private or link-local
+// addresses (the server's own network).
+type PullImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The registry reference: [HOST[:PORT]/]REPO[:TAG|@sha256:HEX]; Docker
+	// Hub without a host. Plain HTTP for loopback and private hosts.
+	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	// NAME:TAG to create or move; default the source's repository and tag.
+	Ref string `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`
+	// Make the image visible to every tenant (admin only).
+	Public        bool `protobuf:"varint,3,opt,name=public,proto3" json:"public,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageRequest) Reset() {
+	*x = PullImageRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageRequest) ProtoMessage() {}
+
+func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
+func (*PullImageRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+}
+
+func (x *PullImageRequest) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetPublic() bool {
+	if x != nil {
+		return x.Public
+	}
+	return false
+}
+
+// The stream says how many layers are converted as it goes, then ends
+// with one message carrying the image.
+type PullImageResponse struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	LayersDone  int64                  `protobuf:"varint,1,opt,name=layers_done,json=layersDone,proto3" json:"layers_done,omitempty"`
+	LayersTotal int64                  `protobuf:"varint,2,opt,name=layers_total,json=layersTotal,proto3" json:"layers_total,omitempty"`
+	// Set on the last message.
+	Image *Image `protobuf:"bytes,3,opt,name=image,proto3" json:"image,omitempty"`
+	// On the last message: false when nothing was converted (the digest was
+	// converted before).
+	Converted bool `protobuf:"varint,4,opt,name=converted,proto3" json:"converted,omitempty"`
+	// The manifest (or index) digest the registry served.
+	SourceDigest  string `protobuf:"bytes,5,opt,name=source_digest,json=sourceDigest,proto3" json:"source_digest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageResponse) Reset() {
+	*x = PullImageResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageResponse) ProtoMessage() {}
+
+func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageResponse.ProtoReflect.Descriptor instead.
+func (*PullImageResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+}
+
+func (x *PullImageResponse) GetLayersDone() int64 {
+	if x != nil {
+		return x.LayersDone
+	}
+	return 0
+}
+
+func (x *PullImageResponse) GetLayersTotal() int64 {
+	if x != nil {
+		return x.LayersTotal
+	}
+	return 0
+}
+
+func (x *PullImageResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
+func (x *PullImageResponse) GetConverted() bool {
+	if x != nil {
+		return x.Converted
+	}
+	return false
+}
+
+func (x *PullImageResponse) GetSourceDigest() string {
+	if x != nil {
+		return x.SourceDigest
+	}
+	return ""
+}
+
 type ListImagesRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -4343,7 +4494,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4355,7 +4506,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4368,7 +4519,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
 }
 
 type ListImagesResponse struct {
@@ -4380,7 +4531,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4392,7 +4543,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4405,7 +4556,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -4424,7 +4575,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4436,7 +4587,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4449,7 +4600,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -4468,7 +4619,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4480,7 +4631,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4493,7 +4644,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -4513,7 +4664,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4525,7 +4676,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4538,7 +4689,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -4564,7 +4715,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4576,7 +4727,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4589,7 +4740,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -4608,7 +4759,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4620,7 +4771,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4633,7 +4784,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -4651,7 +4802,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4663,7 +4814,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4676,7 +4827,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -4698,7 +4849,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4710,7 +4861,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4723,7 +4874,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -4767,7 +4918,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4779,7 +4930,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4792,7 +4943,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -4909,7 +5060,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4921,7 +5072,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4934,7 +5085,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *Pool) GetId() string {
@@ -5033,7 +5184,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5045,7 +5196,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5058,7 +5209,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -5098,7 +5249,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5110,7 +5261,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5123,7 +5274,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -5141,7 +5292,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5153,7 +5304,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5166,7 +5317,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 type ListPoolsResponse struct {
@@ -5178,7 +5329,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5190,7 +5341,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5203,7 +5354,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -5222,7 +5373,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5234,7 +5385,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5247,7 +5398,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -5265,7 +5416,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5277,7 +5428,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5290,7 +5441,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -5324,7 +5475,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5336,7 +5487,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5349,7 +5500,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -5450,7 +5601,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5462,7 +5613,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5475,7 +5626,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -5558,7 +5709,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5570,7 +5721,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5583,7 +5734,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -5637,7 +5788,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5649,7 +5800,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5662,7 +5813,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -5706,7 +5857,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5718,7 +5869,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5731,7 +5882,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *TenantUsage) GetSandboxes() int64 {
@@ -5770,7 +5921,7 @@ type Tenant struct {
 
 func (x *Tenant) Reset() {
 	*x = Tenant{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5782,7 +5933,7 @@ func (x *Tenant) String() string {
 func (*Tenant) ProtoMessage() {}
 
 func (x *Tenant) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5795,7 +5946,7 @@ func (x *Tenant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
 func (*Tenant) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *Tenant) GetName() string {
@@ -5844,7 +5995,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5856,7 +6007,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5869,7 +6020,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -5905,7 +6056,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5917,7 +6068,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5930,7 +6081,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5975,7 +6126,7 @@ type UpdateTenantRequest struct {
 
 func (x *UpdateTenantRequest) Reset() {
 	*x = UpdateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5987,7 +6138,7 @@ func (x *UpdateTenantRequest) String() string {
 func (*UpdateTenantRequest) ProtoMessage() {}
 
 func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6000,7 +6151,7 @@ func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
 func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *UpdateTenantRequest) GetName() string {
@@ -6075,7 +6226,7 @@ type UpdateTenantResponse struct {
 
 func (x *UpdateTenantResponse) Reset() {
 	*x = UpdateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6087,7 +6238,7 @@ func (x *UpdateTenantResponse) String() string {
 func (*UpdateTenantResponse) ProtoMessage() {}
 
 func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6100,7 +6251,7 @@ func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
 func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
 }
 
 func (x *UpdateTenantResponse) GetTenant() *Tenant {
@@ -6120,7 +6271,7 @@ type GetTenantRequest struct {
 
 func (x *GetTenantRequest) Reset() {
 	*x = GetTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6132,7 +6283,7 @@ func (x *GetTenantRequest) String() string {
 func (*GetTenantRequest) ProtoMessage() {}
 
 func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6145,7 +6296,7 @@ func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
 func (*GetTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *GetTenantRequest) GetName() string {
@@ -6164,7 +6315,7 @@ type GetTenantResponse struct {
 
 func (x *GetTenantResponse) Reset() {
 	*x = GetTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6176,7 +6327,7 @@ func (x *GetTenantResponse) String() string {
 func (*GetTenantResponse) ProtoMessage() {}
 
 func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6189,7 +6340,7 @@ func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
 func (*GetTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
 }
 
 func (x *GetTenantResponse) GetTenant() *Tenant {
@@ -6207,7 +6358,7 @@ type ListTenantsRequest struct {
 
 func (x *ListTenantsRequest) Reset() {
 	*x = ListTenantsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6219,7 +6370,7 @@ func (x *ListTenantsRequest) String() string {
 func (*ListTenantsRequest) ProtoMessage() {}
 
 func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6232,7 +6383,7 @@ func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
 func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
 }
 
 type ListTenantsResponse struct {
@@ -6244,7 +6395,7 @@ type ListTenantsResponse struct {
 
 func (x *ListTenantsResponse) Reset() {
 	*x = ListTenantsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6256,7 +6407,7 @@ func (x *ListTenantsResponse) String() string {
 func (*ListTenantsResponse) ProtoMessage() {}
 
 func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6269,7 +6420,7 @@ func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
 func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
 }
 
 func (x *ListTenantsResponse) GetTenants() []*Tenant {
@@ -6287,7 +6438,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6299,7 +6450,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6312,7 +6463,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
 }
 
 type ListNodesResponse struct {
@@ -6325,7 +6476,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6337,7 +6488,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6350,7 +6501,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{104}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -6392,7 +6543,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6404,7 +6555,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6417,7 +6568,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{105}
 }
 
 func (x *Node) GetId() string {
@@ -6535,7 +6686,7 @@ type NodeBackend struct {
 
 func (x *NodeBackend) Reset() {
 	*x = NodeBackend{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6547,7 +6698,7 @@ func (x *NodeBackend) String() string {
 func (*NodeBackend) ProtoMessage() {}
 
 func (x *NodeBackend) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6560,7 +6711,7 @@ func (x *NodeBackend) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
 func (*NodeBackend) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{104}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{106}
 }
 
 func (x *NodeBackend) GetBackend() string {
@@ -6690,7 +6841,7 @@ type NodeMeasurement struct {
 
 func (x *NodeMeasurement) Reset() {
 	*x = NodeMeasurement{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6702,7 +6853,7 @@ func (x *NodeMeasurement) String() string {
 func (*NodeMeasurement) ProtoMessage() {}
 
 func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6715,7 +6866,7 @@ func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
 func (*NodeMeasurement) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{105}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{107}
 }
 
 func (x *NodeMeasurement) GetMilliCpu() int64 {
@@ -6820,7 +6971,7 @@ type SandboxCount struct {
 
 func (x *SandboxCount) Reset() {
 	*x = SandboxCount{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6832,7 +6983,7 @@ func (x *SandboxCount) String() string {
 func (*SandboxCount) ProtoMessage() {}
 
 func (x *SandboxCount) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6845,7 +6996,7 @@ func (x *SandboxCount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
 func (*SandboxCount) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{106}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{108}
 }
 
 func (x *SandboxCount) GetBackend() string {
@@ -7195,7 +7346,18 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06public\x18\x03 \x01(\bR\x06public\x12\x12\n" +
 	"\x04disk\x18\x04 \x01(\bR\x04disk\";\n" +
 	"\x13ImportImageResponse\x12$\n" +
-	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"\x13\n" +
+	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"T\n" +
+	"\x10PullImageRequest\x12\x16\n" +
+	"\x06source\x18\x01 \x01(\tR\x06source\x12\x10\n" +
+	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
+	"\x06public\x18\x03 \x01(\bR\x06public\"\xc0\x01\n" +
+	"\x11PullImageResponse\x12\x1f\n" +
+	"\vlayers_done\x18\x01 \x01(\x03R\n" +
+	"layersDone\x12!\n" +
+	"\flayers_total\x18\x02 \x01(\x03R\vlayersTotal\x12$\n" +
+	"\x05image\x18\x03 \x01(\v2\x0e.dsec.v1.ImageR\x05image\x12\x1c\n" +
+	"\tconverted\x18\x04 \x01(\bR\tconverted\x12#\n" +
+	"\rsource_digest\x18\x05 \x01(\tR\fsourceDigest\"\x13\n" +
 	"\x11ListImagesRequest\"<\n" +
 	"\x12ListImagesResponse\x12&\n" +
 	"\x06images\x18\x01 \x03(\v2\x0e.dsec.v1.ImageR\x06images\"#\n" +
@@ -7443,9 +7605,10 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\aAcquire\x12\x17.dsec.v1.AcquireRequest\x1a\x18.dsec.v1.AcquireResponse\x12B\n" +
 	"\tBatchExec\x12\x19.dsec.v1.BatchExecRequest\x1a\x1a.dsec.v1.BatchExecResponse\x12N\n" +
 	"\rBatchRollback\x12\x1d.dsec.v1.BatchRollbackRequest\x1a\x1e.dsec.v1.BatchRollbackResponse\x12<\n" +
-	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xa6\x03\n" +
+	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xe7\x03\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
+	"\x04Pull\x12\x19.dsec.v1.PullImageRequest\x1a\x1a.dsec.v1.PullImageResponse0\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
 	"\x03Get\x12\x18.dsec.v1.GetImageRequest\x1a\x19.dsec.v1.GetImageResponse\x12:\n" +
 	"\x03Tag\x12\x18.dsec.v1.TagImageRequest\x1a\x19.dsec.v1.TagImageResponse\x12C\n" +
@@ -7477,7 +7640,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 113)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 115)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -7549,64 +7712,66 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*ImportImageRequest)(nil),            // 67: dsec.v1.ImportImageRequest
 	(*ImportHeader)(nil),                  // 68: dsec.v1.ImportHeader
 	(*ImportImageResponse)(nil),           // 69: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 70: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 71: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 72: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 73: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 74: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 75: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 76: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 77: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 78: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 79: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 80: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 81: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 82: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 83: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 84: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 85: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 86: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 87: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 88: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 89: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 90: dsec.v1.Quota
-	(*TenantUsage)(nil),                   // 91: dsec.v1.TenantUsage
-	(*Tenant)(nil),                        // 92: dsec.v1.Tenant
-	(*CreateTenantRequest)(nil),           // 93: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 94: dsec.v1.CreateTenantResponse
-	(*UpdateTenantRequest)(nil),           // 95: dsec.v1.UpdateTenantRequest
-	(*UpdateTenantResponse)(nil),          // 96: dsec.v1.UpdateTenantResponse
-	(*GetTenantRequest)(nil),              // 97: dsec.v1.GetTenantRequest
-	(*GetTenantResponse)(nil),             // 98: dsec.v1.GetTenantResponse
-	(*ListTenantsRequest)(nil),            // 99: dsec.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),           // 100: dsec.v1.ListTenantsResponse
-	(*ListNodesRequest)(nil),              // 101: dsec.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),             // 102: dsec.v1.ListNodesResponse
-	(*Node)(nil),                          // 103: dsec.v1.Node
-	(*NodeBackend)(nil),                   // 104: dsec.v1.NodeBackend
-	(*NodeMeasurement)(nil),               // 105: dsec.v1.NodeMeasurement
-	(*SandboxCount)(nil),                  // 106: dsec.v1.SandboxCount
-	nil,                                   // 107: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 108: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 109: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 110: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 111: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 112: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 113: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 114: google.protobuf.Timestamp
+	(*PullImageRequest)(nil),              // 70: dsec.v1.PullImageRequest
+	(*PullImageResponse)(nil),             // 71: dsec.v1.PullImageResponse
+	(*ListImagesRequest)(nil),             // 72: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 73: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 74: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 75: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 76: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 77: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 78: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 79: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 80: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 81: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 82: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 83: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 84: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 85: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 86: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 87: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 88: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 89: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 90: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 91: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 92: dsec.v1.Quota
+	(*TenantUsage)(nil),                   // 93: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 94: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 95: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 96: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 97: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 98: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 99: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 100: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 101: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 102: dsec.v1.ListTenantsResponse
+	(*ListNodesRequest)(nil),              // 103: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 104: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 105: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 106: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 107: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 108: dsec.v1.SandboxCount
+	nil,                                   // 109: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 110: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 111: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 112: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 113: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 114: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 115: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 116: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	107, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	113, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	113, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	109, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	115, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	115, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	2,   // 4: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.NetworkPolicy
 	1,   // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	114, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	114, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	116, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	116, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	4,   // 8: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
-	114, // 9: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
-	113, // 10: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	116, // 9: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	115, // 10: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
 	1,   // 11: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	3,   // 12: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,   // 13: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -7614,16 +7779,16 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	8,   // 15: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	9,   // 16: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	3,   // 17: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	108, // 18: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	110, // 18: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	3,   // 19: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	113, // 20: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	113, // 21: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	115, // 20: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	115, // 21: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	16,  // 22: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	16,  // 23: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
 	1,   // 24: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
 	15,  // 25: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
 	16,  // 26: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	109, // 27: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	111, // 27: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	8,   // 28: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	32,  // 29: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
 	66,  // 30: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
@@ -7631,7 +7796,7 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	3,   // 32: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
 	48,  // 33: dsec.v1.InputRequest.events:type_name -> dsec.v1.InputEvent
 	2,   // 34: dsec.v1.SetNetworkResponse.network:type_name -> dsec.v1.NetworkPolicy
-	110, // 35: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	112, // 35: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
 	8,   // 36: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
 	54,  // 37: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
 	1,   // 38: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -7645,131 +7810,134 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	8,   // 46: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
 	62,  // 47: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
 	32,  // 48: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	114, // 49: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	116, // 49: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	68,  // 50: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
 	66,  // 51: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	66,  // 52: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	66,  // 53: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	66,  // 54: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	113, // 55: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,   // 56: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	113, // 57: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,   // 58: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	113, // 59: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	80,  // 60: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	80,  // 61: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	113, // 62: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	113, // 63: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	111, // 64: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	88,  // 65: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	88,  // 66: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	112, // 67: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	90,  // 68: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
-	0,   // 69: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
-	91,  // 70: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	114, // 71: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	90,  // 72: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	0,   // 73: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
-	92,  // 74: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	92,  // 75: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	92,  // 76: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	92,  // 77: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	103, // 78: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
-	114, // 79: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
-	104, // 80: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
-	105, // 81: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
-	106, // 82: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
-	5,   // 83: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	7,   // 84: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	11,  // 85: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	13,  // 86: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	15,  // 87: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	15,  // 88: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	19,  // 89: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	21,  // 90: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	23,  // 91: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	29,  // 92: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	31,  // 93: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	25,  // 94: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	27,  // 95: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	34,  // 96: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	36,  // 97: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	38,  // 98: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	40,  // 99: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	42,  // 100: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	44,  // 101: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	46,  // 102: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	49,  // 103: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
-	51,  // 104: dsec.v1.SandboxService.SetNetwork:input_type -> dsec.v1.SetNetworkRequest
-	53,  // 105: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	53,  // 106: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	56,  // 107: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	58,  // 108: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	61,  // 109: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	64,  // 110: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	67,  // 111: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	70,  // 112: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	72,  // 113: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	74,  // 114: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	76,  // 115: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	78,  // 116: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	81,  // 117: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	83,  // 118: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	85,  // 119: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	87,  // 120: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	93,  // 121: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	95,  // 122: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	97,  // 123: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	99,  // 124: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	101, // 125: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
-	6,   // 126: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	10,  // 127: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	12,  // 128: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	14,  // 129: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	17,  // 130: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	18,  // 131: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	20,  // 132: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	22,  // 133: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	24,  // 134: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	30,  // 135: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	33,  // 136: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	26,  // 137: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	28,  // 138: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	35,  // 139: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	37,  // 140: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	39,  // 141: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	41,  // 142: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	43,  // 143: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	45,  // 144: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	47,  // 145: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	50,  // 146: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
-	52,  // 147: dsec.v1.SandboxService.SetNetwork:output_type -> dsec.v1.SetNetworkResponse
-	55,  // 148: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	55,  // 149: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	57,  // 150: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	60,  // 151: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	63,  // 152: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	65,  // 153: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	69,  // 154: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	71,  // 155: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	73,  // 156: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	75,  // 157: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	77,  // 158: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	79,  // 159: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	82,  // 160: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	84,  // 161: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	86,  // 162: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	89,  // 163: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	94,  // 164: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	96,  // 165: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	98,  // 166: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	100, // 167: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	102, // 168: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
-	126, // [126:169] is the sub-list for method output_type
-	83,  // [83:126] is the sub-list for method input_type
-	83,  // [83:83] is the sub-list for extension type_name
-	83,  // [83:83] is the sub-list for extension extendee
-	0,   // [0:83] is the sub-list for field type_name
+	66,  // 52: dsec.v1.PullImageResponse.image:type_name -> dsec.v1.Image
+	66,  // 53: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	66,  // 54: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	66,  // 55: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	115, // 56: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 57: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	115, // 58: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 59: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	115, // 60: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	82,  // 61: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	82,  // 62: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	115, // 63: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	115, // 64: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	113, // 65: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	90,  // 66: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	90,  // 67: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	114, // 68: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	92,  // 69: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 70: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	93,  // 71: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	116, // 72: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	92,  // 73: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 74: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	94,  // 75: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	94,  // 76: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	94,  // 77: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	94,  // 78: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	105, // 79: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	116, // 80: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	106, // 81: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	107, // 82: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	108, // 83: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	5,   // 84: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	7,   // 85: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	11,  // 86: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	13,  // 87: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	15,  // 88: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	15,  // 89: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	19,  // 90: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	21,  // 91: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	23,  // 92: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	29,  // 93: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	31,  // 94: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	25,  // 95: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	27,  // 96: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	34,  // 97: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	36,  // 98: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	38,  // 99: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	40,  // 100: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	42,  // 101: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	44,  // 102: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	46,  // 103: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	49,  // 104: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
+	51,  // 105: dsec.v1.SandboxService.SetNetwork:input_type -> dsec.v1.SetNetworkRequest
+	53,  // 106: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	53,  // 107: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	56,  // 108: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	58,  // 109: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	61,  // 110: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	64,  // 111: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	67,  // 112: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	70,  // 113: dsec.v1.ImageService.Pull:input_type -> dsec.v1.PullImageRequest
+	72,  // 114: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	74,  // 115: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	76,  // 116: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	78,  // 117: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	80,  // 118: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	83,  // 119: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	85,  // 120: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	87,  // 121: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	89,  // 122: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	95,  // 123: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	97,  // 124: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	99,  // 125: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	101, // 126: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	103, // 127: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	6,   // 128: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	10,  // 129: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	12,  // 130: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	14,  // 131: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	17,  // 132: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	18,  // 133: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	20,  // 134: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	22,  // 135: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	24,  // 136: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	30,  // 137: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	33,  // 138: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	26,  // 139: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	28,  // 140: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	35,  // 141: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	37,  // 142: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	39,  // 143: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	41,  // 144: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	43,  // 145: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	45,  // 146: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	47,  // 147: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	50,  // 148: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
+	52,  // 149: dsec.v1.SandboxService.SetNetwork:output_type -> dsec.v1.SetNetworkResponse
+	55,  // 150: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	55,  // 151: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	57,  // 152: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	60,  // 153: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	63,  // 154: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	65,  // 155: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	69,  // 156: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	71,  // 157: dsec.v1.ImageService.Pull:output_type -> dsec.v1.PullImageResponse
+	73,  // 158: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	75,  // 159: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	77,  // 160: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	79,  // 161: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	81,  // 162: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	84,  // 163: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	86,  // 164: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	88,  // 165: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	91,  // 166: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	96,  // 167: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	98,  // 168: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	100, // 169: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	102, // 170: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	104, // 171: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	128, // [128:172] is the sub-list for method output_type
+	84,  // [84:128] is the sub-list for method input_type
+	84,  // [84:84] is the sub-list for extension type_name
+	84,  // [84:84] is the sub-list for extension extendee
+	0,   // [0:84] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -7791,14 +7959,14 @@ func file_dsec_v1_dsec_proto_init() {
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[95].OneofWrappers = []any{}
+	file_dsec_v1_dsec_proto_msgTypes[97].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   113,
+			NumMessages:   115,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -413,7 +413,9 @@ func (s *Store) OpenRange(ctx context.Context, digest string, off, n int64) (io.
 	}
 	if _, err := obj.Stat(); err != nil {
 		obj.Close()
-		if minio.ToErrorResponse(err).Code == "InvalidRange" {
+		// Past the end: S3 answers 416 InvalidRange (SeaweedFS without
+		// the code).
+		if resp := minio.ToErrorResponse(err); resp.Code == "InvalidRange" || resp.StatusCode == http.StatusRequestedRangeNotSatisfiable {
 			return nil, fmt.Errorf("blob %s ends before offset %d: %w", digest, off, io.ErrUnexpectedEOF)
 		}
 		return nil, s.errorf(err, "blob %s", digest)

@@ -276,8 +276,10 @@ func TestIngest(t *testing.T) {
 // minute (garbage collection spares it), as the dir store does.
 func TestBlobTime(t *testing.T) {
 	s := server(t)
-	st := open(t, s)
+	prefix := s3test.NewPrefix()
 	ctx := context.Background()
+	st, err := s3store.Open(ctx, s3store.Config{Bucket: s.Bucket, Prefix: prefix, Endpoint: s.Endpoint, AccessKey: s.AccessKey, SecretKey: s.SecretKey})
+	require.NoError(t, err)
 	before := time.Now().Add(-5 * time.Second) // the server's clock is this machine's, at a second's resolution
 	d, err := st.Put(ctx, strings.NewReader("aged"))
 	require.NoError(t, err)
@@ -295,6 +297,12 @@ func TestBlobTime(t *testing.T) {
 	t1, err := st.BlobTime(ctx, d.Digest)
 	require.NoError(t, err)
 	assert.True(t, !t1.Before(t0), "LastModified went back: %v then %v", t0, t1)
+	// LastModified has a second's resolution and the server's clock did
+	// not move two minutes: that the object was rewritten shows in the
+	// metadata the copy sets.
+	info, err := client(t, s).StatObject(ctx, s.Bucket, prefix+"/blobs/sha256/"+strings.TrimPrefix(d.Digest, "sha256:"), minio.StatObjectOptions{})
+	require.NoError(t, err)
+	assert.NotEmpty(t, info.UserMetadata["Stored"], "the object was not refreshed: metadata %v", info.UserMetadata)
 	got, err := blobstore.ReadAll(ctx, st, d.Digest)
 	require.NoError(t, err, "refreshing damaged the blob")
 	assert.Equal(t, "aged", string(got))

@@ -118,6 +118,8 @@ const (
 	SandboxServiceReleaseProcedure = "/dsec.v1.SandboxService/Release"
 	// ImageServiceImportProcedure is the fully-qualified name of the ImageService's Import RPC.
 	ImageServiceImportProcedure = "/dsec.v1.ImageService/Import"
+	// ImageServicePullProcedure is the fully-qualified name of the ImageService's Pull RPC.
+	ImageServicePullProcedure = "/dsec.v1.ImageService/Pull"
 	// ImageServiceListProcedure is the fully-qualified name of the ImageService's List RPC.
 	ImageServiceListProcedure = "/dsec.v1.ImageService/List"
 	// ImageServiceGetProcedure is the fully-qualified name of the ImageService's Get RPC.
@@ -991,6 +993,7 @@ func (UnimplementedSandboxServiceHandler) Release(context.Context, *connect.Requ
 // ImageServiceClient is a client for the dsec.v1.ImageService service.
 type ImageServiceClient interface {
 	Import(context.Context) *connect.ClientStreamForClient[v1.ImportImageRequest, v1.ImportImageResponse]
+	Pull(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.PullImageResponse], error)
 	List(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error)
 	Get(context.Context, *connect.Request[v1.GetImageRequest]) (*connect.Response[v1.GetImageResponse], error)
 	Tag(context.Context, *connect.Request[v1.TagImageRequest]) (*connect.Response[v1.TagImageResponse], error)
@@ -1013,6 +1016,12 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			httpClient,
 			baseURL+ImageServiceImportProcedure,
 			connect.WithSchema(imageServiceMethods.ByName("Import")),
+			connect.WithClientOptions(opts...),
+		),
+		pull: connect.NewClient[v1.PullImageRequest, v1.PullImageResponse](
+			httpClient,
+			baseURL+ImageServicePullProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("Pull")),
 			connect.WithClientOptions(opts...),
 		),
 		list: connect.NewClient[v1.ListImagesRequest, v1.ListImagesResponse](
@@ -1051,6 +1060,7 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 // imageServiceClient implements ImageServiceClient.
 type imageServiceClient struct {
 	_import        *connect.Client[v1.ImportImageRequest, v1.ImportImageResponse]
+	pull           *connect.Client[v1.PullImageRequest, v1.PullImageResponse]
 	list           *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
 	get            *connect.Client[v1.GetImageRequest, v1.GetImageResponse]
 	tag            *connect.Client[v1.TagImageRequest, v1.TagImageResponse]
@@ -1061,6 +1071,11 @@ type imageServiceClient struct {
 // Import calls dsec.v1.ImageService.Import.
 func (c *imageServiceClient) Import(ctx context.Context) *connect.ClientStreamForClient[v1.ImportImageRequest, v1.ImportImageResponse] {
 	return c._import.CallClientStream(ctx)
+}
+
+// Pull calls dsec.v1.ImageService.Pull.
+func (c *imageServiceClient) Pull(ctx context.Context, req *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.PullImageResponse], error) {
+	return c.pull.CallServerStream(ctx, req)
 }
 
 // List calls dsec.v1.ImageService.List.
@@ -1091,6 +1106,7 @@ func (c *imageServiceClient) GarbageCollect(ctx context.Context, req *connect.Re
 // ImageServiceHandler is an implementation of the dsec.v1.ImageService service.
 type ImageServiceHandler interface {
 	Import(context.Context, *connect.ClientStream[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
+	Pull(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.PullImageResponse]) error
 	List(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error)
 	Get(context.Context, *connect.Request[v1.GetImageRequest]) (*connect.Response[v1.GetImageResponse], error)
 	Tag(context.Context, *connect.Request[v1.TagImageRequest]) (*connect.Response[v1.TagImageResponse], error)
@@ -1109,6 +1125,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		ImageServiceImportProcedure,
 		svc.Import,
 		connect.WithSchema(imageServiceMethods.ByName("Import")),
+		connect.WithHandlerOptions(opts...),
+	)
+	imageServicePullHandler := connect.NewServerStreamHandler(
+		ImageServicePullProcedure,
+		svc.Pull,
+		connect.WithSchema(imageServiceMethods.ByName("Pull")),
 		connect.WithHandlerOptions(opts...),
 	)
 	imageServiceListHandler := connect.NewUnaryHandler(
@@ -1145,6 +1167,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		switch r.URL.Path {
 		case ImageServiceImportProcedure:
 			imageServiceImportHandler.ServeHTTP(w, r)
+		case ImageServicePullProcedure:
+			imageServicePullHandler.ServeHTTP(w, r)
 		case ImageServiceListProcedure:
 			imageServiceListHandler.ServeHTTP(w, r)
 		case ImageServiceGetProcedure:
@@ -1166,6 +1190,10 @@ type UnimplementedImageServiceHandler struct{}
 
 func (UnimplementedImageServiceHandler) Import(context.Context, *connect.ClientStream[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.Import is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) Pull(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.PullImageResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.Pull is not implemented"))
 }
 
 func (UnimplementedImageServiceHandler) List(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error) {
