@@ -39,6 +39,11 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
+# The microVM kernel is fetched on first use with apt-get download, which
+# needs the package lists (a fresh CI image may have none).
+if ! apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq; else echo "deps.sh: run apt-get update (the microvm kernel is fetched with apt)" >&2; fi
+fi
 if ! command -v go >/dev/null 2>&1 && [ -x /usr/local/go/bin/go ]; then
   echo "note: add /usr/local/go/bin to PATH" >&2
 fi

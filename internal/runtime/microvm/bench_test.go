@@ -108,7 +108,8 @@ func BenchmarkCreateFirstExec(b *testing.B) {
 // BenchmarkCreateParallel: creates (to a first exec result) per second
 // with 4 and 16 in flight.
 func BenchmarkCreateParallel(b *testing.B) {
-	e := newEnv(b, func(o *microvm.Options) { o.Console = false })
+	// 16 TCG guests booting at once on two cores take minutes.
+	e := newEnv(b, func(o *microvm.Options) { o.Console = false; o.BootTimeout = 10 * time.Minute })
 	for _, inFlight := range []int{4, 16} {
 		b.Run(strconv.Itoa(inFlight), func(b *testing.B) {
 			ctx := context.Background()
@@ -261,7 +262,7 @@ func BenchmarkDAX(b *testing.B) {
 	}
 	results := map[bool][2]float64{}
 	for _, dax := range []bool{false, true} {
-		e := newEnvRootfs(b, rootfs, func(o *microvm.Options) { o.Console = false; o.Machine = "q35"; o.DAX = dax })
+		e := newEnvRootfs(b, rootfs, func(o *microvm.Options) { o.Console = false; o.Machine = "q35"; o.DAX = dax; o.BootTimeout = 10 * time.Minute })
 		for b.Loop() {
 			before := memAvailable(b)
 			var drop float64

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/layer"
@@ -112,13 +113,16 @@ func TestSmoke(t *testing.T) {
 
 // TestConformance runs the runtime conformance suite against microVMs.
 func TestConformance(t *testing.T) {
-	e := newEnv(t)
+	// TCG guests on a shared two-core machine can take a minute or more
+	// to boot when other work runs: a slow boot is not what this checks.
+	e := newEnv(t, func(o *microvm.Options) { o.BootTimeout = 4 * time.Minute })
 	testsuite.Run(t, testsuite.Harness{
 		Backend:    e.backend,
 		NewSpec:    e.spec,
 		Leaks:      testsuite.HostLeaks(nil, []string{e.backend.StateDir()}),
 		AgentName:  "/init",
 		LeakCycles: 10,
+		OpTimeout:  5 * time.Minute,
 		Lacks: map[testsuite.Capability]string{
 			testsuite.CPUQuota: "a microVM's CPU is whole vCPUs (-smp); fractions of a core are not enforced",
 		},
