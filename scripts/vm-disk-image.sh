@@ -100,6 +100,12 @@ printf '%s\n' virtio_pci virtio_blk virtio_scsi ext4 crc32c_generic >>"$mnt/etc/
 DEBIAN_FRONTEND=noninteractive chroot "$mnt" apt-get install -y -qq --no-install-recommends \
   linux-image-cloud-amd64 initramfs-tools >/dev/null
 
+# busybox's applets where Debian has no command of that name (nc,
+# usleep, ...): what the runtime conformance suite's scripts use, and
+# handy in a sandbox. Debian's own commands keep their names.
+DEBIAN_FRONTEND=noninteractive chroot "$mnt" apt-get install -y -qq --no-install-recommends busybox >/dev/null
+chroot "$mnt" sh -c 'for a in $(busybox --list); do command -v "$a" >/dev/null || ln -s /bin/busybox "/usr/local/bin/$a"; done'
+
 cat >"$mnt/etc/fstab" <<'EOF'
 LABEL=dsec-root / ext4 rw,errors=remount-ro 0 1
 EOF

@@ -66,6 +66,7 @@ func (s *suite) checkOnlyStdio(t *testing.T, sb runtime.Sandbox, user string) {
 // its exit code, a file reads back as written, and the program saw none of
 // the requests (a grader's secret in its environment least of all).
 func (s *suite) advNoForgedResults(t *testing.T) {
+	s.need(t, ProtectedAgent)
 	bin, err := os.ReadFile(testutil.BuildBinary(t, "./internal/runtime/testsuite/internal/forger"))
 	if err != nil {
 		t.Fatal(err)

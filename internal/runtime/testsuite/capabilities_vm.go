@@ -16,6 +16,8 @@ const (
 	// ProtectedAgent: dsec-agent is the sandbox's PID 1 and the workload,
 	// root included, cannot change, signal or starve it. In a fullvm guest
 	// the agent is a service of the guest's own init, which its root
-	// owns like the rest of the machine; the boundary is the hypervisor.
+	// owns like the rest of the machine (it can open the agent's port, or
+	// take the agent's descriptor, and forge results); the boundary is
+	// the hypervisor.
 	ProtectedAgent Capability = "protected-agent"
 )

@@ -48,7 +48,10 @@ func (s *suite) testFreezeThaw(t *testing.T) {
 	sb := s.create(t, nil)
 	ctx := s.ctx(t)
 	pid := strings.TrimSpace(s.sh(t, sb, "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!"))
-	const interval = 700 * time.Millisecond
+	interval := 700 * time.Millisecond
+	if s.h.FreezeInterval > 0 {
+		interval = s.h.FreezeInterval
+	}
 	time.Sleep(100 * time.Millisecond)
 	before := s.cpuTicks(t, sb, pid)
 	if err := sb.Freeze(ctx); err != nil {

@@ -63,6 +63,12 @@ type Harness struct {
 	// LeakCycles is the number of create→exec→destroy cycles of the leak
 	// check; default 100 (10 with -short).
 	LeakCycles int
+	// FreezeInterval is how long the freeze-thaw check holds the sandbox
+	// frozen, then running (default 700ms). The execs that sample CPU time
+	// around the freeze run the busy loop too; a backend whose execs take
+	// a good part of a second (a VM under TCG) needs longer phases for
+	// them to be small beside.
+	FreezeInterval time.Duration
 	// OpTimeout bounds each single backend call (create, exec, ...) so that a
 	// hung backend fails the test instead of hanging it; default 2 minutes.
 	OpTimeout time.Duration
