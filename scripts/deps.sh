@@ -8,6 +8,20 @@ have mkfs.erofs || need+=(erofs-utils)
 # The sandboxes' writable layers live on btrfs with quotas (internal/runtime/container/scratchfs).
 have mkfs.btrfs || need+=(btrfs-progs)
 [ -x /bin/busybox ] || need+=(busybox-static)
+# The VM backends (microvm, fullvm) run QEMU; a microVM's writable disk is
+# ext4 made on the host (mkfs.ext4, never mounted there); the guest kernel is
+# a Debian package fetched with apt-get download and unpacked with dpkg-deb
+# (internal/runtime/microvm/vmimage, on first use).
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+have mkfs.ext4 || need+=(e2fsprogs)
+# fullvm: qemu-img (overlays, snapshots as disk images), and what
+# scripts/vm-disk-image.sh builds the Debian disk image with: debootstrap,
+# extlinux with syslinux's MBR, sfdisk to partition the raw disk.
+have qemu-img || need+=(qemu-utils)
+have debootstrap || need+=(debootstrap)
+have extlinux || need+=(extlinux)
+[ -r /usr/lib/syslinux/mbr/mbr.bin ] || need+=(syslinux-common)
+have sfdisk || need+=(fdisk)
 [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import httpx' 2>/dev/null || need+=(python3-httpx)
 /usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
 # pip install ./sdk/python (README): venv with Debian's packages, built offline.

@@ -12,7 +12,7 @@ import (
 // runtime (the agent has its own codec, internal/agent/wire.go), JSON (its
 // init configuration is protobuf now), slog and net/http, and the runtime
 // packages of the edge (internal/agent must not depend on them; only the
-// container backend's in-sandbox half, sandboxinit, belongs in the agent).
+// backends' in-sandbox halves, sandboxinit and microvm's guestinit, belong in the agent).
 func TestDeps(t *testing.T) {
 	// go test puts its own toolchain first in PATH.
 	cmd := exec.Command("go", "list", "-deps", ".")
@@ -33,7 +33,8 @@ func TestDeps(t *testing.T) {
 		}
 		return strings.HasPrefix(p, "google.golang.org/protobuf/") ||
 			(strings.HasPrefix(p, "github.com/dsec-dev/dsec/internal/runtime/") &&
-				p != "github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit")
+				p != "github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit" &&
+				p != "github.com/dsec-dev/dsec/internal/runtime/microvm/guestinit")
 	}
 	for _, p := range deps {
 		if forbidden(p) {

@@ -24,6 +24,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/audit/caps"
 	"github.com/dsec-dev/dsec/internal/audit/seccomp/filter"
 	"github.com/dsec-dev/dsec/internal/runtime/container/sandboxinit"
+	"github.com/dsec-dev/dsec/internal/runtime/microvm/guestinit"
 )
 
 // idleRelease is how long the agent must be idle before it returns free
@@ -40,6 +41,13 @@ const idleRelease = 10 * time.Second
 func main() {
 	runtime.GOMAXPROCS(1)
 	debug.SetGCPercent(20)
+
+	// A microVM guest's /init has no fd 3: its channel is a virtio-serial
+	// port it finds itself.
+	if guestinit.IsGuest() {
+		guestMain()
+		return
+	}
 
 	// fd 3 must be the channel the runtime passed (a socket, or a
 	// virtio-serial port). Without one, fd 3 can be a file the Go runtime

@@ -26,7 +26,7 @@ func newImageCmd(g *globals) *cobra.Command {
 }
 
 func newImageImportCmd(g *globals) *cobra.Command {
-	var serverPath, public, quiet bool
+	var serverPath, public, quiet, disk bool
 	cmd := &cobra.Command{
 		Use:   "import NAME:TAG PATH",
 		Short: "Import a directory, rootfs tarball, OCI layout dir or docker-save archive",
@@ -35,7 +35,11 @@ func newImageImportCmd(g *globals) *cobra.Command {
 PATH is a root filesystem directory, a rootfs tarball (plain, gzip or zstd),
 an OCI layout directory or a docker-save archive. It is uploaded as a stream
 (a directory is tarred on the fly). With --server-path, PATH names a path on
-the server's file system and nothing is uploaded.`,
+the server's file system and nothing is uploaded.
+
+With --disk, PATH is one bootable disk file (qcow2 or raw) for sandboxes of
+backend fullvm, stored as it is (scripts/vm-disk-image.sh builds a Debian
+one). A qcow2 with a backing file or an external data file is refused.`,
 		Args: cli.ExactArgs(2, "NAME:TAG PATH"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ref, path := args[0], args[1]
@@ -46,6 +50,14 @@ the server's file system and nothing is uploaded.`,
 			var opts []dsec.ImportOption
 			if public {
 				opts = append(opts, dsec.Public())
+			}
+			if disk {
+				// A disk is one file: a directory would be tarred, which
+				// no disk image is.
+				if info, err := os.Stat(path); err == nil && !info.Mode().IsRegular() && !serverPath {
+					return cli.Usagef("--disk: %s is not a regular file (want a qcow2 or raw disk image)", path)
+				}
+				opts = append(opts, dsec.Disk())
 			}
 			var im *dsec.Image
 			if serverPath {
@@ -63,6 +75,7 @@ the server's file system and nothing is uploaded.`,
 	cmd.Flags().BoolVar(&serverPath, "server-path", false, "PATH is on the server; import it there instead of uploading")
 	cmd.Flags().BoolVar(&public, "public", false, "make the image visible to every tenant (admin only)")
 	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "no progress bar")
+	cmd.Flags().BoolVar(&disk, "disk", false, "PATH is a bootable disk image (qcow2 or raw) for backend fullvm")
 	return cmd
 }
 
@@ -236,6 +249,7 @@ type imageJSON struct {
 	Size      int64     `json:"size"`
 	CreatedAt time.Time `json:"created_at"`
 	Tenant    string    `json:"tenant,omitempty"`
+	Disk      string    `json:"disk_format,omitempty"`
 }
 
 func newImageLsCmd(g *globals) *cobra.Command {
@@ -257,7 +271,7 @@ func newImageLsCmd(g *globals) *cobra.Command {
 			if asJSON {
 				list := make([]imageJSON, 0, len(images))
 				for _, im := range images {
-					list = append(list, imageJSON{im.Ref, im.Digest, im.Layers, im.Size, im.CreatedAt, im.Tenant})
+					list = append(list, imageJSON{im.Ref, im.Digest, im.Layers, im.Size, im.CreatedAt, im.Tenant, im.DiskFormat})
 				}
 				return writeJSON(out, list)
 			}

@@ -298,6 +298,8 @@ func summary(r *trajectory.Record) string {
 				s += " " + formatLabels(rw.Metadata)
 			}
 		}
+	case trajectory.KindEgress:
+		s = egressSummary(r.Egress)
 	default:
 		s = r.Reason
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
+	"github.com/dsec-dev/dsec/internal/aether"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge"
 	"github.com/dsec-dev/dsec/internal/ids"
@@ -52,6 +54,11 @@ type edgeFlags struct {
 	scratchSize, scratchFile string
 	// swapSize and swapFile: the node's swap area (swap.go).
 	swapSize, swapFile string
+	// egress and hostsFile: sandboxes' outward connections (--egress,
+	// --hosts); hosts is hostsFile read by validate.
+	egress    bool
+	hostsFile string
+	hosts     map[string][]netip.Addr
 
 	capacity placement.Capacity // set by validate
 	defaults spec.Resources     // set by validate: every field set
@@ -91,6 +98,8 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
 	f.registerScratch(cmd)
 	f.registerSwap(cmd)
+	fl.BoolVar(&f.egress, "egress", true, "run every sandbox's egress proxy (--egress=false: sandboxes have loopback only, specs with network rules are refused)")
+	fl.StringVar(&f.hostsFile, "hosts", "", "hosts-format FILE (ADDRESS NAME...) the egress proxy answers names from before DNS; its addresses may be loopback or private (test upstreams, a mirror)")
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -128,6 +137,15 @@ func (f *edgeFlags) validate() error {
 	}
 	if _, err := f.swapBytes(); err != nil {
 		return err
+	}
+	if f.hostsFile != "" {
+		if !f.egress {
+			return cli.Usagef("--hosts %s: only with the egress proxy (not with --egress=false)", f.hostsFile)
+		}
+		var err error
+		if f.hosts, err = aether.LoadHosts(f.hostsFile); err != nil {
+			return cli.Usagef("--hosts: %v", err)
+		}
 	}
 	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -230,6 +248,8 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		FnQueue:           f.fnQueue,
 		AutoPool:          f.autoPool,
 		Defaults:          f.defaults,
+		NoEgress:          !f.egress,
+		Hosts:             f.hosts,
 	})
 	if err != nil {
 		backend.Close()

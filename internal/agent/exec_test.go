@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -400,4 +401,23 @@ func TestExecCannotStart(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 127, res.ExitCode)
 	assert.Contains(t, string(res.Stderr), "no-such-command-xyz")
+}
+
+// TestExecVerdict: what Options.Verdict says reaches the client's result;
+// a full disk only explains a failed command.
+func TestExecVerdict(t *testing.T) {
+	var calls atomic.Int32
+	c := startAgent(t, Options{Verdict: func() Verdict {
+		calls.Add(1)
+		return Verdict{OOMKilled: true, DiskFull: true}
+	}})
+	ctx := context.Background()
+	res, err := c.Exec(ctx, ExecRequest{Shell: "exit 0"}, nil)
+	require.NoError(t, err)
+	require.True(t, res.OOMKilled, "an OOM kill during a successful command is not reported: %+v", res)
+	require.False(t, res.DiskFull, "a successful command is said to have met a full disk: %+v", res)
+	res, err = c.Exec(ctx, ExecRequest{Shell: "exit 1"}, nil)
+	require.NoError(t, err)
+	require.True(t, res.OOMKilled && res.DiskFull, "the verdict did not reach the result: %+v", res)
+	require.EqualValues(t, 2, calls.Load())
 }

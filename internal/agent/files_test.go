@@ -247,3 +247,23 @@ func TestPutArchiveCannotEscape(t *testing.T) {
 		assert.ErrorIs(t, err, fs.ErrNotExist)
 	})
 }
+
+// TestDiff: the diff request streams what Options.Diff writes; an agent
+// without it refuses the request.
+func TestDiff(t *testing.T) {
+	ctx := context.Background()
+	c := startAgent(t, Options{})
+	var buf bytes.Buffer
+	err := c.Diff(ctx, &buf)
+	require.Error(t, err)
+	require.ErrorIs(t, err, fs.ErrInvalid)
+
+	want := bytes.Repeat([]byte("diff"), 100000) // several chunks
+	c = startAgent(t, Options{Diff: func(ctx context.Context, w io.Writer) error {
+		_, err := w.Write(want)
+		return err
+	}})
+	buf.Reset()
+	require.NoError(t, c.Diff(ctx, &buf))
+	require.Equal(t, want, buf.Bytes())
+}

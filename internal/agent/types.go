@@ -58,4 +58,10 @@ type ExecResult struct {
 	// PidsExhausted: the command could not be started because the
 	// sandbox's process limit is reached.
 	PidsExhausted bool
+	// OOMKilled and DiskFull: the sandbox's memory limit killed one of its
+	// processes, or its writable layer was full, while the command ran.
+	// Only an agent that can tell sets them (Options.Verdict: a VM guest's;
+	// a container's backend reads its cgroup and disk on the host).
+	OOMKilled bool
+	DiskFull  bool
 }

@@ -104,6 +104,9 @@ func toImage(internal, digest string, m image.Manifest) *dsecv1.Image {
 	if !m.Created.IsZero() {
 		img.CreatedAt = timestamppb.New(m.Created)
 	}
+	if m.Disk != nil {
+		img.DiskFormat = m.Disk.Format
+	}
 	for _, l := range m.Layers {
 		img.Layers = append(img.Layers, l.Digest)
 	}
@@ -169,13 +172,18 @@ func (is *imageService) Import(ctx context.Context, stream *connect.ClientStream
 		return nil, err
 	}
 
-	m, err := layer.Import(ctx, s.cfg.Store, s.images, internal, path, nil, layer.WithMaxBytes(limit))
+	var m image.Manifest
+	if hdr.GetDisk() {
+		m, err = image.ImportDisk(ctx, s.cfg.Store, s.images, internal, path, limit)
+	} else {
+		m, err = layer.Import(ctx, s.cfg.Store, s.images, internal, path, nil, layer.WithMaxBytes(limit))
+	}
 	if err != nil {
 		s.metrics.fail("image_import", err)
 		if ctx.Err() != nil {
 			return nil, toConnect(ctx.Err())
 		}
-		if errors.Is(err, layer.ErrTooLarge) {
+		if errors.Is(err, layer.ErrTooLarge) || errors.Is(err, image.ErrDiskTooLarge) {
 			return nil, errf(connect.CodeResourceExhausted, "import %q: %s %d exceeded: the image expands to more than %d bytes after decompression", r.String(), limitName, limit, limit)
 		}
 		if errors.Is(err, image.ErrInvalidRef) {

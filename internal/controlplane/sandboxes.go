@@ -112,6 +112,9 @@ func (s *Server) prepare(ctx context.Context, p iam.Principal, in *dsecv1.Sandbo
 			return nil, err
 		}
 	}
+	if err := image.CheckBackend(user.Backend, ms, image.SpecFields(user.Workspace != "", len(user.Toolkits))); err != nil {
+		return nil, errf(connect.CodeInvalidArgument, "%w", err)
+	}
 	composed, err := image.Compose(ms, manifests)
 	if err != nil {
 		return nil, errf(connect.CodeInvalidArgument, "spec.image: %w", err)

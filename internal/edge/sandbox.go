@@ -94,6 +94,8 @@ type sandbox struct {
 	pool *warmPool
 	// use is what it was last measured to use (sandboxusage.go).
 	use sandboxUse
+	// egress relays rt's proxy connections while it runs (egress.go).
+	egress *egressRun
 }
 
 // phase is the contract's state of sb, frozen aside (what messages name
@@ -148,6 +150,9 @@ func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec, limits *dsecv1.Re
 	if _, ok := e.cfg.Backends[runtime.Kind(s.Backend)]; !ok {
 		return nil, placement.Capacity{}, invalid("spec.backend %q is not offered by node %q", s.Backend, e.cfg.NodeID)
 	}
+	if s.Network != nil && e.aether == nil {
+		return nil, placement.Capacity{}, fail.New(fail.FailedPrecondition, fmt.Errorf("spec.network: node %q runs without egress", e.cfg.NodeID))
+	}
 	sent := spec.FromProto(limits)
 	if err := sent.Validate("limits"); err != nil {
 		return nil, placement.Capacity{}, fail.New(fail.InvalidArgument, err)
@@ -181,7 +186,7 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 		switch {
 		case errors.Is(err, image.ErrNotFound):
 			return runtime.Spec{}, nil, fail.New(fail.NotFound, err)
-		case errors.Is(err, image.ErrInvalidRef):
+		case errors.Is(err, image.ErrInvalidRef), errors.Is(err, image.ErrBackend):
 			return runtime.Spec{}, nil, fail.New(fail.InvalidArgument, err)
 		}
 		return runtime.Spec{}, nil, fail.New(fail.Unavailable, fmt.Errorf("resolve images of sandbox %q: %w", id, err))
@@ -217,7 +222,10 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 // spec's own resolved here.
 func (e *Edge) resolved(ctx context.Context, spec *dsecv1.SandboxSpec, sent *dsecv1.ResolvedImages) (image.Resolved, error) {
 	if sent == nil {
-		return e.images.Resolve(ctx, spec.Image, spec.Workspace, spec.Toolkits...)
+		// A fullvm boots its disk image (Layers[0].Path is the disk blob,
+		// through e.local.Path as any layer); every other backend mounts
+		// EROFS layers: ResolveFor refuses a mix-up naming the field.
+		return e.images.ResolveFor(ctx, spec.Backend, spec.Image, spec.Workspace, spec.Toolkits...)
 	}
 	if len(sent.GetLayers()) == 0 {
 		return image.Resolved{}, fmt.Errorf("resolved: no layers: %w", image.ErrInvalidRef)
@@ -332,6 +340,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	sb.rt = rs
 	sb.lastActive = time.Now()
 	e.setState(sb, lifecycle.Running, "")
+	e.startEgressLocked(sb, rs)
 	e.schedule(sb)
 	out := e.toProto(sb)
 	e.mu.Unlock()
@@ -702,6 +711,9 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.setState(sb, lifecycle.Destroying, "")
 	rs, wp, closing := sb.rt, sb.pool, e.closed
 	e.mu.Unlock()
+	// Before the runtime goes back to a pool: its next user must not
+	// inherit this sandbox's connections.
+	e.stopEgress(sb)
 	var err error
 	switch {
 	case wp != nil && !frozen && !closing:

@@ -53,6 +53,10 @@ type Manifest struct {
 	Config        Config                 `json:"config"`
 	Created       time.Time              `json:"created"`
 	Annotations   map[string]string      `json:"annotations,omitempty"`
+	// Disk is set on a disk image (ImportDisk): its one layer is a whole
+	// bootable disk, not an EROFS layer, and only the fullvm backend runs
+	// it (CheckBackend).
+	Disk *Disk `json:"disk,omitempty"`
 }
 
 // Size is the total size of the manifest's layers.
@@ -178,6 +182,10 @@ func (m Manifest) clone() Manifest {
 	m.Config.Entrypoint = slices.Clone(m.Config.Entrypoint)
 	m.Config.Cmd = slices.Clone(m.Config.Cmd)
 	m.Annotations = maps.Clone(m.Annotations)
+	if m.Disk != nil {
+		d := *m.Disk
+		m.Disk = &d
+	}
 	return m
 }
 
@@ -280,6 +288,13 @@ type Resolved struct {
 // its topmost position: the lower copy could only ever be shadowed by the
 // upper one, and overlayfs need not see the same lowerdir twice.
 func (s *Store) Resolve(ctx context.Context, base, workspace string, toolkits ...string) (Resolved, error) {
+	return s.ResolveFor(ctx, "", base, workspace, toolkits...)
+}
+
+// ResolveFor is Resolve for a sandbox of backend kind: it also refuses
+// images the backend cannot run (CheckBackend; an empty kind checks
+// nothing).
+func (s *Store) ResolveFor(ctx context.Context, kind, base, workspace string, toolkits ...string) (Resolved, error) {
 	if base == "" {
 		return Resolved{}, fmt.Errorf("resolve: base image is required: %w", ErrInvalidRef)
 	}
@@ -296,6 +311,11 @@ func (s *Store) Resolve(ctx context.Context, base, workspace string, toolkits ..
 			return Resolved{}, fmt.Errorf("resolve: %w", err)
 		}
 		ms[i], digests[i] = m, digest
+	}
+	if kind != "" {
+		if err := CheckBackend(kind, ms, SpecFields(workspace != "", len(toolkits))); err != nil {
+			return Resolved{}, fmt.Errorf("resolve: %w", err)
+		}
 	}
 	res, err := Compose(ms, digests)
 	if err != nil {

@@ -172,6 +172,22 @@ type DiffArchiver interface {
 	WriteDiff(ctx context.Context, w io.Writer) error
 }
 
+// Egress is implemented by sandboxes whose agent relays connections made
+// to a proxy listener inside the sandbox (internal/aether is the edge's
+// half). AcceptEgress waits for the next connection to listen, a loopback
+// address and port inside the sandbox, and returns it relayed: reading
+// gives what the workload sent, writing answers it.
+type Egress interface {
+	AcceptEgress(ctx context.Context, listen string) (EgressConn, error)
+}
+
+// EgressConn is one relayed connection of a workload to its proxy.
+type EgressConn interface {
+	io.ReadWriteCloser
+	// CloseWrite ends what the workload reads (it sees end of file).
+	CloseWrite() error
+}
+
 // Display is implemented by sandboxes with a screen, a keyboard and a
 // mouse (the VM backends): computer-use tasks, and guests that do not run
 // dsec-agent.

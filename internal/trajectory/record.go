@@ -46,12 +46,15 @@ const (
 	// KindInput: keyboard or mouse input sent to the sandbox's screen
 	// (its reason says how many events of each kind, not what was typed).
 	KindInput = "input"
+	// KindEgress: one outward connection the sandbox's proxy decided
+	// (Record.Egress: allowed or denied, by which rule, bytes each way).
+	KindEgress = "egress"
 )
 
 // IsEvent reports whether records of kind are events (see KindDestroy).
 func IsEvent(kind string) bool {
 	switch kind {
-	case KindDestroy, KindLost, KindFreeze, KindThaw, KindInput:
+	case KindDestroy, KindLost, KindFreeze, KindThaw, KindInput, KindEgress:
 		return true
 	}
 	return false
@@ -76,6 +79,7 @@ type Record struct {
 	Reward      *Reward      `json:"reward,omitempty"`
 	Snapshot    *Snapshot    `json:"snapshot,omitempty"`
 	Checkpoint  *Checkpoint  `json:"checkpoint,omitempty"`
+	Egress      *Egress      `json:"egress,omitempty"`
 	// Error is set when the operation failed with an error rather than a
 	// result (a file that does not exist, a bad path).
 	Error *Error `json:"error,omitempty"`
@@ -161,6 +165,26 @@ type Snapshot struct {
 
 // Checkpoint names a checkpoint: the result of a checkpoint (with the
 // layer it packed) or the target of a rollback.
+// Egress is one connection the sandbox asked its proxy for and what the
+// node's policy decided (internal/aether): recorded when it ends, or when
+// it is refused.
+type Egress struct {
+	Host   string `json:"host"`
+	Port   int    `json:"port,omitempty"`
+	Method string `json:"method,omitempty"`
+	// Addr is the address the node dialled (never one the sandbox chose).
+	Addr    string `json:"addr,omitempty"`
+	Allowed bool   `json:"allowed"`
+	// Rule is what decided: "allow pypi", "default deny", "deny npm", ...
+	Rule string `json:"rule"`
+	// BytesOut went from the sandbox upstream, BytesIn came back.
+	BytesOut int64 `json:"bytes_out,omitempty"`
+	BytesIn  int64 `json:"bytes_in,omitempty"`
+	// Ended says why an allowed connection was cut short (a policy
+	// change, the sandbox's end).
+	Ended string `json:"ended,omitempty"`
+}
+
 type Checkpoint struct {
 	ID    string `json:"id"`
 	Layer string `json:"layer,omitempty"`

@@ -31,7 +31,8 @@ func ExecRequest(req rt.ExecRequest) agent.ExecRequest {
 }
 
 // ExecResult is the agent's result as the runtime's. OOMKilled and
-// DiskFull are the backend's to add: the agent cannot tell.
+// DiskFull come from agents that can tell (a VM guest's); the container
+// backend adds them itself from its cgroup and disk.
 func ExecResult(res agent.ExecResult) rt.ExecResult {
 	return rt.ExecResult{
 		ExitCode:        res.ExitCode,
@@ -43,6 +44,8 @@ func ExecResult(res agent.ExecResult) rt.ExecResult {
 		Duration:        res.Duration,
 		TimedOut:        res.TimedOut,
 		PidsExhausted:   res.PidsExhausted,
+		OOMKilled:       res.OOMKilled,
+		DiskFull:        res.DiskFull,
 	}
 }
 

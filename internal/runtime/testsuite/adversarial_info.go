@@ -45,6 +45,7 @@ var (
 )
 
 func (s *suite) testInfoMasked(t *testing.T) {
+	s.need(t, HostKernel)
 	sb := s.create(t, nil)
 	// Each line: "PATH BYTES" for a file (what a read returns; -1 when it
 	// cannot be read at all), "PATH ENTRIES" for a directory.
@@ -90,6 +91,7 @@ func (s *suite) infoProbe(t *testing.T, sb runtime.Sandbox) string {
 // offsets on the device below it, the host's disk for a file the sandbox
 // wrote; every one is refused with EPERM, for written and image files.
 func (s *suite) testInfoBlockMaps(t *testing.T) {
+	s.need(t, HostKernel)
 	sb := s.create(t, nil)
 	probe := s.infoProbe(t, sb)
 	s.sh(t, sb, `head -c 65536 /dev/urandom > /tmp/blockmap-data && mkdir -p /root && cp /tmp/blockmap-data /root/data && sync`)
@@ -112,6 +114,7 @@ func (s *suite) testInfoBlockMaps(t *testing.T) {
 // layer directory, no PID of the platform's (the test process stands for
 // it), in a new sandbox and in one that Reset or Rebase gave a new root.
 func (s *suite) testInfoMounts(t *testing.T) {
+	s.need(t, HostKernel)
 	spec := s.h.NewSpec(t)
 	sb := s.createSpec(t, spec)
 	host := hostStrings(t, sb, spec)
@@ -200,6 +203,7 @@ func linesMatching(text string, re *regexp.Regexp) string {
 // cgroup paths (which name the sandbox or the platform's PID); PID 1's
 // environment is not the platform's.
 func (s *suite) testInfoIdentity(t *testing.T) {
+	s.need(t, HostKernel)
 	sb := s.create(t, nil)
 	pid := pidPattern()
 	cg := s.sh(t, sb, `cat /proc/self/cgroup`)

@@ -24,6 +24,7 @@ func init() {
 // again without CAP_SYS_RESOURCE). A workload's own processes keep those
 // calls for themselves.
 func (s *suite) testAdvPid1Attributes(t *testing.T) {
+	s.need(t, ProtectedAgent)
 	bin, err := os.ReadFile(testutil.BuildBinary(t, "./internal/runtime/testsuite/internal/pid1probe"))
 	if err != nil {
 		t.Fatal(err)

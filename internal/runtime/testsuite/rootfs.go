@@ -16,6 +16,7 @@ func (s *suite) testRootfs(t *testing.T) {
 }
 
 func (s *suite) testBaseLayer(t *testing.T) {
+	s.need(t, LayerRootfs)
 	sb := s.create(t, nil)
 	if got := s.sh(t, sb, "cat "+BaseMarkerPath); got != BaseMarkerContent {
 		t.Errorf("%s inside the sandbox: %q, want %q (is the base layer from BusyboxRootfs?)", BaseMarkerPath, got, BaseMarkerContent)
@@ -28,6 +29,7 @@ func (s *suite) testBaseLayer(t *testing.T) {
 }
 
 func (s *suite) testWritesPrivate(t *testing.T) {
+	s.need(t, LayerRootfs)
 	a := s.create(t, nil)
 	// Modify a base file (copy-up), delete one (whiteout), add one.
 	s.sh(t, a, `echo changed > `+BaseMarkerPath+` && rm /bin/true && echo new > /etc/dsec-new && mkdir /newdir`)

@@ -27,6 +27,7 @@ var inodeDirs = []string{"/", "/etc", "/bin", "/inode-new", "/inode-new/sub", "/
 // without xino. Checked in a new sandbox and in roots that Reset and
 // Rebase build.
 func (s *suite) testInodeNumbers(t *testing.T) {
+	s.need(t, LayerRootfs)
 	sb := s.create(t, nil)
 	check := func(when string) {
 		t.Helper()

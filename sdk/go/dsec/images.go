@@ -23,6 +23,9 @@ type Image struct {
 	CreatedAt time.Time
 	// Tenant owns the image; empty for public images.
 	Tenant string
+	// DiskFormat is set on a disk image (imported with Disk()): "qcow2"
+	// or "raw". Only sandboxes of backend fullvm boot it.
+	DiskFormat string
 
 	// Seq and Replayed are set on the image Sandbox.Snapshot returns: the
 	// snapshot's step in the source sandbox's trajectory, and whether it
@@ -39,6 +42,8 @@ func imageFromProto(p *dsecv1.Image) *Image {
 		Layers: p.GetLayers(),
 		Size:   p.GetSize(),
 		Tenant: p.GetTenant(),
+
+		DiskFormat: p.GetDiskFormat(),
 	}
 	if p.CreatedAt != nil {
 		im.CreatedAt = p.CreatedAt.AsTime()
@@ -58,6 +63,13 @@ type ImportOption func(*dsecv1.ImportHeader)
 // Public makes the imported image visible to every tenant (admin only).
 func Public() ImportOption {
 	return func(h *dsecv1.ImportHeader) { h.Public = true }
+}
+
+// Disk imports one bootable disk file, qcow2 or raw, for backend fullvm
+// (dsec image import --disk): it is stored as it is, not built into
+// layers. A qcow2 with a backing file or an external data file is refused.
+func Disk() ImportOption {
+	return func(h *dsecv1.ImportHeader) { h.Disk = true }
 }
 
 // importChunk is the upload chunk size: large enough that per-message

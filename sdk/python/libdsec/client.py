@@ -36,6 +36,8 @@ from .models import (
     b64encode,
     env_list,
     format_duration,
+    network_json,
+    network_rules,
 )
 
 __all__ = ["DSecClient", "Sandbox", "DEFAULT_ENDPOINT", "DEFAULT_TOKEN_FILE"]
@@ -589,6 +591,20 @@ class DSecClient:
         """Sends keyboard and mouse events to the sandbox's screen, in
         order (at most 256 in one call; fullvm sandboxes)."""
         await self._t.unary(f"{_SANDBOX}/Input", {"sandboxId": _id(sandbox), "events": [e.to_json() for e in events]})
+
+    async def set_network(
+        self, sandbox: Union[str, "Sandbox"], rules: Optional[Mapping[str, bool]] = None, *, replace: bool = False
+    ) -> Dict[str, bool]:
+        """Changes a sandbox's egress policy: ``rules`` (``{"pypi": True,
+        "npm": False}``) are added, a rule for a target already there
+        replacing it, or with ``replace=True`` are the whole policy. New
+        connections follow it at once; open ones it no longer allows are
+        closed. Returns the whole policy; with no rules it only reads it."""
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), **network_json(rules)}
+        if replace:
+            body["replace"] = True
+        resp = await self._t.unary(f"{_SANDBOX}/SetNetwork", body)
+        return network_rules(resp.get("network")) or {}
 
     async def freeze_job(self, labels: Mapping[str, str], *, return_exceptions: bool = False) -> List[JobResult]:
         """Freezes every sandbox of this tenant whose labels include every
@@ -1318,6 +1334,11 @@ class Sandbox:
         """Sends keyboard and mouse input to the sandbox's screen, e.g.
         ``await sb.input(InputEvent.text("ls"), InputEvent.key("ret"))``."""
         await self._client.input(self, *events)
+
+    async def set_network(self, rules: Optional[Mapping[str, bool]] = None, *, replace: bool = False) -> Dict[str, bool]:
+        """Changes (or, with no rules, reads) the sandbox's egress policy;
+        see :meth:`DSecClient.set_network`."""
+        return await self._client.set_network(self, rules, replace=replace)
 
     async def trajectory(self, include_data: bool = False) -> List[Dict[str, Any]]:
         """The sandbox's trajectory records; see :meth:`DSecClient.trajectory`."""

@@ -271,3 +271,21 @@ async def test_calls_reuse_their_connection(server):
             await client.run(SandboxSpec(base_image="nope:1"), "true")
         assert (await client.run(spec(), "exit 3")).exit_code == 3
     assert t.connections_opened == 1
+
+
+async def test_network_rules(server):
+    async with await connect(server) as client:
+        sb = await client.create(spec(network_rules={"pypi": True, "npm": False}))
+        try:
+            assert sb.info.spec.network_rules == {"pypi": True, "npm": False}
+            res = await sb.run("echo $https_proxy")
+            assert res.stdout.strip() == "http://127.0.0.1:3128"
+            assert await sb.set_network({"npm": True, "github": False}) == {"pypi": True, "npm": True, "github": False}
+            assert await sb.set_network() == {"pypi": True, "npm": True, "github": False}
+            assert await sb.set_network({"example.org:443": True}, replace=True) == {"example.org:443": True}
+            with pytest.raises(InvalidArgumentError, match=r"allow\[0\]"):
+                await sb.set_network({"pipy": True})
+            with pytest.raises(InvalidArgumentError, match=r"spec.network.allow\[0\]"):
+                await client.create(spec(network_rules={"ex ample.org": True}))
+        finally:
+            await sb.destroy()

@@ -98,6 +98,9 @@ const (
 	SandboxServiceScreenshotProcedure = "/dsec.v1.SandboxService/Screenshot"
 	// SandboxServiceInputProcedure is the fully-qualified name of the SandboxService's Input RPC.
 	SandboxServiceInputProcedure = "/dsec.v1.SandboxService/Input"
+	// SandboxServiceSetNetworkProcedure is the fully-qualified name of the SandboxService's SetNetwork
+	// RPC.
+	SandboxServiceSetNetworkProcedure = "/dsec.v1.SandboxService/SetNetwork"
 	// SandboxServiceFreezeJobProcedure is the fully-qualified name of the SandboxService's FreezeJob
 	// RPC.
 	SandboxServiceFreezeJobProcedure = "/dsec.v1.SandboxService/FreezeJob"
@@ -191,6 +194,8 @@ type SandboxServiceClient interface {
 	// that has them (fullvm); others answer FailedPrecondition.
 	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
+	// SetNetwork changes (or, with no rules, reads) a sandbox's egress policy.
+	SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -349,6 +354,12 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("Input")),
 			connect.WithClientOptions(opts...),
 		),
+		setNetwork: connect.NewClient[v1.SetNetworkRequest, v1.SetNetworkResponse](
+			httpClient,
+			baseURL+SandboxServiceSetNetworkProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("SetNetwork")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJob: connect.NewClient[v1.JobRequest, v1.JobResponse](
 			httpClient,
 			baseURL+SandboxServiceFreezeJobProcedure,
@@ -411,6 +422,7 @@ type sandboxServiceClient struct {
 	thaw             *connect.Client[v1.ThawRequest, v1.ThawResponse]
 	screenshot       *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
 	input            *connect.Client[v1.InputRequest, v1.InputResponse]
+	setNetwork       *connect.Client[v1.SetNetworkRequest, v1.SetNetworkResponse]
 	freezeJob        *connect.Client[v1.JobRequest, v1.JobResponse]
 	thawJob          *connect.Client[v1.JobRequest, v1.JobResponse]
 	acquire          *connect.Client[v1.AcquireRequest, v1.AcquireResponse]
@@ -524,6 +536,11 @@ func (c *sandboxServiceClient) Input(ctx context.Context, req *connect.Request[v
 	return c.input.CallUnary(ctx, req)
 }
 
+// SetNetwork calls dsec.v1.SandboxService.SetNetwork.
+func (c *sandboxServiceClient) SetNetwork(ctx context.Context, req *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
+	return c.setNetwork.CallUnary(ctx, req)
+}
+
 // FreezeJob calls dsec.v1.SandboxService.FreezeJob.
 func (c *sandboxServiceClient) FreezeJob(ctx context.Context, req *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJob.CallUnary(ctx, req)
@@ -596,6 +613,8 @@ type SandboxServiceHandler interface {
 	// that has them (fullvm); others answer FailedPrecondition.
 	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
+	// SetNetwork changes (or, with no rules, reads) a sandbox's egress policy.
+	SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -750,6 +769,12 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("Input")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceSetNetworkHandler := connect.NewUnaryHandler(
+		SandboxServiceSetNetworkProcedure,
+		svc.SetNetwork,
+		connect.WithSchema(sandboxServiceMethods.ByName("SetNetwork")),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceFreezeJobHandler := connect.NewUnaryHandler(
 		SandboxServiceFreezeJobProcedure,
 		svc.FreezeJob,
@@ -830,6 +855,8 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceScreenshotHandler.ServeHTTP(w, r)
 		case SandboxServiceInputProcedure:
 			sandboxServiceInputHandler.ServeHTTP(w, r)
+		case SandboxServiceSetNetworkProcedure:
+			sandboxServiceSetNetworkHandler.ServeHTTP(w, r)
 		case SandboxServiceFreezeJobProcedure:
 			sandboxServiceFreezeJobHandler.ServeHTTP(w, r)
 		case SandboxServiceThawJobProcedure:
@@ -933,6 +960,10 @@ func (UnimplementedSandboxServiceHandler) Screenshot(context.Context, *connect.R
 
 func (UnimplementedSandboxServiceHandler) Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Input is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SetNetwork is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {

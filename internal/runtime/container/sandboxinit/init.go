@@ -581,6 +581,10 @@ var (
 	readOnlyPaths = []string{"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"}
 )
 
+// MaskPaths applies the masks a sandbox's /proc and /sys get under root
+// (see maskPaths); the microVM guest's init shares them.
+func MaskPaths(root string) error { return maskPaths(root) }
+
 // maskPaths applies the masks under root, whose /proc and /sys are
 // mounted. Each is one mount (two for a read-only bind) and no stat: a
 // path this kernel lacks fails the mount with ENOENT. The masks are
