@@ -59,6 +59,8 @@ type edgeFlags struct {
 	egress    bool
 	hostsFile string
 	hosts     map[string][]netip.Addr
+	// vm: the VM backends (vm.go).
+	vm vmFlags
 
 	capacity placement.Capacity // set by validate
 	defaults spec.Resources     // set by validate: every field set
@@ -98,6 +100,7 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
 	f.registerScratch(cmd)
 	f.registerSwap(cmd)
+	f.vm.register(cmd)
 	fl.BoolVar(&f.egress, "egress", true, "run every sandbox's egress proxy (--egress=false: sandboxes have loopback only, specs with network rules are refused)")
 	fl.StringVar(&f.hostsFile, "hosts", "", "hosts-format FILE (ADDRESS NAME...) the egress proxy answers names from before DNS; its addresses may be loopback or private (test upstreams, a mirror)")
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
@@ -119,6 +122,9 @@ func (f *edgeFlags) validate() error {
 		return cli.Usagef("--auto-pool %d: must not be negative (0 disables recycling)", f.autoPool)
 	}
 	if _, err := f.scratchBytes(); err != nil {
+		return err
+	}
+	if err := f.vm.validate(); err != nil {
 		return err
 	}
 	for _, v := range []struct {
@@ -227,13 +233,25 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		return nil, err
 	}
 	f.backend = backend
+	backends := map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend}
+	capacity := map[runtime.Kind]placement.Capacity{runtime.KindContainer: f.capacity}
+	if err := f.vm.open(context.Background(), dataDir, f.agentPath, f.defaults.MemoryBytes, f.capacity, backends, capacity, log); err != nil {
+		backend.Close()
+		f.closeSwap(log)
+		f.closeScratch(log)
+		return nil, err
+	}
+	shares := map[runtime.Kind]placement.Share{}
+	for kind := range backends {
+		shares[kind] = f.share
+	}
 	e, err := edge.New(edge.Config{
 		NodeID:            f.nodeID,
 		DataDir:           dataDir,
 		Store:             store,
-		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend},
-		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: f.capacity},
-		RequestShare:      map[runtime.Kind]placement.Share{runtime.KindContainer: f.share},
+		Backends:          backends,
+		Capacity:          capacity,
+		RequestShare:      shares,
 		MemoryReserve:     f.reserve,
 		AdvertiseURL:      advertise,
 		Servers:           servers,
@@ -344,6 +362,7 @@ func newEdgeCmd() *cobra.Command {
 			e.Mount(mux)
 			log.Info("dsec edge listening", "node", ef.nodeID, "advertise", advertise, "servers", servers)
 			printBounds(cmd.OutOrStdout(), e.Bounds())
+			fmt.Fprintln(cmd.OutOrStdout(), ef.vm.status)
 			ctx, cancel := context.WithCancel(cmd.Context())
 			defer cancel()
 			var wg sync.WaitGroup

@@ -123,6 +123,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 				fmt.Fprintf(cmd.OutOrStdout(), "clients: export DSEC_ENDPOINT=%s DSEC_TOKEN=$(cat %s)\n", self, tokenPath)
 			}
 			printBounds(cmd.OutOrStdout(), e.Bounds())
+			fmt.Fprintln(cmd.OutOrStdout(), ef.vm.status)
 			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
 			cancel()
 			wg.Wait()
