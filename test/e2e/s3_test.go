@@ -22,8 +22,8 @@ import (
 // converts into the bucket and runs; its trajectory ships to the
 // bucket and is read back from there after the sandbox is gone. A second
 // `dsec up` on a fresh data directory, sharing only the bucket, sees the
-// image, fetches its layer into its own cache and runs it: what a second
-// node of a cluster does.
+// image, fetches its layer into its own cache and runs it, and runs a
+// snapshot the first one took: what a second node of a cluster does.
 func TestS3Store(t *testing.T) {
 	bins := build(t)
 	srv := s3test.Start(t)
@@ -96,6 +96,14 @@ func TestS3Store(t *testing.T) {
 	if _, err := sb.ExecShell(ctx, "echo shipped; exit 5"); err != nil {
 		t.Fatal(err)
 	}
+	// A snapshot's new layer is built on the node and uploaded: the
+	// second node runs it below.
+	if _, err := sb.ExecShell(ctx, "echo made-on-node-1 > /snapshot-marker"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sb.Snapshot(ctx, "snap:1"); err != nil {
+		t.Fatal(err)
+	}
 	if err := sb.Destroy(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -116,6 +124,9 @@ func TestS3Store(t *testing.T) {
 	}
 	if got := c2.ok(t, "run", "--image", "busybox:latest", "--", "cat", "/etc/passwd"); !strings.HasPrefix(got, "root:") {
 		t.Fatalf("run on the second node printed %q", got)
+	}
+	if got := c2.ok(t, "run", "--image", "snap:1", "--", "cat", "/snapshot-marker"); got != "made-on-node-1" {
+		t.Fatalf("the snapshot taken on the first node, run on the second, has %q", got)
 	}
 	cache, err := blobstore.NewDir(filepath.Join(data2, "blobcache"))
 	if err != nil {

@@ -338,6 +338,18 @@ func testRefs(t *testing.T, s blobstore.Store) {
 	require.NoError(t, err)
 	assert.Empty(t, list)
 
+	// Every character a name may hold survives the store's encoding
+	// (an object store's URL escaping: '+' is not a space).
+	odd := "odd/A-z_0.9+x@y:tag"
+	require.NoError(t, r.Set(ctx, odd, d1))
+	got, err = r.Get(ctx, odd)
+	require.NoError(t, err)
+	assert.Equal(t, d1, got)
+	list, err = r.List(ctx, "odd/")
+	require.NoError(t, err)
+	assert.Equal(t, []blobstore.Ref{{Name: odd, Digest: d1}}, list)
+	require.NoError(t, r.Delete(ctx, odd))
+
 	require.NoError(t, r.Delete(ctx, "images/lib/b:1.0"))
 	_, err = r.Get(ctx, "images/lib/b:1.0")
 	assert.ErrorIs(t, err, blobstore.ErrNotFound)

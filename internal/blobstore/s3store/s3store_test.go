@@ -21,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/blobstore/s3store"
 	"github.com/dsec-dev/dsec/internal/blobstore/s3test"
 	"github.com/dsec-dev/dsec/internal/fail"
+	"github.com/dsec-dev/dsec/internal/gc"
 )
 
 // open returns a store on srv under a prefix of its own: empty, and apart
@@ -360,4 +361,46 @@ func TestCacheFetch(t *testing.T) {
 	assert.ErrorIs(t, err, blobstore.ErrNotFound)
 	_, err = local.Path(bd.Digest)
 	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+}
+
+// TestGC collects an s3 store through a Cache, as the server does: the
+// blob a ref names stays, an unreferenced one goes (from the bucket and
+// the node's copy), and ages come from the objects (blobstore.Ager), not
+// from the node's files, so gc fetches nothing into the cache.
+func TestGC(t *testing.T) {
+	s := server(t)
+	st := open(t, s)
+	local, err := blobstore.NewDir(t.TempDir())
+	require.NoError(t, err)
+	c := blobstore.NewCache(st, local)
+	ctx := context.Background()
+	keep, err := c.Put(ctx, strings.NewReader("named by a ref"))
+	require.NoError(t, err)
+	require.NoError(t, c.Refs().Set(ctx, "other/keep", keep.Digest))
+	orphan, err := c.Put(ctx, strings.NewReader("named by nothing"))
+	require.NoError(t, err)
+	_, err = c.Fetch(ctx, orphan.Digest) // the node holds a copy
+	require.NoError(t, err)
+
+	res, err := gc.Run(ctx, c, gc.Options{Grace: 0})
+	require.NoError(t, err)
+	assert.Equal(t, []string{orphan.Digest}, res.Freed)
+	_, err = st.Stat(ctx, orphan.Digest)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	_, err = local.Stat(ctx, orphan.Digest)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound, "the node's copy of a freed blob stayed")
+	_, err = st.Stat(ctx, keep.Digest)
+	assert.NoError(t, err)
+	_, err = local.Stat(ctx, keep.Digest)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound, "gc fetched a blob into the cache")
+
+	// With a grace period, young blobs stay: their age is the object's.
+	young, err := c.Put(ctx, strings.NewReader("just stored"))
+	require.NoError(t, err)
+	res, err = gc.Run(ctx, c, gc.Options{Grace: time.Hour})
+	require.NoError(t, err)
+	assert.Empty(t, res.Freed)
+	assert.Equal(t, int64(1), res.Young)
+	_, err = st.Stat(ctx, young.Digest)
+	assert.NoError(t, err)
 }

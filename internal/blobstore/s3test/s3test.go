@@ -133,7 +133,7 @@ func randomHex(n int) string {
 }
 
 func start(bin, dir string) (*Server, error) {
-	ports, err := freePorts(8)
+	ports, err := freePorts(10)
 	if err != nil {
 		return nil, fmt.Errorf("s3test: free ports: %w", err)
 	}
@@ -158,6 +158,10 @@ func start(bin, dir string) (*Server, error) {
 		"-volume.port="+p(2), "-volume.port.grpc="+p(3),
 		"-filer.port="+p(4), "-filer.port.grpc="+p(5),
 		"-s3.port="+p(6), "-s3.port.grpc="+p(7),
+		// The admin server runs whatever -admin.ui says; on ports of its
+		// own, so that two servers (tests of two packages) do not meet on
+		// its default ones.
+		"-admin.port="+p(8), "-admin.port.grpc="+p(9),
 		"-filer.localSocket="+filepath.Join(dir, "filer.sock"),
 		"-s3.localSocket="+filepath.Join(dir, "s3.sock"),
 		// Nothing but the S3 gateway and what it needs; nothing that
