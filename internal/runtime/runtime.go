@@ -331,7 +331,9 @@ type Sandbox interface {
 	ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error)
 	// PutArchive extracts a tar stream into dir (created if missing).
 	PutArchive(ctx context.Context, dir string, tar io.Reader) error
-	// GetArchive writes dir as a tar stream to w.
+	// GetArchive writes dir as a tar stream to w (names relative to dir);
+	// when dir is a regular file, the stream holds that file alone under
+	// its base name.
 	GetArchive(ctx context.Context, dir string, w io.Writer) error
 	// Freeze stops every process of the sandbox, keeping its memory and
 	// state, and returns once they are stopped; Thaw resumes them. Both are
