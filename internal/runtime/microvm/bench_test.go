@@ -262,7 +262,12 @@ func BenchmarkDAX(b *testing.B) {
 	}
 	results := map[bool][2]float64{}
 	for _, dax := range []bool{false, true} {
-		e := newEnvRootfs(b, rootfs, func(o *microvm.Options) { o.Console = false; o.Machine = "q35"; o.DAX = dax; o.BootTimeout = 10 * time.Minute })
+		e := newEnvRootfs(b, rootfs, func(o *microvm.Options) {
+			o.Console = false
+			o.Machine = "q35"
+			o.DAX = dax
+			o.BootTimeout = 10 * time.Minute
+		})
 		// Not b.Loop: it may run once per benchmark, and each mode needs
 		// its own loop.
 		for range b.N {
