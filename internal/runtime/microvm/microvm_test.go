@@ -129,12 +129,12 @@ func TestConformance(t *testing.T) {
 	testsuite.Run(t, testsuite.Harness{
 		Sections:    sections,
 		SectionsWhy: "CI runs the microVM's boundary sections only (DSEC_VM_SUITE=full runs all)",
-		Backend:    e.backend,
-		NewSpec:    e.spec,
-		Leaks:      testsuite.HostLeaks(nil, []string{e.backend.StateDir()}),
-		AgentName:  "/init",
-		LeakCycles: 10,
-		OpTimeout:  5 * time.Minute,
+		Backend:     e.backend,
+		NewSpec:     e.spec,
+		Leaks:       testsuite.HostLeaks(nil, []string{e.backend.StateDir()}),
+		AgentName:   "/init",
+		LeakCycles:  10,
+		OpTimeout:   5 * time.Minute,
 		Lacks: map[testsuite.Capability]string{
 			testsuite.CPUQuota: "a microVM's CPU is whole vCPUs (-smp); fractions of a core are not enforced",
 		},
