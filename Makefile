@@ -31,6 +31,9 @@ vet:
 # (-p 1): the suites create hundreds of sandboxes and measure CPU quotas;
 # on two cores, packages running side by side turn their timing into flakes,
 # and the whole suite still takes only ~3 minutes.
+# The s3 blob store's tests need SeaweedFS's weed (scripts/seaweedfs.sh,
+# built once into /var/cache/dsec/bin): deps builds it for test only.
+test: export DSEC_SEAWEEDFS ?= 1
 test: deps build vet
 	$(GO) test -p 1 -count=1 -timeout 15m $(PKGS)
 

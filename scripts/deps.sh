@@ -39,6 +39,20 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
+# The microVM kernel is fetched on first use with apt-get download, which
+# needs the package lists (a fresh CI image may have none).
+if ! apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq; else echo "deps.sh: run apt-get update (the microvm kernel is fetched with apt)" >&2; fi
+fi
 if ! command -v go >/dev/null 2>&1 && [ -x /usr/local/go/bin/go ]; then
   echo "note: add /usr/local/go/bin to PATH" >&2
+fi
+# The s3 blob store's tests run against SeaweedFS's S3 server, built from
+# its Go module at a pinned version into /var/cache/dsec/bin: ~10-30 min
+# of compiling the first time (a 230 MB binary), nothing afterwards while
+# that directory is kept. Built when DSEC_SEAWEEDFS=1 (`make test` sets
+# it) or CI is set, so that `make up` does not wait for it; without it
+# those tests skip, or fail under CI=true.
+if [ "${DSEC_SEAWEEDFS:-${CI:+1}}" = 1 ]; then
+  PATH=$PATH:/usr/local/go/bin "$(dirname "$0")/seaweedfs.sh" >/dev/null
 fi

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v protoc >/dev/null || { echo "proto.sh: install protoc (apt-get install protobuf-compiler)" >&2; exit 1; }
+[ -f /usr/include/google/protobuf/duration.proto ] || { echo "proto.sh: install the well-known types (apt-get install libprotobuf-dev)" >&2; exit 1; }
 bin=$(pwd)/.cache/protobin
 mkdir -p "$bin"
 GOBIN=$bin go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12

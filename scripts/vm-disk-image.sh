@@ -29,14 +29,17 @@ mirror="${DSEC_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 hash="$(sha256sum "$script" | cut -c1-16)"
 image="$cache/debian-bookworm-$hash.qcow2"
 out="${1:-}"
+# The image's path is the one line on stdout (callers read it); what the
+# build says (debootstrap, apt) goes to stderr.
+exec 3>&1 1>&2
 
 finish() {
   if [ -n "$out" ] && [ "$out" != "$image" ]; then
     mkdir -p "$(dirname "$out")"
     cp --reflink=auto "$image" "$out.tmp.$$" && mv "$out.tmp.$$" "$out"
-    echo "$out"
+    echo "$out" >&3
   else
-    echo "$image"
+    echo "$image" >&3
   fi
 }
 

@@ -21,7 +21,7 @@ import (
 
 func newImageCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "image", Short: "Manage images"}
-	cmd.AddCommand(newImageImportCmd(g), newImageLsCmd(g), newImageRmCmd(g))
+	cmd.AddCommand(newImageImportCmd(g), newImageLsCmd(g), newImageRmCmd(g), newImagePullCmd(g))
 	return cmd
 }
 
@@ -76,6 +76,55 @@ one). A qcow2 with a backing file or an external data file is refused.`,
 	cmd.Flags().BoolVar(&public, "public", false, "make the image visible to every tenant (admin only)")
 	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "no progress bar")
 	cmd.Flags().BoolVar(&disk, "disk", false, "PATH is a bootable disk image (qcow2 or raw) for backend fullvm")
+	return cmd
+}
+
+func newImagePullCmd(g *globals) *cobra.Command {
+	var public, quiet bool
+	cmd := &cobra.Command{
+		Use:   "pull REF [NAME:TAG]",
+		Short: "Convert an image from a registry into the store",
+		Long: `Have the server pull image REF ([HOST[:PORT]/]REPO[:TAG|@sha256:HEX],
+Docker Hub without a host; plain HTTP for loopback and private hosts) from
+its registry and convert its layers into the store, as image NAME:TAG
+(default: REF's repository and tag). An image already converted from the
+manifest the registry serves now is reused: nothing is converted again.`,
+		Args: cli.RangeArgs(1, 2, "REF [NAME:TAG]"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			o := dsec.PullOptions{Public: public}
+			if len(args) == 2 {
+				o.Ref = args[1]
+			}
+			if !quiet && term.IsTerminal(int(os.Stderr.Fd())) {
+				var drawn bool
+				o.Progress = func(done, total int64) {
+					drawn = true
+					fmt.Fprintf(os.Stderr, "\rconverting %s: layer %d of %d", args[0], done, total)
+				}
+				defer func() {
+					if drawn {
+						fmt.Fprintln(os.Stderr)
+					}
+				}()
+			}
+			p, err := c.Images().Pull(cmd.Context(), args[0], o)
+			if err != nil {
+				return err
+			}
+			note := "converted"
+			if !p.Converted {
+				note = "up to date"
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s %s (%s, from %s)\n", p.Image.Ref, p.Image.Digest, note, p.SourceDigest)
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&public, "public", false, "make the image visible to every tenant (admin only)")
+	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "no progress")
 	return cmd
 }
 

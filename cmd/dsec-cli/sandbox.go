@@ -39,6 +39,9 @@ func newSandboxCmd(g *globals) *cobra.Command {
 		newSandboxThawCmd(g),
 		newSandboxScreenshotCmd(g),
 		newSandboxInputCmd(g),
+		newSandboxNetworkCmd(g),
+		newSandboxEventsCmd(g),
+		newSandboxVerifyCmd(g),
 	)
 	return cmd
 }
@@ -47,6 +50,7 @@ func newSandboxCmd(g *globals) *cobra.Command {
 type createFlags struct {
 	image, workspace, backend string
 	toolkits, labels, env     []string
+	netAllow, netDeny         []string
 	cpu, memory, idleAction   string
 	disk                      string
 	ttl, idle                 time.Duration
@@ -63,6 +67,8 @@ func (f *createFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.disk, "disk-size", "", "writable-layer size (what the sandbox may write over its image), e.g. 2g (default: the tenant's, else the node's)")
 	fl.StringArrayVar(&f.labels, "label", nil, "label KEY=VALUE (repeatable)")
 	fl.StringArrayVar(&f.env, "sandbox-env", nil, "environment KEY=VALUE for every exec in the sandbox (repeatable)")
+	fl.StringArrayVar(&f.netAllow, "net-allow", nil, "let the sandbox reach NAME|HOST through its proxy: a named rule (pypi, npm, crates, goproxy, debian, ubuntu, github, huggingface), a host (example.org, *.example.org, example.org:443), an address or CIDR (repeatable; default: nothing)")
+	fl.StringArrayVar(&f.netDeny, "net-deny", nil, "refuse NAME|HOST even where --net-allow covers it (repeatable)")
 	fl.DurationVar(&f.ttl, "ttl", 0, "maximum lifetime, e.g. 1h (default none)")
 	fl.DurationVar(&f.idle, "idle-timeout", 0, "destroy (or, with --idle-action freeze, freeze) after this long without an operation (default none)")
 	fl.StringVar(&f.idleAction, "idle-action", "destroy", "what --idle-timeout does: destroy or freeze")
@@ -90,6 +96,7 @@ func (f *createFlags) spec() (dsec.Spec, error) {
 		IdleTimeout: f.idle,
 		IdleAction:  f.idleAction,
 		Env:         f.env,
+		Network:     dsec.Network{Allow: f.netAllow, Deny: f.netDeny},
 	}
 	var err error
 	if f.cpu != "" {

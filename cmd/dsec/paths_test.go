@@ -63,6 +63,8 @@ func TestRunPathsAgree(t *testing.T) {
 		{name: "stdin", args: append(img, "--", "sh", "-c", "cat; echo done"), stdin: "ignored\n", fast: true},
 		{name: "flags", args: append(img, "-e", "A=1", "--env=B=2", "-w", "/tmp", "--cpu", "0.5", "--memory", "64m",
 			"--disk-size", "512m", "--label", "k=v", "--sandbox-env", "C=3", "--ttl", "1h", "--", "sh", "-c", "echo $A $B $C; pwd"), fast: true},
+		{name: "network", args: append(img, "--net-allow", "pypi", "--net-deny=npm", "--", "sh", "-c", "echo $http_proxy"), fast: true},
+		{name: "bad network rule", args: append(img, "--net-allow", "pipy", "--", "true"), fast: true, code: 125},
 		{name: "token file", args: append([]string{"run", "--token-file", tokenFile, "--image", "busybox:latest"}, "--", "true"),
 			env: []string{"DSEC_TOKEN="}, fast: true},
 		{name: "missing image", args: []string{"run", "--image", "nope:latest", "--", "true"}, fast: true, code: 125},

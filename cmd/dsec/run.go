@@ -31,6 +31,7 @@ type runCall struct {
 	// createFlags.
 	image, workspace, backend string
 	toolkits, labels, sbEnv   []string
+	netAllow, netDeny         []string
 	cpu, memory, idleAction   string
 	disk                      string
 	ttl, idle                 time.Duration
@@ -79,6 +80,8 @@ var runFlags = []runFlag{
 	{"disk-size", 0, str(func(c *runCall) *string { return &c.disk })},
 	{"label", 0, strs(func(c *runCall) *[]string { return &c.labels })},
 	{"sandbox-env", 0, strs(func(c *runCall) *[]string { return &c.sbEnv })},
+	{"net-allow", 0, strs(func(c *runCall) *[]string { return &c.netAllow })},
+	{"net-deny", 0, strs(func(c *runCall) *[]string { return &c.netDeny })},
 	{"ttl", 0, dur(func(c *runCall) *time.Duration { return &c.ttl })},
 	{"idle-timeout", 0, dur(func(c *runCall) *time.Duration { return &c.idle })},
 	{"idle-action", 0, str(func(c *runCall) *string { return &c.idleAction })},
@@ -184,7 +187,7 @@ func (c *runCall) runRequest() (body []byte, ok bool) {
 		return nil, false
 	}
 	for _, list := range [][]string{{c.image, c.workspace, c.backend, c.idleAction, c.cwd, c.user},
-		c.toolkits, c.labels, c.sbEnv, c.env, c.argv} {
+		c.toolkits, c.labels, c.sbEnv, c.env, c.argv, c.netAllow, c.netDeny} {
 		for _, s := range list {
 			if !utf8.ValidString(s) {
 				return nil, false
@@ -192,7 +195,7 @@ func (c *runCall) runRequest() (body []byte, ok bool) {
 		}
 	}
 
-	var spec, res, lab, ex, req jsonObject
+	var spec, res, lab, net, ex, req jsonObject
 	spec.str("backend", c.backend)
 	spec.str("image", c.image)
 	spec.str("workspace", c.workspace)
@@ -210,6 +213,9 @@ func (c *runCall) runRequest() (body []byte, ok bool) {
 	spec.duration("idleTimeout", c.idle)
 	spec.strs("env", c.sbEnv)
 	spec.str("idleAction", c.idleAction)
+	net.strs("allow", c.netAllow)
+	net.strs("deny", c.netDeny)
+	spec.object("network", &net)
 	ex.strs("argv", c.argv)
 	ex.strs("env", c.env)
 	ex.str("cwd", c.cwd)

@@ -82,6 +82,7 @@ func TestRunRequestIsTheSDKs(t *testing.T) {
 		args: []string{"--image=busybox:latest", "--workspace", "ws:1", "--toolkit", "t:1", "--toolkit=t:2",
 			"--backend", "container", "--cpu", "0.5", "--memory", "1.5g", "--disk-size", "2g", "--label", "job=7", "--label", "k=a=b",
 			"--sandbox-env", "A=1", "--ttl", "1h", "--idle-timeout", "1.5s", "--idle-action", "freeze",
+			"--net-allow", "pypi", "--net-allow=*.example.org", "--net-deny", "npm",
 			"--timeout", "250ms", "-e", "X=\"quoted\"\n", "-eY=2", "--env", "Z=3", "-w", "/tmp", "-uroot",
 			"--token", "tok", "--endpoint", "127.0.0.1:1",
 			"--", "sh", "-c", "echo \\ é \x01 $X", "--", "-e"},
@@ -92,6 +93,7 @@ func TestRunRequestIsTheSDKs(t *testing.T) {
 				Labels:    map[string]string{"job": "7", "k": "a=b"},
 				Ttl:       durationpb.New(time.Hour), IdleTimeout: durationpb.New(1500 * time.Millisecond),
 				Env: []string{"A=1"}, IdleAction: "freeze",
+				Network: &dsecv1.NetworkPolicy{Allow: []string{"pypi", "*.example.org"}, Deny: []string{"npm"}},
 			},
 			Exec: &dsecv1.ExecRequest{
 				Argv: []string{"sh", "-c", "echo \\ é \x01 $X", "--", "-e"}, Env: []string{"X=\"quoted\"\n", "Y=2", "Z=3"},

@@ -21,6 +21,7 @@ import (
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
 	"github.com/dsec-dev/dsec/internal/blobstore"
+	"github.com/dsec-dev/dsec/internal/blobstore/s3store"
 	"github.com/dsec-dev/dsec/internal/controlplane/iam"
 	"github.com/dsec-dev/dsec/internal/ids"
 )
@@ -37,11 +38,19 @@ const (
 
 // daemonFlags are shared by up, server and edge.
 type daemonFlags struct {
-	dataDir   string
-	listen    string
-	store     string
-	tokenFile string
-	logLevel  string
+	dataDir    string
+	listen     string
+	store      string
+	s3Endpoint string
+	tokenFile  string
+	logLevel   string
+}
+
+// registerStore adds --store (described by usage) and --s3-endpoint.
+func (f *daemonFlags) registerStore(cmd *cobra.Command, usage string) {
+	fl := cmd.Flags()
+	fl.StringVar(&f.store, "store", "", usage+"; dir:///PATH, a path, or s3://BUCKET[/PREFIX] with --s3-endpoint")
+	fl.StringVar(&f.s3Endpoint, "s3-endpoint", "", "S3 server of an s3:// --store, http[s]://HOST[:PORT] (https: TLS); credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
 }
 
 // open does what every daemon does first: its logger, the blob store and
@@ -51,7 +60,7 @@ func (f *daemonFlags) open(createToken bool) (*slog.Logger, blobstore.Repository
 	if err != nil {
 		return nil, nil, "", err
 	}
-	store, err := f.openStore()
+	store, err := f.openStore(context.Background())
 	if err != nil {
 		return nil, nil, "", err
 	}
@@ -72,17 +81,69 @@ func (f *daemonFlags) logger() (*slog.Logger, error) {
 	return l, nil
 }
 
-// openStore opens --store, or the data dir's own blob store.
-func (f *daemonFlags) openStore() (blobstore.Repository, error) {
+// openStore opens --store, or the data dir's own blob store. An s3 store
+// is put behind a Cache in DATA-DIR/blobcache: layers are mounted from
+// local files, fetched once per node.
+func (f *daemonFlags) openStore(ctx context.Context) (blobstore.Repository, error) {
 	u := f.store
 	if u == "" {
 		u = filepath.Join(f.dataDir, "blobs")
+	}
+	if err := f.validateStore(); err != nil {
+		return nil, err
+	}
+	if strings.HasPrefix(u, "s3://") {
+		return f.openS3(ctx, u)
 	}
 	repo, err := blobstore.New(u)
 	if err != nil {
 		return nil, fmt.Errorf("--store: %w", err)
 	}
 	return repo, nil
+}
+
+// validateStore refuses --store and --s3-endpoint that do not go
+// together, before anything is made on disk.
+func (f *daemonFlags) validateStore() error {
+	if !strings.HasPrefix(f.store, "s3://") {
+		if f.s3Endpoint != "" {
+			return cli.Usagef("--s3-endpoint is for an s3:// --store, not %q", f.store)
+		}
+		return nil
+	}
+	if _, _, err := s3store.ParseURL(f.store); err != nil {
+		return cli.Usagef("--store: %v", err)
+	}
+	if f.s3Endpoint == "" {
+		return cli.Usagef("--store %s: give the S3 server with --s3-endpoint http[s]://HOST[:PORT]", f.store)
+	}
+	if !strings.HasPrefix(f.s3Endpoint, "http://") && !strings.HasPrefix(f.s3Endpoint, "https://") {
+		return cli.Usagef("--s3-endpoint %q: want http[s]://HOST[:PORT]", f.s3Endpoint)
+	}
+	return nil
+}
+
+func (f *daemonFlags) openS3(ctx context.Context, u string) (blobstore.Repository, error) {
+	bucket, prefix, err := s3store.ParseURL(u)
+	if err != nil {
+		return nil, cli.Usagef("--store: %v", err)
+	}
+	local, err := blobstore.NewDir(filepath.Join(f.dataDir, "blobcache"))
+	if err != nil {
+		return nil, fmt.Errorf("--store %s: node cache: %w", u, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	remote, err := s3store.Open(ctx, s3store.Config{
+		Bucket: bucket, Prefix: prefix, Endpoint: f.s3Endpoint,
+		// Spooled blobs and built layers on the cache's file system, so
+		// that ingesting into the cache is a rename.
+		TempDir: local.TempDir(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("--store %s: %w", u, err)
+	}
+	return blobstore.NewCache(remote, local), nil
 }
 
 // clusterToken reads the shared secret of servers and edges: from

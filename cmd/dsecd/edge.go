@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/dsec-dev/dsec/cmd/dsec/cli"
+	"github.com/dsec-dev/dsec/internal/aether"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge"
 	"github.com/dsec-dev/dsec/internal/ids"
@@ -52,6 +54,13 @@ type edgeFlags struct {
 	scratchSize, scratchFile string
 	// swapSize and swapFile: the node's swap area (swap.go).
 	swapSize, swapFile string
+	// egress and hostsFile: sandboxes' outward connections (--egress,
+	// --hosts); hosts is hostsFile read by validate.
+	egress    bool
+	hostsFile string
+	hosts     map[string][]netip.Addr
+	// vm: the VM backends (vm.go).
+	vm vmFlags
 
 	capacity placement.Capacity // set by validate
 	defaults spec.Resources     // set by validate: every field set
@@ -91,6 +100,9 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
 	f.registerScratch(cmd)
 	f.registerSwap(cmd)
+	f.vm.register(cmd)
+	fl.BoolVar(&f.egress, "egress", true, "run every sandbox's egress proxy (--egress=false: sandboxes have loopback only, specs with network rules are refused)")
+	fl.StringVar(&f.hostsFile, "hosts", "", "hosts-format FILE (ADDRESS NAME...) the egress proxy answers names from before DNS; its addresses may be loopback or private (test upstreams, a mirror)")
 	fl.BoolVar(&f.trajectory, "trajectory", true, "keep every sandbox's trajectory log (--trajectory=false: no records, no fast-forward; for measuring its cost)")
 }
 
@@ -112,6 +124,9 @@ func (f *edgeFlags) validate() error {
 	if _, err := f.scratchBytes(); err != nil {
 		return err
 	}
+	if err := f.vm.validate(); err != nil {
+		return err
+	}
 	for _, v := range []struct {
 		name string
 		v    float64
@@ -128,6 +143,15 @@ func (f *edgeFlags) validate() error {
 	}
 	if _, err := f.swapBytes(); err != nil {
 		return err
+	}
+	if f.hostsFile != "" {
+		if !f.egress {
+			return cli.Usagef("--hosts %s: only with the egress proxy (not with --egress=false)", f.hostsFile)
+		}
+		var err error
+		if f.hosts, err = aether.LoadHosts(f.hostsFile); err != nil {
+			return cli.Usagef("--hosts: %v", err)
+		}
 	}
 	f.capacity = placement.Capacity{Sandboxes: f.maxSandboxes}
 	var err error
@@ -209,13 +233,25 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		return nil, err
 	}
 	f.backend = backend
+	backends := map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend}
+	capacity := map[runtime.Kind]placement.Capacity{runtime.KindContainer: f.capacity}
+	if err := f.vm.open(context.Background(), dataDir, f.agentPath, f.defaults.MemoryBytes, f.capacity, backends, capacity, log); err != nil {
+		backend.Close()
+		f.closeSwap(log)
+		f.closeScratch(log)
+		return nil, err
+	}
+	shares := map[runtime.Kind]placement.Share{}
+	for kind := range backends {
+		shares[kind] = f.share
+	}
 	e, err := edge.New(edge.Config{
 		NodeID:            f.nodeID,
 		DataDir:           dataDir,
 		Store:             store,
-		Backends:          map[runtime.Kind]runtime.Backend{runtime.KindContainer: backend},
-		Capacity:          map[runtime.Kind]placement.Capacity{runtime.KindContainer: f.capacity},
-		RequestShare:      map[runtime.Kind]placement.Share{runtime.KindContainer: f.share},
+		Backends:          backends,
+		Capacity:          capacity,
+		RequestShare:      shares,
 		MemoryReserve:     f.reserve,
 		AdvertiseURL:      advertise,
 		Servers:           servers,
@@ -230,6 +266,8 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		FnQueue:           f.fnQueue,
 		AutoPool:          f.autoPool,
 		Defaults:          f.defaults,
+		NoEgress:          !f.egress,
+		Hosts:             f.hosts,
 	})
 	if err != nil {
 		backend.Close()
@@ -324,6 +362,7 @@ func newEdgeCmd() *cobra.Command {
 			e.Mount(mux)
 			log.Info("dsec edge listening", "node", ef.nodeID, "advertise", advertise, "servers", servers)
 			printBounds(cmd.OutOrStdout(), e.Bounds())
+			fmt.Fprintln(cmd.OutOrStdout(), ef.vm.status)
 			ctx, cancel := context.WithCancel(cmd.Context())
 			defer cancel()
 			var wg sync.WaitGroup
@@ -341,7 +380,7 @@ func newEdgeCmd() *cobra.Command {
 	fl.StringVar(&advertise, "advertise", "", "URL servers reach this edge at (default http://LISTEN-ADDR)")
 	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "this node's data directory (sandbox state, layer mounts)")
 	fl.StringVar(&f.listen, "listen", defaultEdgeListen, "address to serve EdgeService on")
-	fl.StringVar(&f.store, "store", "", "blob store URL shared with the servers (default DATA-DIR/blobs)")
+	f.registerStore(cmd, "blob store URL shared with the servers (default DATA-DIR/blobs)")
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "the servers' shared secret (default DATA-DIR/cluster.token)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	ef.register(cmd)

@@ -98,6 +98,10 @@ func TestBadEdgeFlagsRefusedFirst(t *testing.T) {
 		{[]string{"edge", "--server", "http://127.0.0.1:1", "--scratch-size", "big"}, "scratch-size"},
 		{[]string{"up", "--swap", "1m"}, "--swap 1m: at least 16 MiB, or 0 for none"},
 		{[]string{"edge", "--server", "http://127.0.0.1:1", "--swap", "big"}, "--swap \"big\""},
+		{[]string{"up", "--store", "s3://bucket/prefix"}, "--s3-endpoint http[s]://HOST[:PORT]"},
+		{[]string{"server", "--store", "s3://bucket", "--s3-endpoint", "bucket.example.com"}, "--s3-endpoint \"bucket.example.com\""},
+		{[]string{"edge", "--server", "http://127.0.0.1:1", "--store", "s3:///nobucket", "--s3-endpoint", "http://127.0.0.1:1"}, "no bucket"},
+		{[]string{"up", "--s3-endpoint", "http://127.0.0.1:1"}, "--s3-endpoint is for an s3:// --store"},
 	} {
 		data := filepath.Join(t.TempDir(), "data")
 		args := append(tc.args, "--data-dir", data, "--listen", "127.0.0.1:0")

@@ -74,7 +74,7 @@ func newServerCmd() *cobra.Command {
 	fl := cmd.Flags()
 	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "data directory (admin.token, cluster.token, default blob store)")
 	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve the API on")
-	fl.StringVar(&f.store, "store", "", "blob store URL shared by every server and edge (default DATA-DIR/blobs)")
+	f.registerStore(cmd, "blob store URL shared by every server and edge (default DATA-DIR/blobs)")
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "shared secret of servers and edges (default DATA-DIR/cluster.token, created if missing)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fl.DurationVar(&nodeTimeout, "node-timeout", controlplane.DefaultNodeTimeout, "a node silent this long is lost, and so are its sandboxes")

@@ -48,6 +48,9 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 			if err := sf.validate(); err != nil {
 				return err
 			}
+			if err := f.validateStore(); err != nil {
+				return err
+			}
 			if err := os.MkdirAll(f.dataDir, 0o755); err != nil {
 				return fmt.Errorf("--data-dir: %w", err)
 			}
@@ -120,6 +123,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 				fmt.Fprintf(cmd.OutOrStdout(), "clients: export DSEC_ENDPOINT=%s DSEC_TOKEN=$(cat %s)\n", self, tokenPath)
 			}
 			printBounds(cmd.OutOrStdout(), e.Bounds())
+			fmt.Fprintln(cmd.OutOrStdout(), ef.vm.status)
 			err = serveUntil(ctx, newHTTPServer(mux, log), ln)
 			cancel()
 			wg.Wait()
@@ -131,7 +135,7 @@ service too. Ctrl-C destroys every sandbox and exits.`,
 	fl := cmd.Flags()
 	fl.StringVar(&f.dataDir, "data-dir", defaultDataDir, "data directory (blobs, sandboxes, layers, tokens)")
 	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve the API on")
-	fl.StringVar(&f.store, "store", "", "blob store URL (default DATA-DIR/blobs)")
+	f.registerStore(cmd, "blob store URL (default DATA-DIR/blobs)")
 	fl.StringVar(&f.tokenFile, "cluster-token-file", "", "shared secret for extra edges (default DATA-DIR/cluster.token)")
 	fl.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fl.StringArrayVar(&imports, "import", nil, "NAME:TAG=PATH: import PATH as a public image before serving, unless NAME:TAG exists (repeatable)")

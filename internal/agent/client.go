@@ -316,6 +316,25 @@ func (c *Client) PutArchive(ctx context.Context, dir string, r io.Reader) error 
 	return err
 }
 
+// Diff writes what the sandbox changed over its layers to w, as a tar
+// stream with OCI whiteouts (see DiffRequest in agent.proto). An agent that
+// does not serve it answers with CodeInvalidArgument.
+func (c *Client) Diff(ctx context.Context, w io.Writer) error {
+	const op = "diff"
+	s, err := c.open(op, &request{diff: &diffRequest{}})
+	if err != nil {
+		return err
+	}
+	defer c.m.remove(s)
+	_, err = c.finish(ctx, op, s, func(d *dataMsg) error {
+		if _, err := w.Write(d.chunk); err != nil {
+			return fmt.Errorf("agent %s: writing the archive: %w", op, err)
+		}
+		return nil
+	})
+	return err
+}
+
 // GetArchive writes dir as a tar stream to w.
 func (c *Client) GetArchive(ctx context.Context, dir string, w io.Writer) error {
 	op := "get archive " + dir

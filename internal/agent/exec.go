@@ -218,10 +218,12 @@ func (srv *server) exec(s *stream, r *execRequest) *response {
 	readers.Wait()
 	outR.Close()
 	errR.Close()
-	if srv.opts.Verdict != nil && (res.exitCode != 0 || res.signal != 0) {
+	if srv.opts.Verdict != nil {
+		// A child the OOM killer picked need not fail the command; a full
+		// disk only explains a failure.
 		v := srv.opts.Verdict()
 		res.oomKilled = v.OOMKilled
-		res.diskFull = v.DiskFull
+		res.diskFull = v.DiskFull && (res.exitCode != 0 || res.signal != 0)
 		res.pidsExhausted = res.pidsExhausted || v.PidsExhausted
 	}
 	// A background child may hold stdin open without reading it; stop

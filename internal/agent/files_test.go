@@ -195,6 +195,25 @@ func TestArchiveRoundTrip(t *testing.T) {
 		"src/": "", "src/main.py": "print(1)\n",
 	}, got)
 	assert.Equal(t, byte(tar.TypeDir), types["src/"])
+
+	// A regular file's archive holds it alone, under its base name, with
+	// its mode: what a verifier copies as one artifact.
+	out.Reset()
+	require.NoError(t, c.GetArchive(ctx, filepath.Join(dst, "bin/run"), &out))
+	tr = tar.NewReader(&out)
+	h, err := tr.Next()
+	require.NoError(t, err)
+	assert.Equal(t, "run", h.Name)
+	assert.Equal(t, int64(0o755), h.Mode&0o777)
+	body, err := io.ReadAll(tr)
+	require.NoError(t, err)
+	assert.Equal(t, "#!/bin/sh\n", string(body))
+	_, err = tr.Next()
+	assert.Equal(t, io.EOF, err, "one entry only")
+	// Anything else that is not a directory is refused.
+	// A symlink in the file's place is not followed (the workload could
+	// point it anywhere in its sandbox, /proc included).
+	assert.Error(t, c.GetArchive(ctx, filepath.Join(dst, "link"), io.Discard))
 }
 
 func TestPutArchiveCannotEscape(t *testing.T) {
@@ -246,4 +265,24 @@ func TestPutArchiveCannotEscape(t *testing.T) {
 		err := c.GetArchive(ctx, filepath.Join(base, "nope"), io.Discard)
 		assert.ErrorIs(t, err, fs.ErrNotExist)
 	})
+}
+
+// TestDiff: the diff request streams what Options.Diff writes; an agent
+// without it refuses the request.
+func TestDiff(t *testing.T) {
+	ctx := context.Background()
+	c := startAgent(t, Options{})
+	var buf bytes.Buffer
+	err := c.Diff(ctx, &buf)
+	require.Error(t, err)
+	require.ErrorIs(t, err, fs.ErrInvalid)
+
+	want := bytes.Repeat([]byte("diff"), 100000) // several chunks
+	c = startAgent(t, Options{Diff: func(ctx context.Context, w io.Writer) error {
+		_, err := w.Write(want)
+		return err
+	}})
+	buf.Reset()
+	require.NoError(t, c.Diff(ctx, &buf))
+	require.Equal(t, want, buf.Bytes())
 }

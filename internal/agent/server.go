@@ -57,11 +57,15 @@ type Options struct {
 	// processes born in a child cgroup whose pids limit excludes the agent,
 	// so a fork bomb cannot starve the agent of threads.
 	Fork func(attr *syscall.SysProcAttr, start func() error) error
-	// Verdict, if set, is called once a command that failed (non-zero
-	// exit, or a signal) has ended, before its result is sent: what it
-	// returns is added to the result. A VM guest's agent sets it, because
+	// Verdict, if set, is called once a command has ended, before its
+	// result is sent: what it returns is added to the result (DiskFull only
+	// to a command that failed: non-zero exit, or a signal). A VM guest's agent sets it, because
 	// there the host can read neither the sandbox's cgroups nor its disk.
 	Verdict func() Verdict
+	// Diff, if set, serves the diff request: it writes what the sandbox
+	// changed over its layers to w as a tar stream with OCI whiteouts. A
+	// VM guest's agent sets it.
+	Diff func(ctx context.Context, w io.Writer) error
 }
 
 // Verdict is what Options.Verdict reports about a failed command.
@@ -81,6 +85,8 @@ type server struct {
 	level int  // see nsLevel
 	oom   bool // reset children's oom_score_adj to 0
 	home  homeCache
+	// egress holds the proxy listeners EgressAccept relays from.
+	egress egressListeners
 }
 
 // Serve answers requests on conn until conn fails or ctx ends. On return
@@ -149,13 +155,22 @@ func Serve(ctx context.Context, conn io.ReadWriteCloser, opts Options) error {
 	}()
 
 	err := m.readLoop()
+	select {
+	case <-m.closed:
+		// A failed write ended the connection first (the edge went away
+		// while a handler answered): that is why reading stopped.
+		err = m.err
+	default:
+	}
 	m.fail(err)
 	cancel()
+	srv.egress.close()
 	handlers.Wait()
 	switch {
 	case ctx.Err() != nil:
 		return ctx.Err()
-	case errors.Is(err, io.EOF):
+	case errors.Is(err, io.EOF), errors.Is(err, syscall.EPIPE), errors.Is(err, syscall.ECONNRESET):
+		// The edge closed its end: a clean end, whichever side noticed.
 		return nil
 	}
 	return err
@@ -175,6 +190,14 @@ func (srv *server) handle(s *stream, req *request) *response {
 	case req.getArchive != nil:
 		err = srv.getArchive(s, req.getArchive)
 	case req.ping != nil:
+	case req.egress != nil:
+		err = srv.egressAccept(s, req.egress)
+	case req.diff != nil:
+		if srv.opts.Diff == nil {
+			err = errorf(CodeInvalidArgument, "diff: this agent does not serve its sandbox's writable layer")
+		} else {
+			err = srv.opts.Diff(s.ctx, bodyWriter{ctx: s.ctx, s: s})
+		}
 	case req.init != nil:
 		err = errorf(CodeFailedPrecondition, "init: the sandbox is set up already (init must be the first request)")
 	default:

@@ -100,6 +100,8 @@ type request struct {
 	getArchive *getArchiveRequest
 	ping       *pingRequest
 	init       *Init
+	egress     *egressAcceptRequest
+	diff       *diffRequest
 }
 
 type dataMsg struct {
@@ -163,6 +165,9 @@ type putArchiveRequest struct{ dir string }
 type getArchiveRequest struct{ dir string }
 
 type pingRequest struct{}
+
+type egressAcceptRequest struct{ listen string }
+type diffRequest struct{}
 
 // Protobuf wire types.
 const (
@@ -294,10 +299,12 @@ func (r *request) size() int {
 		return sizeMsg(sizeString(r.putArchive.dir, false))
 	case r.getArchive != nil:
 		return sizeMsg(sizeString(r.getArchive.dir, false))
-	case r.ping != nil:
+	case r.ping != nil, r.diff != nil:
 		return sizeMsg(0)
 	case r.init != nil:
 		return sizeMsg(len(r.init.appendTo(nil)))
+	case r.egress != nil:
+		return sizeMsg(sizeString(r.egress.listen, false))
 	}
 	return 0
 }
@@ -325,8 +332,13 @@ func (r *request) appendTo(b []byte) []byte {
 		b = appendString(b, 1, r.getArchive.dir, false)
 	case r.ping != nil:
 		b = appendMsgHeader(b, 6, 0)
+	case r.diff != nil:
+		b = appendMsgHeader(b, 8, 0)
 	case r.init != nil:
 		b = appendSub(b, 7, r.init.appendTo(nil))
+	case r.egress != nil:
+		b = appendMsgHeader(b, 15, sizeString(r.egress.listen, false))
+		b = appendString(b, 1, r.egress.listen, false)
 	}
 	return b
 }
@@ -448,6 +460,8 @@ func (f *frame) checkUTF8() error {
 			check(r.getArchive.dir)
 		case r.init != nil:
 			ok = validUTF8(r.init.strings())
+		case r.egress != nil:
+			check(r.egress.listen)
 		}
 	}
 	if r := f.response; r != nil && r.err != nil {
@@ -667,7 +681,7 @@ func unmarshalFrame(b []byte) (*frame, error) {
 
 func (r *request) unmarshal(b []byte) error {
 	return eachField(b, func(fd *field) error {
-		if fd.wt != wtBytes || fd.num < 1 || fd.num > 7 {
+		if fd.wt != wtBytes || fd.num < 1 || fd.num > 8 && fd.num != 15 {
 			return nil
 		}
 		// Keep the member if it is the one being merged into.
@@ -729,6 +743,16 @@ func (r *request) unmarshal(b []byte) error {
 				r.init = &Init{}
 			}
 			return r.init.unmarshal(fd.b)
+		case 15:
+			if r.egress = keep.egress; r.egress == nil {
+				r.egress = &egressAcceptRequest{}
+			}
+			return unmarshalDir(fd.b, &r.egress.listen)
+		case 8:
+			if r.diff = keep.diff; r.diff == nil {
+				r.diff = &diffRequest{}
+			}
+			return eachField(fd.b, func(*field) error { return nil })
 		}
 		return nil
 	})

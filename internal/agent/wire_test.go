@@ -43,6 +43,10 @@ func toPB(f *frame) *agentpb.Frame {
 			pr.Op = &agentpb.Request_Ping{Ping: &agentpb.PingRequest{}}
 		case r.init != nil:
 			pr.Op = &agentpb.Request_Init{Init: initToPB(r.init)}
+		case r.egress != nil:
+			pr.Op = &agentpb.Request_EgressAccept{EgressAccept: &agentpb.EgressAcceptRequest{Listen: r.egress.listen}}
+		case r.diff != nil:
+			pr.Op = &agentpb.Request_Diff{Diff: &agentpb.DiffRequest{}}
 		}
 		out.Msg = &agentpb.Frame_Request{Request: pr}
 	case f.data != nil:
@@ -100,6 +104,10 @@ func fromPB(p *agentpb.Frame) *frame {
 			r.ping = &pingRequest{}
 		case *agentpb.Request_Init:
 			r.init = initFromPB(op.Init)
+		case *agentpb.Request_EgressAccept:
+			r.egress = &egressAcceptRequest{listen: op.EgressAccept.GetListen()}
+		case *agentpb.Request_Diff:
+			r.diff = &diffRequest{}
 		}
 		f.request = r
 	case *agentpb.Frame_Data:
@@ -210,7 +218,7 @@ func randFrame(r *rand.Rand) *frame {
 	switch r.IntN(6) {
 	case 0:
 		req := &request{}
-		switch r.IntN(7) {
+		switch r.IntN(9) {
 		case 0:
 			req.exec = &execRequest{
 				argv: strs(), shell: str(), env: strs(), cwd: str(), user: str(),
@@ -228,6 +236,10 @@ func randFrame(r *rand.Rand) *frame {
 			req.ping = &pingRequest{}
 		case 6:
 			req.init = randInit(r, u64, b, str, strs)
+		case 7:
+			req.egress = &egressAcceptRequest{listen: str()}
+		case 8:
+			req.diff = &diffRequest{}
 		}
 		f.request = req
 	case 1:

@@ -47,7 +47,7 @@ func WriteBatch(ctx context.Context, r Repository, b Batch) error {
 	if w, ok := r.(BatchWriter); ok {
 		return w.WriteBatch(ctx, b)
 	}
-	if _, err := b.check(ctx, r); err != nil {
+	if _, err := b.Check(ctx, r); err != nil {
 		return err
 	}
 	for _, blob := range b.Blobs {
@@ -57,7 +57,7 @@ func WriteBatch(ctx context.Context, r Repository, b Batch) error {
 	}
 	refs := r.Refs()
 	var errs []error
-	for _, ref := range lastRefs(b.Refs) {
+	for _, ref := range b.LastRefs() {
 		if err := refs.Set(ctx, ref.Name, ref.Digest); err != nil {
 			errs = append(errs, fmt.Errorf("write batch: %w", err))
 		}
@@ -65,8 +65,9 @@ func WriteBatch(ctx context.Context, r Repository, b Batch) error {
 	return errors.Join(errs...)
 }
 
-// check validates b against s and returns the digests of its blobs.
-func (b Batch) check(ctx context.Context, s Store) ([]string, error) {
+// Check validates b against s and returns the digests of its blobs: what a
+// BatchWriter does before it writes anything.
+func (b Batch) Check(ctx context.Context, s Store) ([]string, error) {
 	digests := make([]string, len(b.Blobs))
 	in := make(map[string]bool, len(b.Blobs))
 	for i, blob := range b.Blobs {
@@ -90,9 +91,10 @@ func (b Batch) check(ctx context.Context, s Store) ([]string, error) {
 	return digests, nil
 }
 
-// lastRefs returns refs without the ones a later ref of the same name
+// LastRefs returns b's refs without the ones a later ref of the same name
 // overrides, in order.
-func lastRefs(refs []Ref) []Ref {
+func (b Batch) LastRefs() []Ref {
+	refs := b.Refs
 	last := make(map[string]int, len(refs))
 	for i, r := range refs {
 		last[r.Name] = i
@@ -137,7 +139,7 @@ func lastRefs(refs []Ref) []Ref {
 // file over it, Delete unlinks it. Where the file system refuses hard links
 // (EPERM, EMLINK, EXDEV, ENOTSUP, ENOSYS), the ref gets a file of its own.
 func (d *Dir) WriteBatch(ctx context.Context, b Batch) error {
-	digests, err := b.check(ctx, d)
+	digests, err := b.Check(ctx, d)
 	if err != nil {
 		return err
 	}
@@ -190,7 +192,7 @@ func (d *Dir) WriteBatch(ctx context.Context, b Batch) error {
 	// naming it links to. links: the file system makes hard links.
 	shared := map[string]string{}
 	links := true
-	for _, r := range lastRefs(b.Refs) {
+	for _, r := range b.LastRefs() {
 		p, err := d.refPath(r.Name)
 		if err != nil {
 			return err

@@ -9,10 +9,12 @@
 // few flushes to stable storage in all rather than a few per item, for
 // writers that produce them in bursts (trajectories of ended sandboxes).
 //
-// Store and Refs are the seam; the dir implementation (a local directory or a
-// shared POSIX file system such as 3FS, JuiceFS or NFS) is the first one and
-// runs the conformance suite in blobstoretest. An s3 implementation belongs
-// next to it and must run the same suite.
+// Store and Refs are the seam. Two implementations run the conformance
+// suite in blobstoretest: Dir (a local directory or a shared POSIX file
+// system such as 3FS, JuiceFS or NFS) and s3store (an S3-compatible object
+// store; a package of its own so that this one, which the CLI links, needs
+// only the standard library). Cache puts a node-local Dir in front of a
+// remote store, so that layers can still be mounted from local files.
 package blobstore
 
 import (
@@ -27,6 +29,7 @@ import (
 	"os"
 	"path"
 	"strings"
+	"time"
 )
 
 // Errors callers test for with errors.Is; the wrapping message names the
@@ -86,6 +89,47 @@ type Ingester interface {
 	Ingest(ctx context.Context, path string) (Descriptor, error)
 }
 
+// RangeReader is implemented by stores that can read part of a blob without
+// the rest (the lazy layer loader reads chunks). The bytes are NOT verified:
+// a part cannot be checked against the whole blob's digest, so callers check
+// them against digests of their own (a chunk list stored beside the layer).
+type RangeReader interface {
+	// OpenRange returns the n bytes of the blob starting at off. Reading
+	// fails with io.ErrUnexpectedEOF when the blob ends first; off or n
+	// negative is an error before anything is read.
+	OpenRange(ctx context.Context, digest string, off, n int64) (io.ReadCloser, error)
+}
+
+// Ager is implemented by stores that know when each blob entered the store
+// (or was last stored again): garbage collection spares young blobs.
+// ErrNotFound when the blob is gone.
+type Ager interface {
+	BlobTime(ctx context.Context, digest string) (time.Time, error)
+}
+
+// Fetcher is implemented by Local stores whose blobs may have to be copied
+// to this node before they have a file (Cache): Fetch is Path with a
+// context for the copy.
+type Fetcher interface {
+	Fetch(ctx context.Context, digest string) (string, error)
+}
+
+// LocalPath returns the file of a blob of l, fetching it first, within ctx,
+// when l is a Fetcher.
+func LocalPath(ctx context.Context, l Local, digest string) (string, error) {
+	if f, ok := l.(Fetcher); ok {
+		return f.Fetch(ctx, digest)
+	}
+	return l.Path(digest)
+}
+
+// Uploader is implemented by remote stores that store a file's bytes
+// straight from the file, which stays where it is (Cache moves it into the
+// node's copy afterwards).
+type Uploader interface {
+	Upload(ctx context.Context, path string) (Descriptor, error)
+}
+
 // Ref is one named pointer to a blob.
 type Ref struct {
 	Name   string `json:"name"`
@@ -112,8 +156,9 @@ type Repository interface {
 }
 
 // New opens the repository named by a URL: "dir:///path" or a plain path
-// for the dir store. "s3://bucket/prefix" is reserved for the object-store
-// implementation.
+// for the dir store. "s3://bucket/prefix" names an s3store, which callers
+// that link it open with s3store.Open (this package stays free of its
+// dependencies).
 func New(rawURL string) (Repository, error) {
 	if rawURL == "" {
 		return nil, errors.New("blob store URL is empty")
@@ -135,9 +180,7 @@ func New(rawURL string) (Repository, error) {
 		}
 		return NewDir(u.Path)
 	case "s3":
-		// The object-store implementation goes here (s3.go), behind the
-		// same Repository interface and conformance suite.
-		return nil, fmt.Errorf("blob store URL %q: s3 is not implemented yet", rawURL)
+		return nil, fmt.Errorf("blob store URL %q: s3 stores are opened with s3store.Open", rawURL)
 	default:
 		return nil, fmt.Errorf("blob store URL %q: unknown scheme %q (want dir:// or s3://)", rawURL, u.Scheme)
 	}
@@ -257,3 +300,52 @@ func (v *verifier) Read(p []byte) (int, error) {
 }
 
 func (v *verifier) Close() error { return v.r.Close() }
+
+// checkRange refuses a range that cannot be read before any I/O.
+func checkRange(digest string, off, n int64) error {
+	if err := ValidateDigest(digest); err != nil {
+		return err
+	}
+	if off < 0 || n < 0 {
+		return fmt.Errorf("blob %s: range of %d bytes at %d: offset and length must not be negative", digest, n, off)
+	}
+	return nil
+}
+
+// ExactReader wraps r, which should yield the n bytes of blob digest from
+// off, so that it fails with io.ErrUnexpectedEOF when r ends early (the
+// blob is shorter than the range) and yields nothing past n. Store
+// implementations use it for OpenRange.
+func ExactReader(r io.ReadCloser, digest string, off, n int64) io.ReadCloser {
+	return &exact{r: r, digest: digest, off: off, left: n}
+}
+
+type exact struct {
+	r         io.ReadCloser
+	digest    string
+	off, left int64
+}
+
+func (e *exact) Read(p []byte) (int, error) {
+	if e.left <= 0 {
+		return 0, io.EOF
+	}
+	if int64(len(p)) > e.left {
+		p = p[:e.left]
+	}
+	n, err := e.r.Read(p)
+	e.left -= int64(n)
+	e.off += int64(n)
+	if err == io.EOF {
+		if e.left > 0 {
+			return n, fmt.Errorf("blob %s ends before offset %d: %w", e.digest, e.off+e.left, io.ErrUnexpectedEOF)
+		}
+		return n, io.EOF
+	}
+	if err == nil && e.left == 0 {
+		err = io.EOF
+	}
+	return n, err
+}
+
+func (e *exact) Close() error { return e.r.Close() }

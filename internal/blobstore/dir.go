@@ -77,10 +77,11 @@ func (d *Dir) sync(f *os.File) error {
 func (d *Dir) Syncs() int64 { return d.syncs.Load() }
 
 var (
-	_ Repository = (*Dir)(nil)
-	_ Local      = (*Dir)(nil)
-	_ Ingester   = (*Dir)(nil)
-	_ Refs       = dirRefs{}
+	_ Repository  = (*Dir)(nil)
+	_ Local       = (*Dir)(nil)
+	_ Ingester    = (*Dir)(nil)
+	_ RangeReader = (*Dir)(nil)
+	_ Refs        = dirRefs{}
 )
 
 // NewDir opens (creating if needed) a dir store rooted at root, and deletes
@@ -230,6 +231,26 @@ func (d *Dir) Open(ctx context.Context, digest string) (io.ReadCloser, error) {
 		return nil, fmt.Errorf("open blob %s: %w", digest, err)
 	}
 	return VerifyingReader(f, digest, info.Size()), nil
+}
+
+// OpenRange returns n bytes of the blob from off, unverified (see
+// RangeReader).
+func (d *Dir) OpenRange(ctx context.Context, digest string, off, n int64) (io.ReadCloser, error) {
+	if err := checkRange(digest, off, n); err != nil {
+		return nil, err
+	}
+	p, err := d.blobPath(digest)
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		return nil, d.notFound(digest, err)
+	}
+	return ExactReader(struct {
+		io.Reader
+		io.Closer
+	}{io.NewSectionReader(f, off, n), f}, digest, off, n), nil
 }
 
 func (d *Dir) notFound(digest string, err error) error {

@@ -39,7 +39,7 @@ func TestNewURL(t *testing.T) {
 	for _, tc := range []struct{ url, want string }{
 		{"", "empty"},
 		{"dir://host/x", "host"},
-		{"s3://bucket/prefix", "not implemented"},
+		{"s3://bucket/prefix", "s3store.Open"},
 		{"ftp://x/y", "unknown scheme"},
 	} {
 		_, err := blobstore.New(tc.url)

@@ -4,11 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
 	"os"
 	"sort"
 	"strings"
+	"syscall"
+	"time"
 
 	"connectrpc.com/connect"
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
@@ -362,3 +368,131 @@ func (is *imageService) Delete(ctx context.Context, req *connect.Request[dsecv1.
 	}
 	return connect.NewResponse(&dsecv1.DeleteImageResponse{}), nil
 }
+
+// Pull converts a registry's image into the store (see layer.Pull),
+// streaming the layers converted so far.
+func (is *imageService) Pull(ctx context.Context, req *connect.Request[dsecv1.PullImageRequest], stream *connect.ServerStream[dsecv1.PullImageResponse]) error {
+	s := is.s
+	p, err := principal(ctx)
+	if err != nil {
+		return err
+	}
+	msg := req.Msg
+	if msg.GetSource() == "" {
+		return errf(connect.CodeInvalidArgument, "source: a registry reference is required")
+	}
+	src, err := layer.ParseRemote(msg.GetSource())
+	if err != nil {
+		return errf(connect.CodeInvalidArgument, "source: %w", err)
+	}
+	ref := msg.GetRef()
+	if ref == "" {
+		ref = layer.DefaultName(src)
+	}
+	r, err := checkUserRef(p, "ref", ref)
+	if err != nil {
+		return err
+	}
+	if msg.GetPublic() && !p.Admin {
+		return errf(connect.CodePermissionDenied, "public: only the admin may pull public images")
+	}
+	internal := r.String()
+	if !p.Admin {
+		internal = tenantScope(p.Tenant) + internal
+	}
+	limit, limitName, err := s.importLimit(ctx, p)
+	if err != nil {
+		return err
+	}
+	opts := []layer.PullOption{layer.PullMaxBytes(limit)}
+	if !p.Admin {
+		// A tenant names the host the server connects to: it must not be
+		// the server's own network (its loopback services, the nodes,
+		// a cloud metadata endpoint).
+		opts = append(opts, layer.PullTransport(publicTransport))
+	}
+	var sendErr error
+	progress := func(done, total int64) {
+		if sendErr == nil {
+			sendErr = stream.Send(&dsecv1.PullImageResponse{LayersDone: done, LayersTotal: total})
+		}
+	}
+	res, err := layer.Pull(ctx, s.cfg.Store, s.images, internal, src.Name(), progress, opts...)
+	if err != nil {
+		s.metrics.fail("image_pull", err)
+		s.log.Info("image pull failed", "ref", internal, "source", src.Name(), "tenant", p.Tenant, "err", err)
+		return pullError(ctx, r.String(), src.Name(), limitName, limit, err)
+	}
+	if sendErr != nil {
+		return sendErr
+	}
+	_, digest, err := s.images.Get(ctx, internal)
+	if err != nil {
+		return toConnect(err)
+	}
+	s.log.Info("image pulled", "ref", internal, "source", res.Source, "source_digest", res.SourceDigest,
+		"tenant", p.Tenant, "digest", digest, "layers", len(res.Manifest.Layers), "converted", res.Converted)
+	return stream.Send(&dsecv1.PullImageResponse{
+		LayersDone: int64(len(res.Manifest.Layers)), LayersTotal: int64(len(res.Manifest.Layers)),
+		Image:        forCaller(p, internal, toImage(internal, digest, res.Manifest)),
+		Converted:    res.Converted,
+		SourceDigest: res.SourceDigest,
+	})
+}
+
+// pullError gives a failed pull its code: the registry's answer where it
+// gave one, Unavailable when it could not be reached.
+func pullError(ctx context.Context, ref, src, limitName string, limit int64, err error) error {
+	var terr *transport.Error
+	var ne net.Error
+	switch {
+	case ctx.Err() != nil:
+		return toConnect(ctx.Err())
+	case errors.Is(err, layer.ErrTooLarge):
+		return errf(connect.CodeResourceExhausted, "pull %s: %s %d exceeded: the image expands to more than %d bytes after decompression", src, limitName, limit, limit)
+	case errors.Is(err, image.ErrInvalidRef):
+		return errf(connect.CodeInvalidArgument, "ref %q: %w", ref, err)
+	case errors.Is(err, errBlockedAddress):
+		return errf(connect.CodePermissionDenied, "source %s: %v", src, errBlockedAddress)
+	case errors.As(err, &terr):
+		switch terr.StatusCode {
+		case http.StatusNotFound:
+			return errf(connect.CodeNotFound, "source %s: %w", src, err)
+		case http.StatusUnauthorized, http.StatusForbidden:
+			return errf(connect.CodePermissionDenied, "source %s: the registry refused: %w", src, err)
+		}
+		return errf(connect.CodeUnavailable, "source %s: %w", src, err)
+	case errors.As(err, &ne):
+		return errf(connect.CodeUnavailable, "source %s: %w", src, err)
+	}
+	return errf(connect.CodeInvalidArgument, "pull %s: %v", src, err)
+}
+
+// errBlockedAddress refuses a tenant's registry at a non-public address.
+var errBlockedAddress = errors.New("registries at loopback, private or link-local addresses are for the admin only")
+
+// publicTransport reaches only public addresses: the check is on the
+// address dialled, after DNS, so a public name that resolves to a private
+// address is refused too. It uses no proxy (a proxy would dial for it).
+var publicTransport = func() http.RoundTripper {
+	d := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second,
+		Control: func(_, address string, _ syscall.RawConn) error {
+			host, _, err := net.SplitHostPort(address)
+			if err != nil {
+				return err
+			}
+			ip, err := netip.ParseAddr(host)
+			if err != nil {
+				return err
+			}
+			ip = ip.Unmap()
+			if !ip.IsGlobalUnicast() || ip.IsPrivate() || ip.IsLoopback() || ip.IsLinkLocalUnicast() {
+				return errBlockedAddress
+			}
+			return nil
+		}}
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.Proxy = nil
+	t.DialContext = d.DialContext
+	return t
+}()

@@ -31,6 +31,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	goruntime "runtime"
@@ -45,6 +46,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/dsec-dev/dsec/internal/aether"
 	"github.com/dsec-dev/dsec/internal/blobstore"
 	"github.com/dsec-dev/dsec/internal/edge/snapshot"
 	"github.com/dsec-dev/dsec/internal/ids"
@@ -86,7 +88,9 @@ type Config struct {
 	DataDir string
 	// Store is the shared blob store holding layers, manifests and refs.
 	// Its blobs must be local files (blobstore.Local) so layers can be
-	// mounted straight from it.
+	// mounted straight from it: a dir store, or a blobstore.Cache that
+	// fetches a remote store's layers to this node when a create needs
+	// them.
 	Store blobstore.Repository
 	// Backends this node offers, by kind. At least one is required.
 	Backends map[runtime.Kind]runtime.Backend
@@ -126,6 +130,13 @@ type Config struct {
 	Logger *slog.Logger
 	// Registry receives the edge's metrics; default a private registry.
 	Registry prometheus.Registerer
+	// NoEgress turns the egress proxy off: sandboxes keep loopback only,
+	// execs get no proxy variables, and a spec with network rules is
+	// refused.
+	NoEgress bool
+	// Hosts answers the egress proxy's lookups before DNS (`--hosts FILE`,
+	// aether.LoadHosts): its addresses may be loopback or private.
+	Hosts map[string][]netip.Addr
 	// NoTrajectory turns the trajectory log off: no records, no
 	// fast-forward (operations that carry a seq are refused). For
 	// measuring the log's overhead.
@@ -181,6 +192,9 @@ type Edge struct {
 	wake chan struct{}
 	// state is what the node measures about itself (nodestate.go).
 	state sampler
+	// aether decides sandboxes' outward connections (egress.go); nil
+	// with Config.NoEgress.
+	aether *aether.Proxy
 	// usagePass and usagePassCPU are how long the last pass reading every
 	// sandbox's usage took and the CPU time it spent, in nanoseconds
 	// (sandboxusage.go).
@@ -377,6 +391,9 @@ func New(cfg Config) (*Edge, error) {
 		stopCtx:          stopCtx,
 	}
 	e.recyclers = recyclersOf(e)
+	if !cfg.NoEgress {
+		e.aether = aether.New(aether.Config{Resolver: aether.NewResolver(cfg.Hosts), Record: e.recordEgress})
+	}
 	e.state.meters = map[runtime.Kind]runtime.UsageReporter{}
 	for kind, b := range cfg.Backends {
 		if m, ok := b.(runtime.UsageReporter); ok {

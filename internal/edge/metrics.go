@@ -17,6 +17,8 @@ type metrics struct {
 	live        *prometheus.GaugeVec
 	heartbeats  *prometheus.CounterVec
 	fncalls     *prometheus.CounterVec
+	egress      *prometheus.CounterVec
+	egressBytes *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -46,12 +48,20 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "dsec_edge_sandboxes",
 			Help: "Sandboxes this node knows, by backend and state (destroyed ones excluded).",
 		}, []string{"backend", "state"}),
+		egress: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dsec_edge_egress_connections_total",
+			Help: "Connections sandboxes asked their egress proxy for, by decision (allowed, denied).",
+		}, []string{"decision"}),
+		egressBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dsec_edge_egress_bytes_total",
+			Help: "Bytes through sandboxes' egress proxy, by direction (out: from sandboxes upstream; in: back), counted when each connection ends.",
+		}, []string{"direction"}),
 		heartbeats: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dsec_edge_heartbeats_total",
 			Help: "Heartbeats sent to servers, by result (ok, error).",
 		}, []string{"result"}),
 	}
-	for _, c := range []prometheus.Collector{m.creates, m.destroys, m.failures, m.execSeconds, m.live, m.heartbeats, m.fncalls} {
+	for _, c := range []prometheus.Collector{m.creates, m.destroys, m.failures, m.execSeconds, m.live, m.heartbeats, m.fncalls, m.egress, m.egressBytes} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register edge metrics: %w", err)
 		}

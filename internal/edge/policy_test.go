@@ -348,11 +348,12 @@ func TestPolicyWarmPoolAccounting(t *testing.T) {
 }
 
 // TestPolicyDisplay: a sandbox whose backend has a screen (a fullvm's;
-// memback's here) answers screenshots with the PNG and its size and takes
+// memback's here, as a microvm: a fullvm boots a disk image, and memback
+// runs the layered test image) answers screenshots with the PNG and its size and takes
 // input in order; one without a screen refuses with FailedPrecondition,
 // a frozen one is refused until thawed, and another tenant's is NotFound.
 func TestPolicyDisplay(t *testing.T) {
-	vm := newMemback(t, memback.Options{Kind: runtime.KindFullVM, Display: true})
+	vm := newMemback(t, memback.Options{Kind: runtime.KindMicroVM, Display: true})
 	ct := newMemback(t, memback.Options{})
 	n := startMemNode(t, "pd1", vm, func(c *edge.Config) {
 		c.Backends[runtime.KindContainer] = ct
@@ -360,7 +361,7 @@ func TestPolicyDisplay(t *testing.T) {
 	})
 	a := tenant("a")
 	ctx := t.Context()
-	sb := n.mustCreate(t, a, &dsecv1.SandboxSpec{Image: memImage, Backend: string(runtime.KindFullVM)})
+	sb := n.mustCreate(t, a, &dsecv1.SandboxSpec{Image: memImage, Backend: string(runtime.KindMicroVM)})
 	shot := func(caller *dsecv1.Caller, id string) (*dsecv1.ScreenshotResponse, error) {
 		resp, err := n.client.ScreenshotOnEdge(ctx, connect.NewRequest(&dsecv1.EdgeSandboxRequest{Caller: caller, SandboxId: id}))
 		if err != nil {

@@ -94,6 +94,13 @@ type sandbox struct {
 	pool *warmPool
 	// use is what it was last measured to use (sandboxusage.go).
 	use sandboxUse
+	// egress relays rt's proxy connections while it runs (egress.go).
+	egress *egressRun
+	// verifyMu: one verify at a time (verify.go); image is the layer
+	// stack it was created with (the image's, before any rollback), what
+	// a verifier is built from.
+	verifyMu sync.Mutex
+	image    []runtime.Layer
 }
 
 // phase is the contract's state of sb, frozen aside (what messages name
@@ -148,6 +155,9 @@ func (e *Edge) validateSpec(id string, in *dsecv1.SandboxSpec, limits *dsecv1.Re
 	if _, ok := e.cfg.Backends[runtime.Kind(s.Backend)]; !ok {
 		return nil, placement.Capacity{}, invalid("spec.backend %q is not offered by node %q", s.Backend, e.cfg.NodeID)
 	}
+	if s.Network != nil && e.aether == nil {
+		return nil, placement.Capacity{}, fail.New(fail.FailedPrecondition, fmt.Errorf("spec.network: node %q runs without egress", e.cfg.NodeID))
+	}
 	sent := spec.FromProto(limits)
 	if err := sent.Validate("limits"); err != nil {
 		return nil, placement.Capacity{}, fail.New(fail.InvalidArgument, err)
@@ -189,7 +199,7 @@ func (e *Edge) resolveSpec(ctx context.Context, id string, spec *dsecv1.SandboxS
 	layers := make([]runtime.Layer, len(resolved.Layers))
 	digests := make([]string, len(resolved.Layers))
 	for i, l := range resolved.Layers {
-		p, err := e.local.Path(l.Digest)
+		p, err := blobstore.LocalPath(ctx, e.local, l.Digest)
 		if err != nil {
 			e.metrics.failures.WithLabelValues(spec.Backend, "image").Inc()
 			kind := fail.Unavailable
@@ -282,6 +292,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		return nil, err
 	}
 	sb.rspec = rspec
+	sb.image = rspec.Layers
 	if rs != nil {
 		// The sandbox keeps its pool's runtime ID: rollback re-creates
 		// under it.
@@ -335,6 +346,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 	sb.rt = rs
 	sb.lastActive = time.Now()
 	e.setState(sb, lifecycle.Running, "")
+	e.startEgressLocked(sb, rs)
 	e.schedule(sb)
 	out := e.toProto(sb)
 	e.mu.Unlock()
@@ -705,6 +717,9 @@ func (e *Edge) destroy(ctx context.Context, sb *sandbox, reason string) error {
 	e.setState(sb, lifecycle.Destroying, "")
 	rs, wp, closing := sb.rt, sb.pool, e.closed
 	e.mu.Unlock()
+	// Before the runtime goes back to a pool: its next user must not
+	// inherit this sandbox's connections.
+	e.stopEgress(sb)
 	var err error
 	switch {
 	case wp != nil && !frozen && !closing:

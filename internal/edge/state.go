@@ -184,6 +184,7 @@ func (e *Edge) doRollback(ctx context.Context, sb *sandbox, id string) error {
 		sb.rt = rs
 		sb.rspec = spec
 		e.setState(sb, lifecycle.Running, "") // the new runtime runs, thawed
+		e.startEgressLocked(sb, rs)
 		sb.lastActive = time.Now()
 	}
 	e.mu.Unlock()
@@ -256,6 +257,7 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 // releaseState drops what a sandbox that ended held beyond its runtime
 // sandbox: its checkpoints and its stack's checkpoint layers. Once only.
 func (e *Edge) releaseState(sb *sandbox) {
+	e.stopEgress(sb)
 	e.mu.Lock()
 	if sb.stateReleased {
 		e.mu.Unlock()

@@ -62,7 +62,9 @@
 // The age of a blob is when it entered the store: for stores keeping blobs
 // as local files (blobstore.Local, the dir store), the later of the file's
 // modification and change times (the dir store chmods a blob right before
-// renaming it into place).
+// renaming it into place); for stores that know it (blobstore.Ager, the s3
+// store), what they say: an object's LastModified, which storing the
+// content again moves to now once it is a minute old.
 //
 // # Limits
 //
@@ -130,8 +132,10 @@ type Options struct {
 	Held func(ctx context.Context) ([]string, error)
 	// BlobTime returns when a blob entered the store; an error wrapping
 	// blobstore.ErrNotFound means it is gone. Default: the blob file's
-	// times, for stores implementing blobstore.Local. A store without
-	// either can only be collected with Grace 0.
+	// times, for stores implementing blobstore.Local; the store's own
+	// for stores implementing blobstore.Ager (s3: the object's
+	// LastModified). A store without any can only be collected with
+	// Grace 0.
 	BlobTime func(ctx context.Context, digest string) (time.Time, error)
 	// Now is the clock (default time.Now).
 	Now    func() time.Time
@@ -182,7 +186,12 @@ func Run(ctx context.Context, repo blobstore.Repository, opts Options) (Result, 
 	}
 	blobTime := opts.BlobTime
 	if blobTime == nil {
-		if local, ok := repo.(blobstore.Local); ok {
+		// A store that knows its blobs' ages says so first: a Cache is
+		// Local too, but its files are this node's copies, and asking
+		// for a path would fetch the blob.
+		if a, ok := repo.(blobstore.Ager); ok {
+			blobTime = a.BlobTime
+		} else if local, ok := repo.(blobstore.Local); ok {
 			blobTime = localBlobTime(local)
 		} else if opts.Grace > 0 {
 			return Result{}, fmt.Errorf("gc: the store (%T) cannot tell how old its blobs are; only a run with grace 0 can collect it", repo)

@@ -172,6 +172,22 @@ type DiffArchiver interface {
 	WriteDiff(ctx context.Context, w io.Writer) error
 }
 
+// Egress is implemented by sandboxes whose agent relays connections made
+// to a proxy listener inside the sandbox (internal/aether is the edge's
+// half). AcceptEgress waits for the next connection to listen, a loopback
+// address and port inside the sandbox, and returns it relayed: reading
+// gives what the workload sent, writing answers it.
+type Egress interface {
+	AcceptEgress(ctx context.Context, listen string) (EgressConn, error)
+}
+
+// EgressConn is one relayed connection of a workload to its proxy.
+type EgressConn interface {
+	io.ReadWriteCloser
+	// CloseWrite ends what the workload reads (it sees end of file).
+	CloseWrite() error
+}
+
 // Display is implemented by sandboxes with a screen, a keyboard and a
 // mouse (the VM backends): computer-use tasks, and guests that do not run
 // dsec-agent.
@@ -315,7 +331,9 @@ type Sandbox interface {
 	ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error)
 	// PutArchive extracts a tar stream into dir (created if missing).
 	PutArchive(ctx context.Context, dir string, tar io.Reader) error
-	// GetArchive writes dir as a tar stream to w.
+	// GetArchive writes dir as a tar stream to w (names relative to dir);
+	// when dir is a regular file, the stream holds that file alone under
+	// its base name.
 	GetArchive(ctx context.Context, dir string, w io.Writer) error
 	// Freeze stops every process of the sandbox, keeping its memory and
 	// state, and returns once they are stopped; Thaw resumes them. Both are

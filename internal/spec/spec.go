@@ -205,6 +205,15 @@ func Validate(in *dsecv1.SandboxSpec) (*dsecv1.SandboxSpec, error) {
 			return nil, fieldErr(fmt.Sprintf("spec.env[%d]", i), "contains a NUL byte")
 		}
 	}
+	if n := s.Network; n != nil {
+		// Kept in canonical form ("PyPI" is "pypi", a repeated target once),
+		// which is what Get shows and the edge enforces.
+		p, err := Network("spec.network", n.Allow, n.Deny)
+		if err != nil {
+			return nil, err
+		}
+		s.Network = NetworkProto(p)
+	}
 	for k, v := range s.Labels {
 		if k == "" || strings.ContainsAny(k, "=,") {
 			return nil, fieldErr("spec.labels", "key %q must be non-empty without '=' or ','", k)

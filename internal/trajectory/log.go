@@ -775,7 +775,19 @@ func (l *Log) Event(ctx context.Context, id, kind, reason string) error {
 	return l.event(ctx, id, kind, reason, false)
 }
 
+// EgressEvent records one egress decision of sandbox id (see Egress),
+// with start and end the connection's.
+func (l *Log) EgressEvent(ctx context.Context, id string, start, end time.Time, e Egress) error {
+	return l.eventRecord(ctx, id, &Record{Kind: KindEgress, Start: Timestamp(start), End: Timestamp(end), Egress: &e}, false)
+}
+
 func (l *Log) event(ctx context.Context, id, kind, reason string, final bool) error {
+	now := Timestamp(time.Now())
+	return l.eventRecord(ctx, id, &Record{Kind: kind, Start: now, End: now, Reason: reason}, final)
+}
+
+// eventRecord appends rec, an event, after the last step admitted.
+func (l *Log) eventRecord(ctx context.Context, id string, rec *Record, final bool) error {
 	sb, err := l.sandbox(id)
 	if errors.Is(err, ErrUnknown) {
 		return nil
@@ -783,14 +795,13 @@ func (l *Log) event(ctx context.Context, id, kind, reason string, final bool) er
 	if err != nil {
 		return err
 	}
-	now := Timestamp(time.Now())
 	sb.mu.Lock()
 	if sb.ended != nil {
 		sb.mu.Unlock()
 		return nil
 	}
 	// The event follows the last step admitted.
-	rec := &Record{Seq: sb.next - 1, Kind: kind, Start: now, End: now, Reason: reason}
+	rec.Seq = sb.next - 1
 	if final {
 		// A copy: enqueue fills in rec's chain fields without sb.mu, and
 		// Info hands sb.ended out.
@@ -998,7 +1009,11 @@ func requestKey(r *Record) string {
 		Reward     *Reward
 		Snapshot   string
 		Checkpoint string
+		Artifacts  []string `json:",omitempty"`
 	}{Kind: r.Kind}
+	if r.Verify != nil {
+		k.Artifacts = r.Verify.Artifacts
+	}
 	if r.Snapshot != nil {
 		k.Snapshot = r.Snapshot.Ref
 	}

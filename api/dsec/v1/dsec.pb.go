@@ -128,7 +128,10 @@ type SandboxSpec struct {
 	Env []string `protobuf:"bytes,9,rep,name=env,proto3" json:"env,omitempty"`
 	// What idle_timeout does: "destroy" (default) or "freeze" (the sandbox
 	// keeps its processes and memory; thaw resumes it).
-	IdleAction    string `protobuf:"bytes,10,opt,name=idle_action,json=idleAction,proto3" json:"idle_action,omitempty"`
+	IdleAction string `protobuf:"bytes,10,opt,name=idle_action,json=idleAction,proto3" json:"idle_action,omitempty"`
+	// Egress: which outward connections the sandbox's proxy lets through
+	// (default: none). SetNetwork changes it while the sandbox runs.
+	Network       *NetworkPolicy `protobuf:"bytes,11,opt,name=network,proto3" json:"network,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -233,6 +236,72 @@ func (x *SandboxSpec) GetIdleAction() string {
 	return ""
 }
 
+func (x *SandboxSpec) GetNetwork() *NetworkPolicy {
+	if x != nil {
+		return x.Network
+	}
+	return nil
+}
+
+// NetworkPolicy is a sandbox's egress policy, default deny: rules to allow
+// and to deny, a deny that matches winning over an allow. A rule is a named
+// rule of the node's table ("pypi", "npm", "crates", "goproxy", "debian",
+// "ubuntu", "github", "huggingface"), a host ("example.org", "*.example.org"
+// for any name below it, "example.org:443" for one port only), an address
+// or a CIDR ("10.0.0.0/8"). Names are resolved by the node, never by the
+// sandbox.
+type NetworkPolicy struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Allow         []string               `protobuf:"bytes,1,rep,name=allow,proto3" json:"allow,omitempty"`
+	Deny          []string               `protobuf:"bytes,2,rep,name=deny,proto3" json:"deny,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NetworkPolicy) Reset() {
+	*x = NetworkPolicy{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NetworkPolicy) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NetworkPolicy) ProtoMessage() {}
+
+func (x *NetworkPolicy) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NetworkPolicy.ProtoReflect.Descriptor instead.
+func (*NetworkPolicy) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *NetworkPolicy) GetAllow() []string {
+	if x != nil {
+		return x.Allow
+	}
+	return nil
+}
+
+func (x *NetworkPolicy) GetDeny() []string {
+	if x != nil {
+		return x.Deny
+	}
+	return nil
+}
+
 type Sandbox struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -261,7 +330,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[2]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -273,7 +342,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[2]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -286,7 +355,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{2}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Sandbox) GetId() string {
@@ -388,7 +457,7 @@ type SandboxUsage struct {
 
 func (x *SandboxUsage) Reset() {
 	*x = SandboxUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -400,7 +469,7 @@ func (x *SandboxUsage) String() string {
 func (*SandboxUsage) ProtoMessage() {}
 
 func (x *SandboxUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[3]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -413,7 +482,7 @@ func (x *SandboxUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxUsage.ProtoReflect.Descriptor instead.
 func (*SandboxUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SandboxUsage) GetMilliCpu() int64 {
@@ -460,7 +529,7 @@ type CreateSandboxRequest struct {
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -472,7 +541,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[4]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -485,7 +554,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
@@ -504,7 +573,7 @@ type CreateSandboxResponse struct {
 
 func (x *CreateSandboxResponse) Reset() {
 	*x = CreateSandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -516,7 +585,7 @@ func (x *CreateSandboxResponse) String() string {
 func (*CreateSandboxResponse) ProtoMessage() {}
 
 func (x *CreateSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[5]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -529,7 +598,7 @@ func (x *CreateSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CreateSandboxResponse) GetSandbox() *Sandbox {
@@ -549,7 +618,7 @@ type BatchCreateSandboxesRequest struct {
 
 func (x *BatchCreateSandboxesRequest) Reset() {
 	*x = BatchCreateSandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -561,7 +630,7 @@ func (x *BatchCreateSandboxesRequest) String() string {
 func (*BatchCreateSandboxesRequest) ProtoMessage() {}
 
 func (x *BatchCreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[6]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -574,7 +643,7 @@ func (x *BatchCreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*BatchCreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *BatchCreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -602,7 +671,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -614,7 +683,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[7]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -627,7 +696,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ItemError) GetCode() string {
@@ -654,7 +723,7 @@ type BatchCreateResult struct {
 
 func (x *BatchCreateResult) Reset() {
 	*x = BatchCreateResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -666,7 +735,7 @@ func (x *BatchCreateResult) String() string {
 func (*BatchCreateResult) ProtoMessage() {}
 
 func (x *BatchCreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[8]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -679,7 +748,7 @@ func (x *BatchCreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCreateResult.ProtoReflect.Descriptor instead.
 func (*BatchCreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *BatchCreateResult) GetSandbox() *Sandbox {
@@ -705,7 +774,7 @@ type BatchCreateSandboxesResponse struct {
 
 func (x *BatchCreateSandboxesResponse) Reset() {
 	*x = BatchCreateSandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -717,7 +786,7 @@ func (x *BatchCreateSandboxesResponse) String() string {
 func (*BatchCreateSandboxesResponse) ProtoMessage() {}
 
 func (x *BatchCreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[9]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -730,7 +799,7 @@ func (x *BatchCreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*BatchCreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *BatchCreateSandboxesResponse) GetResults() []*BatchCreateResult {
@@ -749,7 +818,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -761,7 +830,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[10]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -774,7 +843,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -793,7 +862,7 @@ type GetSandboxResponse struct {
 
 func (x *GetSandboxResponse) Reset() {
 	*x = GetSandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +874,7 @@ func (x *GetSandboxResponse) String() string {
 func (*GetSandboxResponse) ProtoMessage() {}
 
 func (x *GetSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[11]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +887,7 @@ func (x *GetSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxResponse.ProtoReflect.Descriptor instead.
 func (*GetSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetSandboxResponse) GetSandbox() *Sandbox {
@@ -838,7 +907,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -850,7 +919,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[12]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -863,7 +932,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListSandboxesRequest) GetLabels() map[string]string {
@@ -882,7 +951,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -894,7 +963,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[13]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -907,7 +976,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -946,7 +1015,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -958,7 +1027,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[14]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -971,7 +1040,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -1083,7 +1152,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1095,7 +1164,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[15]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1108,7 +1177,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ExecResult) GetOutcome() string {
@@ -1225,7 +1294,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1237,7 +1306,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[16]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1250,7 +1319,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ExecResponse) GetResult() *ExecResult {
@@ -1274,7 +1343,7 @@ type ExecStreamResponse struct {
 
 func (x *ExecStreamResponse) Reset() {
 	*x = ExecStreamResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1286,7 +1355,7 @@ func (x *ExecStreamResponse) String() string {
 func (*ExecStreamResponse) ProtoMessage() {}
 
 func (x *ExecStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[17]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1299,7 +1368,7 @@ func (x *ExecStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecStreamResponse.ProtoReflect.Descriptor instead.
 func (*ExecStreamResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ExecStreamResponse) GetEvent() isExecStreamResponse_Event {
@@ -1372,7 +1441,7 @@ type RunRequest struct {
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1384,7 +1453,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[18]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1397,7 +1466,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RunRequest) GetSpec() *SandboxSpec {
@@ -1437,7 +1506,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1449,7 +1518,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[19]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1462,7 +1531,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RunResponse) GetEvent() isRunResponse_Event {
@@ -1553,7 +1622,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1565,7 +1634,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[20]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1578,7 +1647,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *WriteFileRequest) GetSandboxId() string {
@@ -1633,7 +1702,7 @@ type WriteFileResponse struct {
 
 func (x *WriteFileResponse) Reset() {
 	*x = WriteFileResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1645,7 +1714,7 @@ func (x *WriteFileResponse) String() string {
 func (*WriteFileResponse) ProtoMessage() {}
 
 func (x *WriteFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[21]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1658,7 +1727,7 @@ func (x *WriteFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileResponse.ProtoReflect.Descriptor instead.
 func (*WriteFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *WriteFileResponse) GetSeq() uint64 {
@@ -1690,7 +1759,7 @@ type ReadFileRequest struct {
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1702,7 +1771,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[22]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1715,7 +1784,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -1764,7 +1833,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1776,7 +1845,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[23]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1789,7 +1858,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ReadFileResponse) GetData() []byte {
@@ -1827,7 +1896,7 @@ type SubmitRewardRequest struct {
 
 func (x *SubmitRewardRequest) Reset() {
 	*x = SubmitRewardRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1839,7 +1908,7 @@ func (x *SubmitRewardRequest) String() string {
 func (*SubmitRewardRequest) ProtoMessage() {}
 
 func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[24]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1852,7 +1921,7 @@ func (x *SubmitRewardRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardRequest.ProtoReflect.Descriptor instead.
 func (*SubmitRewardRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SubmitRewardRequest) GetSandboxId() string {
@@ -1900,7 +1969,7 @@ type SubmitRewardResponse struct {
 
 func (x *SubmitRewardResponse) Reset() {
 	*x = SubmitRewardResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1912,7 +1981,7 @@ func (x *SubmitRewardResponse) String() string {
 func (*SubmitRewardResponse) ProtoMessage() {}
 
 func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[25]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1925,7 +1994,7 @@ func (x *SubmitRewardResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitRewardResponse.ProtoReflect.Descriptor instead.
 func (*SubmitRewardResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SubmitRewardResponse) GetSeq() uint64 {
@@ -1958,7 +2027,7 @@ type GetTrajectoryRequest struct {
 
 func (x *GetTrajectoryRequest) Reset() {
 	*x = GetTrajectoryRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1970,7 +2039,7 @@ func (x *GetTrajectoryRequest) String() string {
 func (*GetTrajectoryRequest) ProtoMessage() {}
 
 func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[26]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1983,7 +2052,7 @@ func (x *GetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*GetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *GetTrajectoryRequest) GetSandboxId() string {
@@ -2029,7 +2098,7 @@ type GetTrajectoryResponse struct {
 
 func (x *GetTrajectoryResponse) Reset() {
 	*x = GetTrajectoryResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2041,7 +2110,7 @@ func (x *GetTrajectoryResponse) String() string {
 func (*GetTrajectoryResponse) ProtoMessage() {}
 
 func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[27]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2054,7 +2123,7 @@ func (x *GetTrajectoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTrajectoryResponse.ProtoReflect.Descriptor instead.
 func (*GetTrajectoryResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *GetTrajectoryResponse) GetRecords() []string {
@@ -2087,7 +2156,7 @@ type DestroySandboxRequest struct {
 
 func (x *DestroySandboxRequest) Reset() {
 	*x = DestroySandboxRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2099,7 +2168,7 @@ func (x *DestroySandboxRequest) String() string {
 func (*DestroySandboxRequest) ProtoMessage() {}
 
 func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[28]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2112,7 +2181,7 @@ func (x *DestroySandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxRequest.ProtoReflect.Descriptor instead.
 func (*DestroySandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DestroySandboxRequest) GetId() string {
@@ -2130,7 +2199,7 @@ type DestroySandboxResponse struct {
 
 func (x *DestroySandboxResponse) Reset() {
 	*x = DestroySandboxResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2142,7 +2211,7 @@ func (x *DestroySandboxResponse) String() string {
 func (*DestroySandboxResponse) ProtoMessage() {}
 
 func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[29]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2155,7 +2224,7 @@ func (x *DestroySandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroySandboxResponse.ProtoReflect.Descriptor instead.
 func (*DestroySandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
 }
 
 type BatchDestroySandboxesRequest struct {
@@ -2167,7 +2236,7 @@ type BatchDestroySandboxesRequest struct {
 
 func (x *BatchDestroySandboxesRequest) Reset() {
 	*x = BatchDestroySandboxesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2179,7 +2248,7 @@ func (x *BatchDestroySandboxesRequest) String() string {
 func (*BatchDestroySandboxesRequest) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[30]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2192,7 +2261,7 @@ func (x *BatchDestroySandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesRequest.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *BatchDestroySandboxesRequest) GetIds() []string {
@@ -2212,7 +2281,7 @@ type BatchDestroyResult struct {
 
 func (x *BatchDestroyResult) Reset() {
 	*x = BatchDestroyResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2224,7 +2293,7 @@ func (x *BatchDestroyResult) String() string {
 func (*BatchDestroyResult) ProtoMessage() {}
 
 func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[31]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2237,7 +2306,7 @@ func (x *BatchDestroyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroyResult.ProtoReflect.Descriptor instead.
 func (*BatchDestroyResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *BatchDestroyResult) GetId() string {
@@ -2263,7 +2332,7 @@ type BatchDestroySandboxesResponse struct {
 
 func (x *BatchDestroySandboxesResponse) Reset() {
 	*x = BatchDestroySandboxesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2275,7 +2344,7 @@ func (x *BatchDestroySandboxesResponse) String() string {
 func (*BatchDestroySandboxesResponse) ProtoMessage() {}
 
 func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[32]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2288,7 +2357,7 @@ func (x *BatchDestroySandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchDestroySandboxesResponse.ProtoReflect.Descriptor instead.
 func (*BatchDestroySandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *BatchDestroySandboxesResponse) GetResults() []*BatchDestroyResult {
@@ -2312,7 +2381,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2324,7 +2393,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[33]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2337,7 +2406,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -2379,7 +2448,7 @@ type SnapshotResponse struct {
 
 func (x *SnapshotResponse) Reset() {
 	*x = SnapshotResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2391,7 +2460,7 @@ func (x *SnapshotResponse) String() string {
 func (*SnapshotResponse) ProtoMessage() {}
 
 func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[34]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2404,7 +2473,7 @@ func (x *SnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotResponse.ProtoReflect.Descriptor instead.
 func (*SnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *SnapshotResponse) GetImage() *Image {
@@ -2439,7 +2508,7 @@ type CheckpointRequest struct {
 
 func (x *CheckpointRequest) Reset() {
 	*x = CheckpointRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2451,7 +2520,7 @@ func (x *CheckpointRequest) String() string {
 func (*CheckpointRequest) ProtoMessage() {}
 
 func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[35]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2464,7 +2533,7 @@ func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointRequest.ProtoReflect.Descriptor instead.
 func (*CheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CheckpointRequest) GetSandboxId() string {
@@ -2500,7 +2569,7 @@ type CheckpointResponse struct {
 
 func (x *CheckpointResponse) Reset() {
 	*x = CheckpointResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2512,7 +2581,7 @@ func (x *CheckpointResponse) String() string {
 func (*CheckpointResponse) ProtoMessage() {}
 
 func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[36]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2525,7 +2594,7 @@ func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointResponse.ProtoReflect.Descriptor instead.
 func (*CheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *CheckpointResponse) GetCheckpointId() string {
@@ -2561,7 +2630,7 @@ type RollbackRequest struct {
 
 func (x *RollbackRequest) Reset() {
 	*x = RollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2573,7 +2642,7 @@ func (x *RollbackRequest) String() string {
 func (*RollbackRequest) ProtoMessage() {}
 
 func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[37]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2586,7 +2655,7 @@ func (x *RollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RollbackRequest.ProtoReflect.Descriptor instead.
 func (*RollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *RollbackRequest) GetSandboxId() string {
@@ -2627,7 +2696,7 @@ type RollbackResponse struct {
 
 func (x *RollbackResponse) Reset() {
 	*x = RollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2639,7 +2708,7 @@ func (x *RollbackResponse) String() string {
 func (*RollbackResponse) ProtoMessage() {}
 
 func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[38]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2652,7 +2721,7 @@ func (x *RollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RollbackResponse.ProtoReflect.Descriptor instead.
 func (*RollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *RollbackResponse) GetSeq() uint64 {
@@ -2679,7 +2748,7 @@ type DeleteCheckpointRequest struct {
 
 func (x *DeleteCheckpointRequest) Reset() {
 	*x = DeleteCheckpointRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2691,7 +2760,7 @@ func (x *DeleteCheckpointRequest) String() string {
 func (*DeleteCheckpointRequest) ProtoMessage() {}
 
 func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[39]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2704,7 +2773,7 @@ func (x *DeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*DeleteCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DeleteCheckpointRequest) GetSandboxId() string {
@@ -2729,7 +2798,7 @@ type DeleteCheckpointResponse struct {
 
 func (x *DeleteCheckpointResponse) Reset() {
 	*x = DeleteCheckpointResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2741,7 +2810,7 @@ func (x *DeleteCheckpointResponse) String() string {
 func (*DeleteCheckpointResponse) ProtoMessage() {}
 
 func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[40]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2754,7 +2823,7 @@ func (x *DeleteCheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteCheckpointResponse.ProtoReflect.Descriptor instead.
 func (*DeleteCheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
 }
 
 type FreezeRequest struct {
@@ -2766,7 +2835,7 @@ type FreezeRequest struct {
 
 func (x *FreezeRequest) Reset() {
 	*x = FreezeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2778,7 +2847,7 @@ func (x *FreezeRequest) String() string {
 func (*FreezeRequest) ProtoMessage() {}
 
 func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[41]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2791,7 +2860,7 @@ func (x *FreezeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeRequest.ProtoReflect.Descriptor instead.
 func (*FreezeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *FreezeRequest) GetSandboxId() string {
@@ -2810,7 +2879,7 @@ type FreezeResponse struct {
 
 func (x *FreezeResponse) Reset() {
 	*x = FreezeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2822,7 +2891,7 @@ func (x *FreezeResponse) String() string {
 func (*FreezeResponse) ProtoMessage() {}
 
 func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[42]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2835,7 +2904,7 @@ func (x *FreezeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeResponse.ProtoReflect.Descriptor instead.
 func (*FreezeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *FreezeResponse) GetSandbox() *Sandbox {
@@ -2854,7 +2923,7 @@ type ThawRequest struct {
 
 func (x *ThawRequest) Reset() {
 	*x = ThawRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2866,7 +2935,7 @@ func (x *ThawRequest) String() string {
 func (*ThawRequest) ProtoMessage() {}
 
 func (x *ThawRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[43]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2879,7 +2948,7 @@ func (x *ThawRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawRequest.ProtoReflect.Descriptor instead.
 func (*ThawRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ThawRequest) GetSandboxId() string {
@@ -2898,7 +2967,7 @@ type ThawResponse struct {
 
 func (x *ThawResponse) Reset() {
 	*x = ThawResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2910,7 +2979,7 @@ func (x *ThawResponse) String() string {
 func (*ThawResponse) ProtoMessage() {}
 
 func (x *ThawResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[44]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2923,7 +2992,7 @@ func (x *ThawResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawResponse.ProtoReflect.Descriptor instead.
 func (*ThawResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ThawResponse) GetSandbox() *Sandbox {
@@ -2944,7 +3013,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2956,7 +3025,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[45]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2969,7 +3038,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -2991,7 +3060,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3003,7 +3072,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[46]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3016,7 +3085,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -3060,7 +3129,7 @@ type InputEvent struct {
 
 func (x *InputEvent) Reset() {
 	*x = InputEvent{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3072,7 +3141,7 @@ func (x *InputEvent) String() string {
 func (*InputEvent) ProtoMessage() {}
 
 func (x *InputEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[47]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3085,7 +3154,7 @@ func (x *InputEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputEvent.ProtoReflect.Descriptor instead.
 func (*InputEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *InputEvent) GetKind() string {
@@ -3141,7 +3210,7 @@ type InputRequest struct {
 
 func (x *InputRequest) Reset() {
 	*x = InputRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3153,7 +3222,7 @@ func (x *InputRequest) String() string {
 func (*InputRequest) ProtoMessage() {}
 
 func (x *InputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[48]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3166,7 +3235,7 @@ func (x *InputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputRequest.ProtoReflect.Descriptor instead.
 func (*InputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *InputRequest) GetSandboxId() string {
@@ -3191,7 +3260,7 @@ type InputResponse struct {
 
 func (x *InputResponse) Reset() {
 	*x = InputResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3203,7 +3272,7 @@ func (x *InputResponse) String() string {
 func (*InputResponse) ProtoMessage() {}
 
 func (x *InputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[49]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3216,7 +3285,254 @@ func (x *InputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputResponse.ProtoReflect.Descriptor instead.
 func (*InputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+}
+
+// VerifyRequest runs a grading command in a verifier: a fresh sandbox of
+// the sandbox's own images (as created: no writable layer, no
+// checkpoint), resources and environment, no network, into which only the
+// artifacts are copied from the sandbox (each a file or a directory,
+// absolute, to the same path). Nothing else the sandbox's workload changed
+// (a conftest.py, a patched test runner, a trojaned binary) reaches the
+// grade. The verifier is destroyed after the command. The step is recorded
+// on the sandbox's trajectory under seq, like an exec.
+type VerifyRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Artifacts []string               `protobuf:"bytes,2,rep,name=artifacts,proto3" json:"artifacts,omitempty"`
+	// exec is the grading command; its sandbox_id and seq are not used.
+	Exec          *ExecRequest `protobuf:"bytes,3,opt,name=exec,proto3" json:"exec,omitempty"`
+	Seq           uint64       `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VerifyRequest) Reset() {
+	*x = VerifyRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VerifyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VerifyRequest) ProtoMessage() {}
+
+func (x *VerifyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VerifyRequest.ProtoReflect.Descriptor instead.
+func (*VerifyRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *VerifyRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *VerifyRequest) GetArtifacts() []string {
+	if x != nil {
+		return x.Artifacts
+	}
+	return nil
+}
+
+func (x *VerifyRequest) GetExec() *ExecRequest {
+	if x != nil {
+		return x.Exec
+	}
+	return nil
+}
+
+func (x *VerifyRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+type VerifyResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Result        *ExecResult            `protobuf:"bytes,1,opt,name=result,proto3" json:"result,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VerifyResponse) Reset() {
+	*x = VerifyResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VerifyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VerifyResponse) ProtoMessage() {}
+
+func (x *VerifyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VerifyResponse.ProtoReflect.Descriptor instead.
+func (*VerifyResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *VerifyResponse) GetResult() *ExecResult {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+// SetNetworkRequest changes a sandbox's egress policy: allow and deny are
+// added (a rule for a target already there replaces it), or with replace
+// they are the whole new policy. With neither (and no replace) it changes
+// nothing and answers the policy. New connections follow the new policy at
+// once; open ones it no longer allows are closed.
+type SetNetworkRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Allow         []string               `protobuf:"bytes,2,rep,name=allow,proto3" json:"allow,omitempty"`
+	Deny          []string               `protobuf:"bytes,3,rep,name=deny,proto3" json:"deny,omitempty"`
+	Replace       bool                   `protobuf:"varint,4,opt,name=replace,proto3" json:"replace,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetNetworkRequest) Reset() {
+	*x = SetNetworkRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetNetworkRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetNetworkRequest) ProtoMessage() {}
+
+func (x *SetNetworkRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetNetworkRequest.ProtoReflect.Descriptor instead.
+func (*SetNetworkRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *SetNetworkRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *SetNetworkRequest) GetAllow() []string {
+	if x != nil {
+		return x.Allow
+	}
+	return nil
+}
+
+func (x *SetNetworkRequest) GetDeny() []string {
+	if x != nil {
+		return x.Deny
+	}
+	return nil
+}
+
+func (x *SetNetworkRequest) GetReplace() bool {
+	if x != nil {
+		return x.Replace
+	}
+	return false
+}
+
+type SetNetworkResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Network *NetworkPolicy         `protobuf:"bytes,1,opt,name=network,proto3" json:"network,omitempty"`
+	// closed counts the open connections the change closed.
+	Closed        int32 `protobuf:"varint,2,opt,name=closed,proto3" json:"closed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetNetworkResponse) Reset() {
+	*x = SetNetworkResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetNetworkResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetNetworkResponse) ProtoMessage() {}
+
+func (x *SetNetworkResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetNetworkResponse.ProtoReflect.Descriptor instead.
+func (*SetNetworkResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+}
+
+func (x *SetNetworkResponse) GetNetwork() *NetworkPolicy {
+	if x != nil {
+		return x.Network
+	}
+	return nil
+}
+
+func (x *SetNetworkResponse) GetClosed() int32 {
+	if x != nil {
+		return x.Closed
+	}
+	return 0
 }
 
 // A job is every sandbox of the caller matching the labels (all must match;
@@ -3230,7 +3546,7 @@ type JobRequest struct {
 
 func (x *JobRequest) Reset() {
 	*x = JobRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3242,7 +3558,7 @@ func (x *JobRequest) String() string {
 func (*JobRequest) ProtoMessage() {}
 
 func (x *JobRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[50]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3255,7 +3571,7 @@ func (x *JobRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobRequest.ProtoReflect.Descriptor instead.
 func (*JobRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *JobRequest) GetLabels() map[string]string {
@@ -3275,7 +3591,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3287,7 +3603,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3300,7 +3616,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *JobResult) GetId() string {
@@ -3326,7 +3642,7 @@ type JobResponse struct {
 
 func (x *JobResponse) Reset() {
 	*x = JobResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3338,7 +3654,7 @@ func (x *JobResponse) String() string {
 func (*JobResponse) ProtoMessage() {}
 
 func (x *JobResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3351,7 +3667,7 @@ func (x *JobResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResponse.ProtoReflect.Descriptor instead.
 func (*JobResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *JobResponse) GetResults() []*JobResult {
@@ -3371,7 +3687,7 @@ type AcquireRequest struct {
 
 func (x *AcquireRequest) Reset() {
 	*x = AcquireRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3383,7 +3699,7 @@ func (x *AcquireRequest) String() string {
 func (*AcquireRequest) ProtoMessage() {}
 
 func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3396,7 +3712,7 @@ func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireRequest.ProtoReflect.Descriptor instead.
 func (*AcquireRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *AcquireRequest) GetSpec() *SandboxSpec {
@@ -3422,7 +3738,7 @@ type AcquireResponse struct {
 
 func (x *AcquireResponse) Reset() {
 	*x = AcquireResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3434,7 +3750,7 @@ func (x *AcquireResponse) String() string {
 func (*AcquireResponse) ProtoMessage() {}
 
 func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3447,7 +3763,7 @@ func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireResponse.ProtoReflect.Descriptor instead.
 func (*AcquireResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *AcquireResponse) GetResults() []*BatchCreateResult {
@@ -3466,7 +3782,7 @@ type BatchExecRequest struct {
 
 func (x *BatchExecRequest) Reset() {
 	*x = BatchExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3478,7 +3794,7 @@ func (x *BatchExecRequest) String() string {
 func (*BatchExecRequest) ProtoMessage() {}
 
 func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3491,7 +3807,7 @@ func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecRequest.ProtoReflect.Descriptor instead.
 func (*BatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *BatchExecRequest) GetRequests() []*ExecRequest {
@@ -3514,7 +3830,7 @@ type BatchExecItem struct {
 
 func (x *BatchExecItem) Reset() {
 	*x = BatchExecItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3526,7 +3842,7 @@ func (x *BatchExecItem) String() string {
 func (*BatchExecItem) ProtoMessage() {}
 
 func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3539,7 +3855,7 @@ func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecItem.ProtoReflect.Descriptor instead.
 func (*BatchExecItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *BatchExecItem) GetSandboxId() string {
@@ -3572,7 +3888,7 @@ type BatchExecResponse struct {
 
 func (x *BatchExecResponse) Reset() {
 	*x = BatchExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3584,7 +3900,7 @@ func (x *BatchExecResponse) String() string {
 func (*BatchExecResponse) ProtoMessage() {}
 
 func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3597,7 +3913,7 @@ func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecResponse.ProtoReflect.Descriptor instead.
 func (*BatchExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *BatchExecResponse) GetResults() []*BatchExecItem {
@@ -3616,7 +3932,7 @@ type BatchRollbackRequest struct {
 
 func (x *BatchRollbackRequest) Reset() {
 	*x = BatchRollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3628,7 +3944,7 @@ func (x *BatchRollbackRequest) String() string {
 func (*BatchRollbackRequest) ProtoMessage() {}
 
 func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3641,7 +3957,7 @@ func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*BatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *BatchRollbackRequest) GetRequests() []*RollbackRequest {
@@ -3662,7 +3978,7 @@ type BatchRollbackItem struct {
 
 func (x *BatchRollbackItem) Reset() {
 	*x = BatchRollbackItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3674,7 +3990,7 @@ func (x *BatchRollbackItem) String() string {
 func (*BatchRollbackItem) ProtoMessage() {}
 
 func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3687,7 +4003,7 @@ func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackItem.ProtoReflect.Descriptor instead.
 func (*BatchRollbackItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *BatchRollbackItem) GetSandboxId() string {
@@ -3720,7 +4036,7 @@ type BatchRollbackResponse struct {
 
 func (x *BatchRollbackResponse) Reset() {
 	*x = BatchRollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3732,7 +4048,7 @@ func (x *BatchRollbackResponse) String() string {
 func (*BatchRollbackResponse) ProtoMessage() {}
 
 func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3745,7 +4061,7 @@ func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackResponse.ProtoReflect.Descriptor instead.
 func (*BatchRollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *BatchRollbackResponse) GetResults() []*BatchRollbackItem {
@@ -3764,7 +4080,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3776,7 +4092,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3789,7 +4105,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *ReleaseRequest) GetIds() []string {
@@ -3808,7 +4124,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3820,7 +4136,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3833,7 +4149,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ReleaseResponse) GetResults() []*BatchDestroyResult {
@@ -3862,7 +4178,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3874,7 +4190,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3887,7 +4203,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *Image) GetRef() string {
@@ -3952,7 +4268,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3964,7 +4280,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3977,7 +4293,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -4040,7 +4356,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4052,7 +4368,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4065,7 +4381,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -4105,7 +4421,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4117,7 +4433,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4130,7 +4446,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -4138,6 +4454,157 @@ func (x *ImportImageResponse) GetImage() *Image {
 		return x.Image
 	}
 	return nil
+}
+
+// Pull converts an image an OCI registry serves into the store's layers,
+// once: the image records the registry's manifest digest, and a pull of a
+// digest already converted (under any name) converts nothing. Non-admin
+// callers cannot reach registries at loopback, private or link-local
+// addresses (the server's own network).
+type PullImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The registry reference: [HOST[:PORT]/]REPO[:TAG|@sha256:HEX]; Docker
+	// Hub without a host. Plain HTTP for loopback and private hosts.
+	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	// NAME:TAG to create or move; default the source's repository and tag.
+	Ref string `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`
+	// Make the image visible to every tenant (admin only).
+	Public        bool `protobuf:"varint,3,opt,name=public,proto3" json:"public,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageRequest) Reset() {
+	*x = PullImageRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageRequest) ProtoMessage() {}
+
+func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
+func (*PullImageRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+}
+
+func (x *PullImageRequest) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetPublic() bool {
+	if x != nil {
+		return x.Public
+	}
+	return false
+}
+
+// The stream says how many layers are converted as it goes, then ends
+// with one message carrying the image.
+type PullImageResponse struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	LayersDone  int64                  `protobuf:"varint,1,opt,name=layers_done,json=layersDone,proto3" json:"layers_done,omitempty"`
+	LayersTotal int64                  `protobuf:"varint,2,opt,name=layers_total,json=layersTotal,proto3" json:"layers_total,omitempty"`
+	// Set on the last message.
+	Image *Image `protobuf:"bytes,3,opt,name=image,proto3" json:"image,omitempty"`
+	// On the last message: false when nothing was converted (the digest was
+	// converted before).
+	Converted bool `protobuf:"varint,4,opt,name=converted,proto3" json:"converted,omitempty"`
+	// The manifest (or index) digest the registry served.
+	SourceDigest  string `protobuf:"bytes,5,opt,name=source_digest,json=sourceDigest,proto3" json:"source_digest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageResponse) Reset() {
+	*x = PullImageResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageResponse) ProtoMessage() {}
+
+func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageResponse.ProtoReflect.Descriptor instead.
+func (*PullImageResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+}
+
+func (x *PullImageResponse) GetLayersDone() int64 {
+	if x != nil {
+		return x.LayersDone
+	}
+	return 0
+}
+
+func (x *PullImageResponse) GetLayersTotal() int64 {
+	if x != nil {
+		return x.LayersTotal
+	}
+	return 0
+}
+
+func (x *PullImageResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
+func (x *PullImageResponse) GetConverted() bool {
+	if x != nil {
+		return x.Converted
+	}
+	return false
+}
+
+func (x *PullImageResponse) GetSourceDigest() string {
+	if x != nil {
+		return x.SourceDigest
+	}
+	return ""
 }
 
 type ListImagesRequest struct {
@@ -4148,7 +4615,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4160,7 +4627,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4173,7 +4640,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 type ListImagesResponse struct {
@@ -4185,7 +4652,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4197,7 +4664,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4210,7 +4677,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -4229,7 +4696,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4241,7 +4708,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4254,7 +4721,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -4273,7 +4740,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4285,7 +4752,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4298,7 +4765,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -4318,7 +4785,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4330,7 +4797,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4343,7 +4810,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -4369,7 +4836,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4381,7 +4848,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4394,7 +4861,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -4413,7 +4880,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4425,7 +4892,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4438,7 +4905,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -4456,7 +4923,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4468,7 +4935,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4481,7 +4948,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -4503,7 +4970,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4515,7 +4982,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4528,7 +4995,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -4572,7 +5039,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4584,7 +5051,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4597,7 +5064,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -4714,7 +5181,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4726,7 +5193,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4739,7 +5206,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *Pool) GetId() string {
@@ -4838,7 +5305,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4850,7 +5317,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4863,7 +5330,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -4903,7 +5370,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4915,7 +5382,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4928,7 +5395,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -4946,7 +5413,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4958,7 +5425,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4971,7 +5438,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
 }
 
 type ListPoolsResponse struct {
@@ -4983,7 +5450,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4995,7 +5462,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5008,7 +5475,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -5027,7 +5494,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5039,7 +5506,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5052,7 +5519,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -5070,7 +5537,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5082,7 +5549,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5095,7 +5562,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -5129,7 +5596,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5141,7 +5608,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5154,7 +5621,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -5255,7 +5722,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5267,7 +5734,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5280,7 +5747,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -5363,7 +5830,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5375,7 +5842,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5388,7 +5855,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -5442,7 +5909,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5454,7 +5921,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5467,7 +5934,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -5511,7 +5978,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5523,7 +5990,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5536,7 +6003,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *TenantUsage) GetSandboxes() int64 {
@@ -5575,7 +6042,7 @@ type Tenant struct {
 
 func (x *Tenant) Reset() {
 	*x = Tenant{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5587,7 +6054,7 @@ func (x *Tenant) String() string {
 func (*Tenant) ProtoMessage() {}
 
 func (x *Tenant) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5600,7 +6067,7 @@ func (x *Tenant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
 func (*Tenant) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *Tenant) GetName() string {
@@ -5649,7 +6116,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5661,7 +6128,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5674,7 +6141,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -5710,7 +6177,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5722,7 +6189,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5735,7 +6202,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -5780,7 +6247,7 @@ type UpdateTenantRequest struct {
 
 func (x *UpdateTenantRequest) Reset() {
 	*x = UpdateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5792,7 +6259,7 @@ func (x *UpdateTenantRequest) String() string {
 func (*UpdateTenantRequest) ProtoMessage() {}
 
 func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5805,7 +6272,7 @@ func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
 func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *UpdateTenantRequest) GetName() string {
@@ -5880,7 +6347,7 @@ type UpdateTenantResponse struct {
 
 func (x *UpdateTenantResponse) Reset() {
 	*x = UpdateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5892,7 +6359,7 @@ func (x *UpdateTenantResponse) String() string {
 func (*UpdateTenantResponse) ProtoMessage() {}
 
 func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5905,7 +6372,7 @@ func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
 func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
 }
 
 func (x *UpdateTenantResponse) GetTenant() *Tenant {
@@ -5925,7 +6392,7 @@ type GetTenantRequest struct {
 
 func (x *GetTenantRequest) Reset() {
 	*x = GetTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5937,7 +6404,7 @@ func (x *GetTenantRequest) String() string {
 func (*GetTenantRequest) ProtoMessage() {}
 
 func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5950,7 +6417,7 @@ func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
 func (*GetTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
 }
 
 func (x *GetTenantRequest) GetName() string {
@@ -5969,7 +6436,7 @@ type GetTenantResponse struct {
 
 func (x *GetTenantResponse) Reset() {
 	*x = GetTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5981,7 +6448,7 @@ func (x *GetTenantResponse) String() string {
 func (*GetTenantResponse) ProtoMessage() {}
 
 func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5994,7 +6461,7 @@ func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
 func (*GetTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
 }
 
 func (x *GetTenantResponse) GetTenant() *Tenant {
@@ -6012,7 +6479,7 @@ type ListTenantsRequest struct {
 
 func (x *ListTenantsRequest) Reset() {
 	*x = ListTenantsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6024,7 +6491,7 @@ func (x *ListTenantsRequest) String() string {
 func (*ListTenantsRequest) ProtoMessage() {}
 
 func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6037,7 +6504,7 @@ func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
 func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
 }
 
 type ListTenantsResponse struct {
@@ -6049,7 +6516,7 @@ type ListTenantsResponse struct {
 
 func (x *ListTenantsResponse) Reset() {
 	*x = ListTenantsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6061,7 +6528,7 @@ func (x *ListTenantsResponse) String() string {
 func (*ListTenantsResponse) ProtoMessage() {}
 
 func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6074,7 +6541,7 @@ func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
 func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{104}
 }
 
 func (x *ListTenantsResponse) GetTenants() []*Tenant {
@@ -6092,7 +6559,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6104,7 +6571,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6117,7 +6584,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{105}
 }
 
 type ListNodesResponse struct {
@@ -6130,7 +6597,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6142,7 +6609,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6155,7 +6622,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{106}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -6197,7 +6664,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6209,7 +6676,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6222,7 +6689,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{107}
 }
 
 func (x *Node) GetId() string {
@@ -6340,7 +6807,7 @@ type NodeBackend struct {
 
 func (x *NodeBackend) Reset() {
 	*x = NodeBackend{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6352,7 +6819,7 @@ func (x *NodeBackend) String() string {
 func (*NodeBackend) ProtoMessage() {}
 
 func (x *NodeBackend) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6365,7 +6832,7 @@ func (x *NodeBackend) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
 func (*NodeBackend) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{108}
 }
 
 func (x *NodeBackend) GetBackend() string {
@@ -6495,7 +6962,7 @@ type NodeMeasurement struct {
 
 func (x *NodeMeasurement) Reset() {
 	*x = NodeMeasurement{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[109]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6507,7 +6974,7 @@ func (x *NodeMeasurement) String() string {
 func (*NodeMeasurement) ProtoMessage() {}
 
 func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[109]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6520,7 +6987,7 @@ func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
 func (*NodeMeasurement) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{109}
 }
 
 func (x *NodeMeasurement) GetMilliCpu() int64 {
@@ -6625,7 +7092,7 @@ type SandboxCount struct {
 
 func (x *SandboxCount) Reset() {
 	*x = SandboxCount{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[110]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6637,7 +7104,7 @@ func (x *SandboxCount) String() string {
 func (*SandboxCount) ProtoMessage() {}
 
 func (x *SandboxCount) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[110]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6650,7 +7117,7 @@ func (x *SandboxCount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
 func (*SandboxCount) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{110}
 }
 
 func (x *SandboxCount) GetBackend() string {
@@ -6684,7 +7151,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\fmemory_bytes\x18\x02 \x01(\x03R\vmemoryBytes\x12\x12\n" +
 	"\x04pids\x18\x03 \x01(\x03R\x04pids\x12\x1d\n" +
 	"\n" +
-	"disk_bytes\x18\x04 \x01(\x03R\tdiskBytes\"\xbc\x03\n" +
+	"disk_bytes\x18\x04 \x01(\x03R\tdiskBytes\"\xee\x03\n" +
 	"\vSandboxSpec\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12\x1c\n" +
@@ -6697,10 +7164,14 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x03env\x18\t \x03(\tR\x03env\x12\x1f\n" +
 	"\vidle_action\x18\n" +
 	" \x01(\tR\n" +
-	"idleAction\x1a9\n" +
+	"idleAction\x120\n" +
+	"\anetwork\x18\v \x01(\v2\x16.dsec.v1.NetworkPolicyR\anetwork\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xfa\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"9\n" +
+	"\rNetworkPolicy\x12\x14\n" +
+	"\x05allow\x18\x01 \x03(\tR\x05allow\x12\x12\n" +
+	"\x04deny\x18\x02 \x03(\tR\x04deny\"\xfa\x02\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x16\n" +
@@ -6927,7 +7398,24 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
 	"\x06events\x18\x02 \x03(\v2\x13.dsec.v1.InputEventR\x06events\"\x0f\n" +
-	"\rInputResponse\"\x80\x01\n" +
+	"\rInputResponse\"\x88\x01\n" +
+	"\rVerifyRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1c\n" +
+	"\tartifacts\x18\x02 \x03(\tR\tartifacts\x12(\n" +
+	"\x04exec\x18\x03 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\x12\x10\n" +
+	"\x03seq\x18\x04 \x01(\x04R\x03seq\"=\n" +
+	"\x0eVerifyResponse\x12+\n" +
+	"\x06result\x18\x01 \x01(\v2\x13.dsec.v1.ExecResultR\x06result\"v\n" +
+	"\x11SetNetworkRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x14\n" +
+	"\x05allow\x18\x02 \x03(\tR\x05allow\x12\x12\n" +
+	"\x04deny\x18\x03 \x03(\tR\x04deny\x12\x18\n" +
+	"\areplace\x18\x04 \x01(\bR\areplace\"^\n" +
+	"\x12SetNetworkResponse\x120\n" +
+	"\anetwork\x18\x01 \x01(\v2\x16.dsec.v1.NetworkPolicyR\anetwork\x12\x16\n" +
+	"\x06closed\x18\x02 \x01(\x05R\x06closed\"\x80\x01\n" +
 	"\n" +
 	"JobRequest\x127\n" +
 	"\x06labels\x18\x01 \x03(\v2\x1f.dsec.v1.JobRequest.LabelsEntryR\x06labels\x1a9\n" +
@@ -6987,7 +7475,18 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x06public\x18\x03 \x01(\bR\x06public\x12\x12\n" +
 	"\x04disk\x18\x04 \x01(\bR\x04disk\";\n" +
 	"\x13ImportImageResponse\x12$\n" +
-	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"\x13\n" +
+	"\x05image\x18\x01 \x01(\v2\x0e.dsec.v1.ImageR\x05image\"T\n" +
+	"\x10PullImageRequest\x12\x16\n" +
+	"\x06source\x18\x01 \x01(\tR\x06source\x12\x10\n" +
+	"\x03ref\x18\x02 \x01(\tR\x03ref\x12\x16\n" +
+	"\x06public\x18\x03 \x01(\bR\x06public\"\xc0\x01\n" +
+	"\x11PullImageResponse\x12\x1f\n" +
+	"\vlayers_done\x18\x01 \x01(\x03R\n" +
+	"layersDone\x12!\n" +
+	"\flayers_total\x18\x02 \x01(\x03R\vlayersTotal\x12$\n" +
+	"\x05image\x18\x03 \x01(\v2\x0e.dsec.v1.ImageR\x05image\x12\x1c\n" +
+	"\tconverted\x18\x04 \x01(\bR\tconverted\x12#\n" +
+	"\rsource_digest\x18\x05 \x01(\tR\fsourceDigest\"\x13\n" +
 	"\x11ListImagesRequest\"<\n" +
 	"\x12ListImagesResponse\x12&\n" +
 	"\x06images\x18\x01 \x03(\v2\x0e.dsec.v1.ImageR\x06images\"#\n" +
@@ -7202,7 +7701,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\fSandboxCount\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x14\n" +
-	"\x05count\x18\x03 \x01(\x03R\x05count2\xc4\x0e\n" +
+	"\x05count\x18\x03 \x01(\x03R\x05count2\xc6\x0f\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -7227,15 +7726,19 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\x04Thaw\x12\x14.dsec.v1.ThawRequest\x1a\x15.dsec.v1.ThawResponse\x12E\n" +
 	"\n" +
 	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x126\n" +
-	"\x05Input\x12\x15.dsec.v1.InputRequest\x1a\x16.dsec.v1.InputResponse\x126\n" +
+	"\x05Input\x12\x15.dsec.v1.InputRequest\x1a\x16.dsec.v1.InputResponse\x12E\n" +
+	"\n" +
+	"SetNetwork\x12\x1a.dsec.v1.SetNetworkRequest\x1a\x1b.dsec.v1.SetNetworkResponse\x129\n" +
+	"\x06Verify\x12\x16.dsec.v1.VerifyRequest\x1a\x17.dsec.v1.VerifyResponse\x126\n" +
 	"\tFreezeJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x124\n" +
 	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x12<\n" +
 	"\aAcquire\x12\x17.dsec.v1.AcquireRequest\x1a\x18.dsec.v1.AcquireResponse\x12B\n" +
 	"\tBatchExec\x12\x19.dsec.v1.BatchExecRequest\x1a\x1a.dsec.v1.BatchExecResponse\x12N\n" +
 	"\rBatchRollback\x12\x1d.dsec.v1.BatchRollbackRequest\x1a\x1e.dsec.v1.BatchRollbackResponse\x12<\n" +
-	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xa6\x03\n" +
+	"\aRelease\x12\x17.dsec.v1.ReleaseRequest\x1a\x18.dsec.v1.ReleaseResponse2\xe7\x03\n" +
 	"\fImageService\x12E\n" +
 	"\x06Import\x12\x1b.dsec.v1.ImportImageRequest\x1a\x1c.dsec.v1.ImportImageResponse(\x01\x12?\n" +
+	"\x04Pull\x12\x19.dsec.v1.PullImageRequest\x1a\x1a.dsec.v1.PullImageResponse0\x01\x12?\n" +
 	"\x04List\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\x12:\n" +
 	"\x03Get\x12\x18.dsec.v1.GetImageRequest\x1a\x19.dsec.v1.GetImageResponse\x12:\n" +
 	"\x03Tag\x12\x18.dsec.v1.TagImageRequest\x1a\x19.dsec.v1.TagImageResponse\x12C\n" +
@@ -7267,292 +7770,310 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 110)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 117)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
-	(*Sandbox)(nil),                       // 2: dsec.v1.Sandbox
-	(*SandboxUsage)(nil),                  // 3: dsec.v1.SandboxUsage
-	(*CreateSandboxRequest)(nil),          // 4: dsec.v1.CreateSandboxRequest
-	(*CreateSandboxResponse)(nil),         // 5: dsec.v1.CreateSandboxResponse
-	(*BatchCreateSandboxesRequest)(nil),   // 6: dsec.v1.BatchCreateSandboxesRequest
-	(*ItemError)(nil),                     // 7: dsec.v1.ItemError
-	(*BatchCreateResult)(nil),             // 8: dsec.v1.BatchCreateResult
-	(*BatchCreateSandboxesResponse)(nil),  // 9: dsec.v1.BatchCreateSandboxesResponse
-	(*GetSandboxRequest)(nil),             // 10: dsec.v1.GetSandboxRequest
-	(*GetSandboxResponse)(nil),            // 11: dsec.v1.GetSandboxResponse
-	(*ListSandboxesRequest)(nil),          // 12: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),         // 13: dsec.v1.ListSandboxesResponse
-	(*ExecRequest)(nil),                   // 14: dsec.v1.ExecRequest
-	(*ExecResult)(nil),                    // 15: dsec.v1.ExecResult
-	(*ExecResponse)(nil),                  // 16: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),            // 17: dsec.v1.ExecStreamResponse
-	(*RunRequest)(nil),                    // 18: dsec.v1.RunRequest
-	(*RunResponse)(nil),                   // 19: dsec.v1.RunResponse
-	(*WriteFileRequest)(nil),              // 20: dsec.v1.WriteFileRequest
-	(*WriteFileResponse)(nil),             // 21: dsec.v1.WriteFileResponse
-	(*ReadFileRequest)(nil),               // 22: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),              // 23: dsec.v1.ReadFileResponse
-	(*SubmitRewardRequest)(nil),           // 24: dsec.v1.SubmitRewardRequest
-	(*SubmitRewardResponse)(nil),          // 25: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryRequest)(nil),          // 26: dsec.v1.GetTrajectoryRequest
-	(*GetTrajectoryResponse)(nil),         // 27: dsec.v1.GetTrajectoryResponse
-	(*DestroySandboxRequest)(nil),         // 28: dsec.v1.DestroySandboxRequest
-	(*DestroySandboxResponse)(nil),        // 29: dsec.v1.DestroySandboxResponse
-	(*BatchDestroySandboxesRequest)(nil),  // 30: dsec.v1.BatchDestroySandboxesRequest
-	(*BatchDestroyResult)(nil),            // 31: dsec.v1.BatchDestroyResult
-	(*BatchDestroySandboxesResponse)(nil), // 32: dsec.v1.BatchDestroySandboxesResponse
-	(*SnapshotRequest)(nil),               // 33: dsec.v1.SnapshotRequest
-	(*SnapshotResponse)(nil),              // 34: dsec.v1.SnapshotResponse
-	(*CheckpointRequest)(nil),             // 35: dsec.v1.CheckpointRequest
-	(*CheckpointResponse)(nil),            // 36: dsec.v1.CheckpointResponse
-	(*RollbackRequest)(nil),               // 37: dsec.v1.RollbackRequest
-	(*RollbackResponse)(nil),              // 38: dsec.v1.RollbackResponse
-	(*DeleteCheckpointRequest)(nil),       // 39: dsec.v1.DeleteCheckpointRequest
-	(*DeleteCheckpointResponse)(nil),      // 40: dsec.v1.DeleteCheckpointResponse
-	(*FreezeRequest)(nil),                 // 41: dsec.v1.FreezeRequest
-	(*FreezeResponse)(nil),                // 42: dsec.v1.FreezeResponse
-	(*ThawRequest)(nil),                   // 43: dsec.v1.ThawRequest
-	(*ThawResponse)(nil),                  // 44: dsec.v1.ThawResponse
-	(*ScreenshotRequest)(nil),             // 45: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),            // 46: dsec.v1.ScreenshotResponse
-	(*InputEvent)(nil),                    // 47: dsec.v1.InputEvent
-	(*InputRequest)(nil),                  // 48: dsec.v1.InputRequest
-	(*InputResponse)(nil),                 // 49: dsec.v1.InputResponse
-	(*JobRequest)(nil),                    // 50: dsec.v1.JobRequest
-	(*JobResult)(nil),                     // 51: dsec.v1.JobResult
-	(*JobResponse)(nil),                   // 52: dsec.v1.JobResponse
-	(*AcquireRequest)(nil),                // 53: dsec.v1.AcquireRequest
-	(*AcquireResponse)(nil),               // 54: dsec.v1.AcquireResponse
-	(*BatchExecRequest)(nil),              // 55: dsec.v1.BatchExecRequest
-	(*BatchExecItem)(nil),                 // 56: dsec.v1.BatchExecItem
-	(*BatchExecResponse)(nil),             // 57: dsec.v1.BatchExecResponse
-	(*BatchRollbackRequest)(nil),          // 58: dsec.v1.BatchRollbackRequest
-	(*BatchRollbackItem)(nil),             // 59: dsec.v1.BatchRollbackItem
-	(*BatchRollbackResponse)(nil),         // 60: dsec.v1.BatchRollbackResponse
-	(*ReleaseRequest)(nil),                // 61: dsec.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),               // 62: dsec.v1.ReleaseResponse
-	(*Image)(nil),                         // 63: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 64: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 65: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 66: dsec.v1.ImportImageResponse
-	(*ListImagesRequest)(nil),             // 67: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 68: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 69: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 70: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 71: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 72: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 73: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 74: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 75: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 76: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 77: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 78: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 79: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 80: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 81: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 82: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 83: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 84: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 85: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 86: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 87: dsec.v1.Quota
-	(*TenantUsage)(nil),                   // 88: dsec.v1.TenantUsage
-	(*Tenant)(nil),                        // 89: dsec.v1.Tenant
-	(*CreateTenantRequest)(nil),           // 90: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 91: dsec.v1.CreateTenantResponse
-	(*UpdateTenantRequest)(nil),           // 92: dsec.v1.UpdateTenantRequest
-	(*UpdateTenantResponse)(nil),          // 93: dsec.v1.UpdateTenantResponse
-	(*GetTenantRequest)(nil),              // 94: dsec.v1.GetTenantRequest
-	(*GetTenantResponse)(nil),             // 95: dsec.v1.GetTenantResponse
-	(*ListTenantsRequest)(nil),            // 96: dsec.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),           // 97: dsec.v1.ListTenantsResponse
-	(*ListNodesRequest)(nil),              // 98: dsec.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),             // 99: dsec.v1.ListNodesResponse
-	(*Node)(nil),                          // 100: dsec.v1.Node
-	(*NodeBackend)(nil),                   // 101: dsec.v1.NodeBackend
-	(*NodeMeasurement)(nil),               // 102: dsec.v1.NodeMeasurement
-	(*SandboxCount)(nil),                  // 103: dsec.v1.SandboxCount
-	nil,                                   // 104: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 105: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 106: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 107: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 108: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 109: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 110: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 111: google.protobuf.Timestamp
+	(*NetworkPolicy)(nil),                 // 2: dsec.v1.NetworkPolicy
+	(*Sandbox)(nil),                       // 3: dsec.v1.Sandbox
+	(*SandboxUsage)(nil),                  // 4: dsec.v1.SandboxUsage
+	(*CreateSandboxRequest)(nil),          // 5: dsec.v1.CreateSandboxRequest
+	(*CreateSandboxResponse)(nil),         // 6: dsec.v1.CreateSandboxResponse
+	(*BatchCreateSandboxesRequest)(nil),   // 7: dsec.v1.BatchCreateSandboxesRequest
+	(*ItemError)(nil),                     // 8: dsec.v1.ItemError
+	(*BatchCreateResult)(nil),             // 9: dsec.v1.BatchCreateResult
+	(*BatchCreateSandboxesResponse)(nil),  // 10: dsec.v1.BatchCreateSandboxesResponse
+	(*GetSandboxRequest)(nil),             // 11: dsec.v1.GetSandboxRequest
+	(*GetSandboxResponse)(nil),            // 12: dsec.v1.GetSandboxResponse
+	(*ListSandboxesRequest)(nil),          // 13: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),         // 14: dsec.v1.ListSandboxesResponse
+	(*ExecRequest)(nil),                   // 15: dsec.v1.ExecRequest
+	(*ExecResult)(nil),                    // 16: dsec.v1.ExecResult
+	(*ExecResponse)(nil),                  // 17: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),            // 18: dsec.v1.ExecStreamResponse
+	(*RunRequest)(nil),                    // 19: dsec.v1.RunRequest
+	(*RunResponse)(nil),                   // 20: dsec.v1.RunResponse
+	(*WriteFileRequest)(nil),              // 21: dsec.v1.WriteFileRequest
+	(*WriteFileResponse)(nil),             // 22: dsec.v1.WriteFileResponse
+	(*ReadFileRequest)(nil),               // 23: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),              // 24: dsec.v1.ReadFileResponse
+	(*SubmitRewardRequest)(nil),           // 25: dsec.v1.SubmitRewardRequest
+	(*SubmitRewardResponse)(nil),          // 26: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryRequest)(nil),          // 27: dsec.v1.GetTrajectoryRequest
+	(*GetTrajectoryResponse)(nil),         // 28: dsec.v1.GetTrajectoryResponse
+	(*DestroySandboxRequest)(nil),         // 29: dsec.v1.DestroySandboxRequest
+	(*DestroySandboxResponse)(nil),        // 30: dsec.v1.DestroySandboxResponse
+	(*BatchDestroySandboxesRequest)(nil),  // 31: dsec.v1.BatchDestroySandboxesRequest
+	(*BatchDestroyResult)(nil),            // 32: dsec.v1.BatchDestroyResult
+	(*BatchDestroySandboxesResponse)(nil), // 33: dsec.v1.BatchDestroySandboxesResponse
+	(*SnapshotRequest)(nil),               // 34: dsec.v1.SnapshotRequest
+	(*SnapshotResponse)(nil),              // 35: dsec.v1.SnapshotResponse
+	(*CheckpointRequest)(nil),             // 36: dsec.v1.CheckpointRequest
+	(*CheckpointResponse)(nil),            // 37: dsec.v1.CheckpointResponse
+	(*RollbackRequest)(nil),               // 38: dsec.v1.RollbackRequest
+	(*RollbackResponse)(nil),              // 39: dsec.v1.RollbackResponse
+	(*DeleteCheckpointRequest)(nil),       // 40: dsec.v1.DeleteCheckpointRequest
+	(*DeleteCheckpointResponse)(nil),      // 41: dsec.v1.DeleteCheckpointResponse
+	(*FreezeRequest)(nil),                 // 42: dsec.v1.FreezeRequest
+	(*FreezeResponse)(nil),                // 43: dsec.v1.FreezeResponse
+	(*ThawRequest)(nil),                   // 44: dsec.v1.ThawRequest
+	(*ThawResponse)(nil),                  // 45: dsec.v1.ThawResponse
+	(*ScreenshotRequest)(nil),             // 46: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),            // 47: dsec.v1.ScreenshotResponse
+	(*InputEvent)(nil),                    // 48: dsec.v1.InputEvent
+	(*InputRequest)(nil),                  // 49: dsec.v1.InputRequest
+	(*InputResponse)(nil),                 // 50: dsec.v1.InputResponse
+	(*VerifyRequest)(nil),                 // 51: dsec.v1.VerifyRequest
+	(*VerifyResponse)(nil),                // 52: dsec.v1.VerifyResponse
+	(*SetNetworkRequest)(nil),             // 53: dsec.v1.SetNetworkRequest
+	(*SetNetworkResponse)(nil),            // 54: dsec.v1.SetNetworkResponse
+	(*JobRequest)(nil),                    // 55: dsec.v1.JobRequest
+	(*JobResult)(nil),                     // 56: dsec.v1.JobResult
+	(*JobResponse)(nil),                   // 57: dsec.v1.JobResponse
+	(*AcquireRequest)(nil),                // 58: dsec.v1.AcquireRequest
+	(*AcquireResponse)(nil),               // 59: dsec.v1.AcquireResponse
+	(*BatchExecRequest)(nil),              // 60: dsec.v1.BatchExecRequest
+	(*BatchExecItem)(nil),                 // 61: dsec.v1.BatchExecItem
+	(*BatchExecResponse)(nil),             // 62: dsec.v1.BatchExecResponse
+	(*BatchRollbackRequest)(nil),          // 63: dsec.v1.BatchRollbackRequest
+	(*BatchRollbackItem)(nil),             // 64: dsec.v1.BatchRollbackItem
+	(*BatchRollbackResponse)(nil),         // 65: dsec.v1.BatchRollbackResponse
+	(*ReleaseRequest)(nil),                // 66: dsec.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),               // 67: dsec.v1.ReleaseResponse
+	(*Image)(nil),                         // 68: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 69: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 70: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 71: dsec.v1.ImportImageResponse
+	(*PullImageRequest)(nil),              // 72: dsec.v1.PullImageRequest
+	(*PullImageResponse)(nil),             // 73: dsec.v1.PullImageResponse
+	(*ListImagesRequest)(nil),             // 74: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 75: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 76: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 77: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 78: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 79: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 80: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 81: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 82: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 83: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 84: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 85: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 86: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 87: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 88: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 89: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 90: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 91: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 92: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 93: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 94: dsec.v1.Quota
+	(*TenantUsage)(nil),                   // 95: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 96: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 97: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 98: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 99: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 100: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 101: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 102: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 103: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 104: dsec.v1.ListTenantsResponse
+	(*ListNodesRequest)(nil),              // 105: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 106: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 107: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 108: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 109: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 110: dsec.v1.SandboxCount
+	nil,                                   // 111: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 112: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 113: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 114: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 115: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 116: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 117: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 118: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	104, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	110, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	110, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
-	1,   // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	111, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	111, // 6: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	3,   // 7: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
-	111, // 8: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
-	110, // 9: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
-	1,   // 10: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	2,   // 11: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	1,   // 12: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	2,   // 13: dsec.v1.BatchCreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	7,   // 14: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
-	8,   // 15: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
-	2,   // 16: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	105, // 17: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
-	2,   // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	110, // 19: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	110, // 20: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
-	15,  // 21: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
-	15,  // 22: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
-	1,   // 23: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	14,  // 24: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
-	15,  // 25: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	106, // 26: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
-	7,   // 27: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
-	31,  // 28: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	63,  // 29: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
-	2,   // 30: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
-	2,   // 31: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
-	47,  // 32: dsec.v1.InputRequest.events:type_name -> dsec.v1.InputEvent
-	107, // 33: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
-	7,   // 34: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
-	51,  // 35: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	1,   // 36: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
-	8,   // 37: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
-	14,  // 38: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
-	15,  // 39: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
-	7,   // 40: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
-	56,  // 41: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
-	37,  // 42: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
-	38,  // 43: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
-	7,   // 44: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
-	59,  // 45: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
-	31,  // 46: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	111, // 47: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	65,  // 48: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	63,  // 49: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	63,  // 50: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	63,  // 51: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	63,  // 52: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	110, // 53: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,   // 54: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	110, // 55: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,   // 56: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	110, // 57: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	77,  // 58: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	77,  // 59: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	110, // 60: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	110, // 61: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	108, // 62: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	85,  // 63: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	85,  // 64: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	109, // 65: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	87,  // 66: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
-	0,   // 67: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
-	88,  // 68: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	111, // 69: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	87,  // 70: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	0,   // 71: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
-	89,  // 72: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	89,  // 73: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	89,  // 74: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	89,  // 75: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	100, // 76: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
-	111, // 77: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
-	101, // 78: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
-	102, // 79: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
-	103, // 80: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
-	4,   // 81: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	6,   // 82: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	10,  // 83: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	12,  // 84: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	14,  // 85: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	14,  // 86: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	18,  // 87: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	20,  // 88: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	22,  // 89: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	28,  // 90: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	30,  // 91: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	24,  // 92: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	26,  // 93: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	33,  // 94: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	35,  // 95: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	37,  // 96: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	39,  // 97: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	41,  // 98: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	43,  // 99: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	45,  // 100: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	48,  // 101: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
-	50,  // 102: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	50,  // 103: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	53,  // 104: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	55,  // 105: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	58,  // 106: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	61,  // 107: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	64,  // 108: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	67,  // 109: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	69,  // 110: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	71,  // 111: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	73,  // 112: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	75,  // 113: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	78,  // 114: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	80,  // 115: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	82,  // 116: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	84,  // 117: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	90,  // 118: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	92,  // 119: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	94,  // 120: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	96,  // 121: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	98,  // 122: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
-	5,   // 123: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	9,   // 124: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	11,  // 125: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	13,  // 126: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	16,  // 127: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	17,  // 128: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	19,  // 129: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	21,  // 130: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	23,  // 131: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	29,  // 132: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	32,  // 133: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	25,  // 134: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	27,  // 135: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	34,  // 136: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	36,  // 137: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	38,  // 138: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	40,  // 139: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	42,  // 140: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	44,  // 141: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	46,  // 142: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	49,  // 143: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
-	52,  // 144: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	52,  // 145: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	54,  // 146: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	57,  // 147: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	60,  // 148: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	62,  // 149: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	66,  // 150: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	68,  // 151: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	70,  // 152: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	72,  // 153: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	74,  // 154: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	76,  // 155: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	79,  // 156: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	81,  // 157: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	83,  // 158: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	86,  // 159: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	91,  // 160: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	93,  // 161: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	95,  // 162: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	97,  // 163: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	99,  // 164: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
-	123, // [123:165] is the sub-list for method output_type
-	81,  // [81:123] is the sub-list for method input_type
-	81,  // [81:81] is the sub-list for extension type_name
-	81,  // [81:81] is the sub-list for extension extendee
-	0,   // [0:81] is the sub-list for field type_name
+	111, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	117, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	117, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	2,   // 4: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.NetworkPolicy
+	1,   // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	118, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	118, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	4,   // 8: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
+	118, // 9: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	117, // 10: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	1,   // 11: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,   // 12: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
+	1,   // 13: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,   // 14: dsec.v1.BatchCreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	8,   // 15: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
+	9,   // 16: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
+	3,   // 17: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
+	112, // 18: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	3,   // 19: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	117, // 20: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	117, // 21: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	16,  // 22: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
+	16,  // 23: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
+	1,   // 24: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	15,  // 25: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
+	16,  // 26: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
+	113, // 27: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	8,   // 28: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
+	32,  // 29: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	68,  // 30: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	3,   // 31: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
+	3,   // 32: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
+	48,  // 33: dsec.v1.InputRequest.events:type_name -> dsec.v1.InputEvent
+	15,  // 34: dsec.v1.VerifyRequest.exec:type_name -> dsec.v1.ExecRequest
+	16,  // 35: dsec.v1.VerifyResponse.result:type_name -> dsec.v1.ExecResult
+	2,   // 36: dsec.v1.SetNetworkResponse.network:type_name -> dsec.v1.NetworkPolicy
+	114, // 37: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	8,   // 38: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	56,  // 39: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	1,   // 40: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	9,   // 41: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	15,  // 42: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	16,  // 43: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	8,   // 44: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	61,  // 45: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	38,  // 46: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	39,  // 47: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	8,   // 48: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	64,  // 49: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	32,  // 50: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	118, // 51: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	70,  // 52: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	68,  // 53: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	68,  // 54: dsec.v1.PullImageResponse.image:type_name -> dsec.v1.Image
+	68,  // 55: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	68,  // 56: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	68,  // 57: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	117, // 58: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 59: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	117, // 60: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 61: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	117, // 62: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	84,  // 63: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	84,  // 64: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	117, // 65: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	117, // 66: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	115, // 67: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	92,  // 68: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	92,  // 69: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	116, // 70: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	94,  // 71: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 72: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	95,  // 73: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	118, // 74: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	94,  // 75: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 76: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	96,  // 77: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	96,  // 78: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	96,  // 79: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	96,  // 80: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	107, // 81: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	118, // 82: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	108, // 83: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	109, // 84: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	110, // 85: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	5,   // 86: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	7,   // 87: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	11,  // 88: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	13,  // 89: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	15,  // 90: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	15,  // 91: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	19,  // 92: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	21,  // 93: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	23,  // 94: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	29,  // 95: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	31,  // 96: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	25,  // 97: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	27,  // 98: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	34,  // 99: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	36,  // 100: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	38,  // 101: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	40,  // 102: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	42,  // 103: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	44,  // 104: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	46,  // 105: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	49,  // 106: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
+	53,  // 107: dsec.v1.SandboxService.SetNetwork:input_type -> dsec.v1.SetNetworkRequest
+	51,  // 108: dsec.v1.SandboxService.Verify:input_type -> dsec.v1.VerifyRequest
+	55,  // 109: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	55,  // 110: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	58,  // 111: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	60,  // 112: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	63,  // 113: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	66,  // 114: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	69,  // 115: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	72,  // 116: dsec.v1.ImageService.Pull:input_type -> dsec.v1.PullImageRequest
+	74,  // 117: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	76,  // 118: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	78,  // 119: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	80,  // 120: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	82,  // 121: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	85,  // 122: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	87,  // 123: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	89,  // 124: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	91,  // 125: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	97,  // 126: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	99,  // 127: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	101, // 128: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	103, // 129: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	105, // 130: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	6,   // 131: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	10,  // 132: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	12,  // 133: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	14,  // 134: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	17,  // 135: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	18,  // 136: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	20,  // 137: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	22,  // 138: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	24,  // 139: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	30,  // 140: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	33,  // 141: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	26,  // 142: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	28,  // 143: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	35,  // 144: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	37,  // 145: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	39,  // 146: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	41,  // 147: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	43,  // 148: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	45,  // 149: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	47,  // 150: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	50,  // 151: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
+	54,  // 152: dsec.v1.SandboxService.SetNetwork:output_type -> dsec.v1.SetNetworkResponse
+	52,  // 153: dsec.v1.SandboxService.Verify:output_type -> dsec.v1.VerifyResponse
+	57,  // 154: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	57,  // 155: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	59,  // 156: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	62,  // 157: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	65,  // 158: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	67,  // 159: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	71,  // 160: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	73,  // 161: dsec.v1.ImageService.Pull:output_type -> dsec.v1.PullImageResponse
+	75,  // 162: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	77,  // 163: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	79,  // 164: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	81,  // 165: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	83,  // 166: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	86,  // 167: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	88,  // 168: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	90,  // 169: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	93,  // 170: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	98,  // 171: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	100, // 172: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	102, // 173: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	104, // 174: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	106, // 175: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	131, // [131:176] is the sub-list for method output_type
+	86,  // [86:131] is the sub-list for method input_type
+	86,  // [86:86] is the sub-list for extension type_name
+	86,  // [86:86] is the sub-list for extension extendee
+	0,   // [0:86] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -7560,28 +8081,28 @@ func file_dsec_v1_dsec_proto_init() {
 	if File_dsec_v1_dsec_proto != nil {
 		return
 	}
-	file_dsec_v1_dsec_proto_msgTypes[17].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[18].OneofWrappers = []any{
 		(*ExecStreamResponse_Stdout)(nil),
 		(*ExecStreamResponse_Stderr)(nil),
 		(*ExecStreamResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[19].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[20].OneofWrappers = []any{
 		(*RunResponse_Stdout)(nil),
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[64].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[69].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[92].OneofWrappers = []any{}
+	file_dsec_v1_dsec_proto_msgTypes[99].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   110,
+			NumMessages:   117,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

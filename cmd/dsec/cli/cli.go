@@ -62,6 +62,17 @@ func ExactArgs(n int, what string) cobra.PositionalArgs {
 	}
 }
 
+// RangeArgs refuses fewer than lo or more than hi positional arguments;
+// what names them in the message ("REF [NAME:TAG]").
+func RangeArgs(lo, hi int, what string) cobra.PositionalArgs {
+	return func(_ *cobra.Command, args []string) error {
+		if len(args) < lo || len(args) > hi {
+			return Usagef("want %s, got %d argument(s)", what, len(args))
+		}
+		return nil
+	}
+}
+
 // Report prints err (if any) to stderr prefixed with prog, and returns the
 // process exit code.
 func Report(stderr io.Writer, prog string, err error) int {

@@ -23,7 +23,8 @@ import (
 )
 
 // Run runs the suite. newStore returns a fresh, empty store for each
-// subtest. Ref tests run when the store also has a Refs() method (as a
+// subtest. Range tests run when it implements blobstore.RangeReader. Ref
+// tests run when the store also has a Refs() method (as a
 // blobstore.Repository does);
 // corruption tests run when it implements blobstore.Local (they need to
 // damage a stored blob behind the store's back). Batch tests run through
@@ -52,6 +53,7 @@ func Run(t *testing.T, newStore func(t *testing.T) blobstore.Store) {
 		{"Batch", testBatch},
 		{"BatchRefused", testBatchRefused},
 		{"many refs to one digest in one batch", testBatchSharedDigest},
+		{"Range", testRange},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -336,6 +338,18 @@ func testRefs(t *testing.T, s blobstore.Store) {
 	require.NoError(t, err)
 	assert.Empty(t, list)
 
+	// Every character a name may hold survives the store's encoding
+	// (an object store's URL escaping: '+' is not a space).
+	odd := "odd/A-z_0.9+x@y:tag"
+	require.NoError(t, r.Set(ctx, odd, d1))
+	got, err = r.Get(ctx, odd)
+	require.NoError(t, err)
+	assert.Equal(t, d1, got)
+	list, err = r.List(ctx, "odd/")
+	require.NoError(t, err)
+	assert.Equal(t, []blobstore.Ref{{Name: odd, Digest: d1}}, list)
+	require.NoError(t, r.Delete(ctx, odd))
+
 	require.NoError(t, r.Delete(ctx, "images/lib/b:1.0"))
 	_, err = r.Get(ctx, "images/lib/b:1.0")
 	assert.ErrorIs(t, err, blobstore.ErrNotFound)
@@ -568,4 +582,47 @@ func testBatchRefused(t *testing.T, s blobstore.Store) {
 		_, err = s.Stat(ctx, good.Digest)
 		assert.ErrorIs(t, err, blobstore.ErrNotFound, "a refused batch stored a blob")
 	}
+}
+
+// testRange reads parts of a blob with blobstore.RangeReader: whole, a
+// middle part, the last byte, nothing, a range running past the end (an
+// error, not a short read), and the errors of a missing blob, a bad digest
+// and a negative range.
+func testRange(t *testing.T, s blobstore.Store) {
+	rr, ok := s.(blobstore.RangeReader)
+	if !ok {
+		t.Skip("store reads no ranges")
+	}
+	ctx := context.Background()
+	data := randomBytes(t, 1<<20+17)
+	d := put(t, s, data)
+	read := func(off, n int64) ([]byte, error) {
+		rc, err := rr.OpenRange(ctx, d.Digest, off, n)
+		if err != nil {
+			return nil, err
+		}
+		defer rc.Close()
+		return io.ReadAll(rc)
+	}
+	for _, tc := range []struct{ off, n int64 }{
+		{0, d.Size}, {4096, 65536}, {d.Size - 1, 1}, {12345, 1}, {0, 0}, {d.Size, 0},
+	} {
+		got, err := read(tc.off, tc.n)
+		require.NoError(t, err, "range %d+%d", tc.off, tc.n)
+		assert.True(t, bytes.Equal(data[tc.off:tc.off+tc.n], got), "range %d+%d", tc.off, tc.n)
+	}
+	for _, tc := range []struct{ off, n int64 }{{d.Size - 10, 11}, {d.Size, 1}, {d.Size + 100, 5}} {
+		_, err := read(tc.off, tc.n)
+		assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "range %d+%d past the end", tc.off, tc.n)
+	}
+	_, err := rr.OpenRange(ctx, d.Digest, -1, 5)
+	assert.Error(t, err, "negative offset")
+	_, err = rr.OpenRange(ctx, d.Digest, 0, -5)
+	assert.Error(t, err, "negative length")
+	missing := blobstore.Digest([]byte("never stored"))
+	_, err = rr.OpenRange(ctx, missing, 0, 1)
+	assert.ErrorIs(t, err, blobstore.ErrNotFound)
+	assert.ErrorContains(t, err, missing)
+	_, err = rr.OpenRange(ctx, "sha256:abc", 0, 1)
+	assert.ErrorIs(t, err, blobstore.ErrInvalidDigest)
 }

@@ -379,7 +379,7 @@ func (s *Store) ImageLayers(ctx context.Context, sandbox string, store blobstore
 		for _, l := range stack {
 			files = append(files, l.Path)
 		}
-		upper, err := local.Path(top.Digest)
+		upper, err := blobstore.LocalPath(ctx, local, top.Digest)
 		if err != nil {
 			return nil, fail.New(fail.Internal, err)
 		}

@@ -1015,3 +1015,14 @@ func (s *sandbox) Destroy(ctx context.Context) error {
 	})
 	return s.destroyErr
 }
+
+// AcceptEgress relays the next connection to the sandbox's egress proxy
+// listener (runtime.Egress). Not a request of the workload's: it waits
+// without counting as activity.
+func (s *sandbox) AcceptEgress(ctx context.Context, listen string) (rt.EgressConn, error) {
+	c, err := s.client.AcceptEgress(ctx, listen)
+	if err != nil {
+		return nil, s.gone(agentconv.Err(err))
+	}
+	return c, nil
+}

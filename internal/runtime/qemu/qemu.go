@@ -109,6 +109,10 @@ type Config struct {
 	// MemoryMiB and SMP size the guest.
 	MemoryMiB int
 	SMP       int
+	// Slots and MaxMemMiB make room for device memory beside the RAM
+	// (virtio-pmem): -m MemoryMiB,slots=Slots,maxmem=MaxMemMiB.
+	Slots     int
+	MaxMemMiB int
 	// Kernel, Initrd and Append boot the guest directly (Kernel empty:
 	// boot from Drives).
 	Kernel, Initrd, Append string
@@ -170,7 +174,7 @@ func (cfg *Config) args(qmpSock, agentSock string) []string {
 	a := []string{
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
 		"-M", cfg.Machine, "-accel", accelArg, "-cpu", cpu,
-		"-m", strconv.Itoa(mem) + "M", "-smp", strconv.Itoa(smp),
+		"-m", memArg(mem, cfg.Slots, cfg.MaxMemMiB), "-smp", strconv.Itoa(smp),
 		// The QMP chardev comes first: by the time QEMU connects the agent
 		// channel (next), the monitor's socket is connected too.
 		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qmpSock,
@@ -217,6 +221,14 @@ func (cfg *Config) args(qmpSock, agentSock string) []string {
 		a = append(a, "-device", d)
 	}
 	return append(a, cfg.Args...)
+}
+
+func memArg(mem, slots, maxMem int) string {
+	a := strconv.Itoa(mem) + "M"
+	if slots > 0 && maxMem > mem {
+		a += ",slots=" + strconv.Itoa(slots) + ",maxmem=" + strconv.Itoa(maxMem) + "M"
+	}
+	return a
 }
 
 // VM is a running QEMU.

@@ -172,3 +172,46 @@ func (im Images) Delete(ctx context.Context, ref string) error {
 	}
 	return nil
 }
+
+// PullOptions say how Pull stores the image.
+type PullOptions struct {
+	// Ref is the local NAME:TAG; default the source's repository and tag.
+	Ref string
+	// Public makes the image visible to every tenant (admin only).
+	Public bool
+	// Progress, if set, is called as layers are converted.
+	Progress func(layersDone, layersTotal int64)
+}
+
+// Pulled is what Pull did.
+type Pulled struct {
+	Image *Image
+	// Converted is false when the registry's image had been converted
+	// before and nothing was converted.
+	Converted bool
+	// SourceDigest is the manifest (or index) digest the registry served.
+	SourceDigest string
+}
+
+// Pull has the server convert the image a registry serves under source
+// ([HOST[:PORT]/]REPO[:TAG|@DIGEST]) into the store, once.
+func (im Images) Pull(ctx context.Context, source string, o PullOptions) (*Pulled, error) {
+	stream, err := im.c.images.Pull(ctx, connect.NewRequest(&dsecv1.PullImageRequest{Source: source, Ref: o.Ref, Public: o.Public}))
+	if err != nil {
+		return nil, fmt.Errorf("pull image %s: %w", source, err)
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		m := stream.Msg()
+		if m.GetImage() != nil {
+			return &Pulled{Image: imageFromProto(m.GetImage()), Converted: m.GetConverted(), SourceDigest: m.GetSourceDigest()}, nil
+		}
+		if o.Progress != nil {
+			o.Progress(m.GetLayersDone(), m.GetLayersTotal())
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return nil, fmt.Errorf("pull image %s: %w", source, err)
+	}
+	return nil, fmt.Errorf("pull image %s: the server ended the stream without the image", source)
+}

@@ -75,6 +75,9 @@ type Spec struct {
 	IdleAction string
 	// Env (K=V) applies to every exec, over the image's environment.
 	Env []string
+	// Network is the sandbox's egress policy (default: nothing goes out);
+	// Sandbox.SetNetwork changes it while the sandbox runs.
+	Network Network
 }
 
 func (s Spec) proto() *dsecv1.SandboxSpec {
@@ -86,6 +89,7 @@ func (s Spec) proto() *dsecv1.SandboxSpec {
 		Labels:     s.Labels,
 		Env:        s.Env,
 		IdleAction: s.IdleAction,
+		Network:    s.Network.proto(),
 	}
 	if s.Resources != (Resources{}) {
 		p.Resources = &dsecv1.Resources{
@@ -116,6 +120,7 @@ func specFromProto(p *dsecv1.SandboxSpec) Spec {
 		Labels:     p.GetLabels(),
 		Env:        p.GetEnv(),
 		IdleAction: p.GetIdleAction(),
+		Network:    networkFromProto(p.GetNetwork()),
 		Resources: Resources{
 			MilliCPU:    p.GetResources().GetMilliCpu(),
 			MemoryBytes: p.GetResources().GetMemoryBytes(),

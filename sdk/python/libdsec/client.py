@@ -36,6 +36,8 @@ from .models import (
     b64encode,
     env_list,
     format_duration,
+    network_json,
+    network_rules,
 )
 
 __all__ = ["DSecClient", "Sandbox", "DEFAULT_ENDPOINT", "DEFAULT_TOKEN_FILE"]
@@ -321,6 +323,28 @@ class DSecClient:
         http_timeout = None if timeout is None else timeout + _EXEC_GRACE_S
         return self._exec(body, sandbox, http_timeout, on_output)
 
+    async def verify(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        cmd: Union[str, Sequence[str]],
+        artifacts: Sequence[str],
+        timeout: Optional[float] = None,
+        *,
+        env: Union[Mapping[str, str], Sequence[str], None] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        seq: Optional[int] = None,
+    ) -> ExecResult:
+        """Grades a sandbox's work: see :meth:`Sandbox.verify`."""
+        arts = [str(a) for a in artifacts]
+        if not arts:
+            raise ValueError("artifacts: at least one path to copy into the verifier is required")
+        exec_body = _exec_body(None, cmd, timeout, env, cwd, user, None, None)
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "artifacts": arts, "exec": exec_body}
+        _number(body, sandbox, seq, None)
+        resp = await self._send(body, sandbox, lambda: self._t.unary(f"{_SANDBOX}/Verify", body))
+        return ExecResult.from_json(resp.get("result") or {})
+
     async def _exec(
         self, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], http_timeout, on_output: Optional[OutputCallback]
     ) -> ExecResult:
@@ -589,6 +613,20 @@ class DSecClient:
         """Sends keyboard and mouse events to the sandbox's screen, in
         order (at most 256 in one call; fullvm sandboxes)."""
         await self._t.unary(f"{_SANDBOX}/Input", {"sandboxId": _id(sandbox), "events": [e.to_json() for e in events]})
+
+    async def set_network(
+        self, sandbox: Union[str, "Sandbox"], rules: Optional[Mapping[str, bool]] = None, *, replace: bool = False
+    ) -> Dict[str, bool]:
+        """Changes a sandbox's egress policy: ``rules`` (``{"pypi": True,
+        "npm": False}``) are added, a rule for a target already there
+        replacing it, or with ``replace=True`` are the whole policy. New
+        connections follow it at once; open ones it no longer allows are
+        closed. Returns the whole policy; with no rules it only reads it."""
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), **network_json(rules)}
+        if replace:
+            body["replace"] = True
+        resp = await self._t.unary(f"{_SANDBOX}/SetNetwork", body)
+        return network_rules(resp.get("network")) or {}
 
     async def freeze_job(self, labels: Mapping[str, str], *, return_exceptions: bool = False) -> List[JobResult]:
         """Freezes every sandbox of this tenant whose labels include every
@@ -1240,6 +1278,26 @@ class Sandbox:
             request_id=request_id,
         )
 
+    async def verify(
+        self,
+        cmd: Union[str, Sequence[str]],
+        artifacts: Sequence[str],
+        timeout: Optional[float] = None,
+        *,
+        env: Union[Mapping[str, str], Sequence[str], None] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> ExecResult:
+        """Runs a grading command in a verifier: a fresh sandbox of this
+        sandbox's images as created (its resources and environment, no
+        network) holding only ``artifacts`` copied from this sandbox
+        (absolute paths, files or directories, each to the same path).
+        Nothing else the agent changed (a ``conftest.py`` that passes every
+        test, a patched test runner, a trojaned binary) reaches the grade.
+        The verifier is destroyed afterwards; the step is the handle's next
+        trajectory step, like an exec."""
+        return await self._client.verify(self, cmd, artifacts, timeout, env=env, cwd=cwd, user=user)
+
     def write_file(
         self, path: str, data: Union[bytes, str], mode: Optional[int] = None, *, request_id: Optional[str] = None
     ) -> Awaitable[OpResult]:
@@ -1318,6 +1376,11 @@ class Sandbox:
         """Sends keyboard and mouse input to the sandbox's screen, e.g.
         ``await sb.input(InputEvent.text("ls"), InputEvent.key("ret"))``."""
         await self._client.input(self, *events)
+
+    async def set_network(self, rules: Optional[Mapping[str, bool]] = None, *, replace: bool = False) -> Dict[str, bool]:
+        """Changes (or, with no rules, reads) the sandbox's egress policy;
+        see :meth:`DSecClient.set_network`."""
+        return await self._client.set_network(self, rules, replace=replace)
 
     async def trajectory(self, include_data: bool = False) -> List[Dict[str, Any]]:
         """The sandbox's trajectory records; see :meth:`DSecClient.trajectory`."""

@@ -61,6 +61,14 @@ class SandboxSpec:
     ``K=V``) is added to every exec in the sandbox. ``idle_action`` is what
     ``idle_timeout_s`` does: ``"destroy"`` (the default) or ``"freeze"``
     (the sandbox keeps its processes and memory until ``thaw``).
+
+    ``network_rules`` is the sandbox's egress policy, default deny: a
+    mapping of rule to on/off (``{"pypi": True, "npm": False}``) where a
+    rule is a named rule (pypi, npm, crates, goproxy, debian, ubuntu,
+    github, huggingface), a host (``example.org``, ``*.example.org``,
+    ``example.org:443``), an address or a CIDR; a deny wins over an allow.
+    Every exec gets ``http_proxy``/``https_proxy`` pointing at the
+    sandbox's proxy; ``Sandbox.set_network`` changes the rules later.
     """
 
     backend: Union[BackendKind, str] = BackendKind.CONTAINER
@@ -73,6 +81,7 @@ class SandboxSpec:
     idle_timeout_s: Optional[float] = None
     env: Union[Mapping[str, str], Sequence[str], None] = None
     idle_action: Optional[str] = None
+    network_rules: Optional[Mapping[str, bool]] = None
 
     def to_json(self) -> Dict[str, Any]:
         """The proto3 JSON form of dsec.v1.SandboxSpec."""
@@ -98,6 +107,9 @@ class SandboxSpec:
             out["env"] = env
         if self.idle_action:
             out["idleAction"] = str(self.idle_action)
+        net = network_json(self.network_rules)
+        if net:
+            out["network"] = net
         return out
 
     @classmethod
@@ -120,7 +132,25 @@ class SandboxSpec:
             idle_timeout_s=parse_duration(d["idleTimeout"]) if d.get("idleTimeout") else None,
             env=list(d.get("env") or []) or None,
             idle_action=d.get("idleAction") or None,
+            network_rules=network_rules(d.get("network")),
         )
+
+
+def network_json(rules: Optional[Mapping[str, bool]]) -> Dict[str, List[str]]:
+    """The proto3 JSON form of dsec.v1.NetworkPolicy for ``{rule: on}``."""
+    out: Dict[str, List[str]] = {}
+    for rule, on in (rules or {}).items():
+        out.setdefault("allow" if on else "deny", []).append(str(rule))
+    return out
+
+
+def network_rules(d: Optional[Mapping[str, Any]]) -> Optional[Dict[str, bool]]:
+    """``{rule: on}`` from the proto3 JSON form of dsec.v1.NetworkPolicy."""
+    if not d:
+        return None
+    out: Dict[str, bool] = {r: True for r in d.get("allow") or []}
+    out.update({r: False for r in d.get("deny") or []})
+    return out or None
 
 
 def _resources_json(res: Mapping[str, float]) -> Dict[str, str]:

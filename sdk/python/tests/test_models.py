@@ -189,3 +189,13 @@ def test_input_events_and_screenshot_wire():
     assert InputEvent.click(3, 4, "right").to_json() == {"kind": "click", "x": 3, "y": 4, "button": "right"}
     shot = Screenshot.from_json({"png": "iVBORw0KGgo", "width": 640, "height": 480})
     assert shot.png == b"\x89PNG\r\n\x1a\n" and (shot.width, shot.height) == (640, 480)
+
+
+def test_network_rules_wire():
+    from libdsec import SandboxSpec
+
+    spec = SandboxSpec(base_image="busybox:latest", network_rules={"pypi": True, "npm": False, "*.example.org": True})
+    assert spec.to_json()["network"] == {"allow": ["pypi", "*.example.org"], "deny": ["npm"]}
+    back = SandboxSpec.from_json(spec.to_json())
+    assert back.network_rules == {"pypi": True, "*.example.org": True, "npm": False}
+    assert "network" not in SandboxSpec(base_image="busybox:latest").to_json()

@@ -271,3 +271,39 @@ async def test_calls_reuse_their_connection(server):
             await client.run(SandboxSpec(base_image="nope:1"), "true")
         assert (await client.run(spec(), "exit 3")).exit_code == 3
     assert t.connections_opened == 1
+
+
+async def test_network_rules(server):
+    async with await connect(server) as client:
+        sb = await client.create(spec(network_rules={"pypi": True, "npm": False}))
+        try:
+            assert sb.info.spec.network_rules == {"pypi": True, "npm": False}
+            res = await sb.run("echo $https_proxy")
+            assert res.stdout.strip() == "http://127.0.0.1:3128"
+            assert await sb.set_network({"npm": True, "github": False}) == {"pypi": True, "npm": True, "github": False}
+            assert await sb.set_network() == {"pypi": True, "npm": True, "github": False}
+            assert await sb.set_network({"example.org:443": True}, replace=True) == {"example.org:443": True}
+            with pytest.raises(InvalidArgumentError, match=r"allow\[0\]"):
+                await sb.set_network({"pipy": True})
+            with pytest.raises(InvalidArgumentError, match=r"spec.network.allow\[0\]"):
+                await client.create(spec(network_rules={"ex ample.org": True}))
+        finally:
+            await sb.destroy()
+
+
+async def test_verify_grades_only_the_artifacts(server):
+    async with await connect(server) as client:
+        sb = await client.create(spec())
+        try:
+            await sb.write_file("/work/answer", "42\n")
+            await sb.write_file("/work/check.sh", "exit 0\n")  # the agent's "always pass" hook
+            grade = "[ -f /work/check.sh ] && . /work/check.sh; [ \"$(cat /work/answer)\" = 42 ]"
+            assert (await sb.run(["sh", "-c", grade])).exit_code == 0
+            await sb.write_file("/work/answer", "41\n")
+            assert (await sb.run(["sh", "-c", grade])).exit_code == 0  # the hook passes it in place
+            res = await sb.verify(["sh", "-c", grade], artifacts=["/work/answer"])
+            assert res.exit_code == 1 and res.outcome == "failed"
+            with pytest.raises(InvalidArgumentError, match=r"artifacts\[0\]"):
+                await sb.verify("true", artifacts=["work/answer"])
+        finally:
+            await sb.destroy()

@@ -98,6 +98,11 @@ const (
 	SandboxServiceScreenshotProcedure = "/dsec.v1.SandboxService/Screenshot"
 	// SandboxServiceInputProcedure is the fully-qualified name of the SandboxService's Input RPC.
 	SandboxServiceInputProcedure = "/dsec.v1.SandboxService/Input"
+	// SandboxServiceSetNetworkProcedure is the fully-qualified name of the SandboxService's SetNetwork
+	// RPC.
+	SandboxServiceSetNetworkProcedure = "/dsec.v1.SandboxService/SetNetwork"
+	// SandboxServiceVerifyProcedure is the fully-qualified name of the SandboxService's Verify RPC.
+	SandboxServiceVerifyProcedure = "/dsec.v1.SandboxService/Verify"
 	// SandboxServiceFreezeJobProcedure is the fully-qualified name of the SandboxService's FreezeJob
 	// RPC.
 	SandboxServiceFreezeJobProcedure = "/dsec.v1.SandboxService/FreezeJob"
@@ -115,6 +120,8 @@ const (
 	SandboxServiceReleaseProcedure = "/dsec.v1.SandboxService/Release"
 	// ImageServiceImportProcedure is the fully-qualified name of the ImageService's Import RPC.
 	ImageServiceImportProcedure = "/dsec.v1.ImageService/Import"
+	// ImageServicePullProcedure is the fully-qualified name of the ImageService's Pull RPC.
+	ImageServicePullProcedure = "/dsec.v1.ImageService/Pull"
 	// ImageServiceListProcedure is the fully-qualified name of the ImageService's List RPC.
 	ImageServiceListProcedure = "/dsec.v1.ImageService/List"
 	// ImageServiceGetProcedure is the fully-qualified name of the ImageService's Get RPC.
@@ -189,6 +196,10 @@ type SandboxServiceClient interface {
 	// that has them (fullvm); others answer FailedPrecondition.
 	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
+	// SetNetwork changes (or, with no rules, reads) a sandbox's egress policy.
+	SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	// Verify grades a sandbox's work in a fresh one: see VerifyRequest.
+	Verify(context.Context, *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -347,6 +358,18 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("Input")),
 			connect.WithClientOptions(opts...),
 		),
+		setNetwork: connect.NewClient[v1.SetNetworkRequest, v1.SetNetworkResponse](
+			httpClient,
+			baseURL+SandboxServiceSetNetworkProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("SetNetwork")),
+			connect.WithClientOptions(opts...),
+		),
+		verify: connect.NewClient[v1.VerifyRequest, v1.VerifyResponse](
+			httpClient,
+			baseURL+SandboxServiceVerifyProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Verify")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJob: connect.NewClient[v1.JobRequest, v1.JobResponse](
 			httpClient,
 			baseURL+SandboxServiceFreezeJobProcedure,
@@ -409,6 +432,8 @@ type sandboxServiceClient struct {
 	thaw             *connect.Client[v1.ThawRequest, v1.ThawResponse]
 	screenshot       *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
 	input            *connect.Client[v1.InputRequest, v1.InputResponse]
+	setNetwork       *connect.Client[v1.SetNetworkRequest, v1.SetNetworkResponse]
+	verify           *connect.Client[v1.VerifyRequest, v1.VerifyResponse]
 	freezeJob        *connect.Client[v1.JobRequest, v1.JobResponse]
 	thawJob          *connect.Client[v1.JobRequest, v1.JobResponse]
 	acquire          *connect.Client[v1.AcquireRequest, v1.AcquireResponse]
@@ -522,6 +547,16 @@ func (c *sandboxServiceClient) Input(ctx context.Context, req *connect.Request[v
 	return c.input.CallUnary(ctx, req)
 }
 
+// SetNetwork calls dsec.v1.SandboxService.SetNetwork.
+func (c *sandboxServiceClient) SetNetwork(ctx context.Context, req *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
+	return c.setNetwork.CallUnary(ctx, req)
+}
+
+// Verify calls dsec.v1.SandboxService.Verify.
+func (c *sandboxServiceClient) Verify(ctx context.Context, req *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return c.verify.CallUnary(ctx, req)
+}
+
 // FreezeJob calls dsec.v1.SandboxService.FreezeJob.
 func (c *sandboxServiceClient) FreezeJob(ctx context.Context, req *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJob.CallUnary(ctx, req)
@@ -594,6 +629,10 @@ type SandboxServiceHandler interface {
 	// that has them (fullvm); others answer FailedPrecondition.
 	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
+	// SetNetwork changes (or, with no rules, reads) a sandbox's egress policy.
+	SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	// Verify grades a sandbox's work in a fresh one: see VerifyRequest.
+	Verify(context.Context, *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -748,6 +787,18 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("Input")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceSetNetworkHandler := connect.NewUnaryHandler(
+		SandboxServiceSetNetworkProcedure,
+		svc.SetNetwork,
+		connect.WithSchema(sandboxServiceMethods.ByName("SetNetwork")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceVerifyHandler := connect.NewUnaryHandler(
+		SandboxServiceVerifyProcedure,
+		svc.Verify,
+		connect.WithSchema(sandboxServiceMethods.ByName("Verify")),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceFreezeJobHandler := connect.NewUnaryHandler(
 		SandboxServiceFreezeJobProcedure,
 		svc.FreezeJob,
@@ -828,6 +879,10 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceScreenshotHandler.ServeHTTP(w, r)
 		case SandboxServiceInputProcedure:
 			sandboxServiceInputHandler.ServeHTTP(w, r)
+		case SandboxServiceSetNetworkProcedure:
+			sandboxServiceSetNetworkHandler.ServeHTTP(w, r)
+		case SandboxServiceVerifyProcedure:
+			sandboxServiceVerifyHandler.ServeHTTP(w, r)
 		case SandboxServiceFreezeJobProcedure:
 			sandboxServiceFreezeJobHandler.ServeHTTP(w, r)
 		case SandboxServiceThawJobProcedure:
@@ -933,6 +988,14 @@ func (UnimplementedSandboxServiceHandler) Input(context.Context, *connect.Reques
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Input is not implemented"))
 }
 
+func (UnimplementedSandboxServiceHandler) SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SetNetwork is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Verify(context.Context, *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Verify is not implemented"))
+}
+
 func (UnimplementedSandboxServiceHandler) FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.FreezeJob is not implemented"))
 }
@@ -960,6 +1023,7 @@ func (UnimplementedSandboxServiceHandler) Release(context.Context, *connect.Requ
 // ImageServiceClient is a client for the dsec.v1.ImageService service.
 type ImageServiceClient interface {
 	Import(context.Context) *connect.ClientStreamForClient[v1.ImportImageRequest, v1.ImportImageResponse]
+	Pull(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.PullImageResponse], error)
 	List(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error)
 	Get(context.Context, *connect.Request[v1.GetImageRequest]) (*connect.Response[v1.GetImageResponse], error)
 	Tag(context.Context, *connect.Request[v1.TagImageRequest]) (*connect.Response[v1.TagImageResponse], error)
@@ -982,6 +1046,12 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			httpClient,
 			baseURL+ImageServiceImportProcedure,
 			connect.WithSchema(imageServiceMethods.ByName("Import")),
+			connect.WithClientOptions(opts...),
+		),
+		pull: connect.NewClient[v1.PullImageRequest, v1.PullImageResponse](
+			httpClient,
+			baseURL+ImageServicePullProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("Pull")),
 			connect.WithClientOptions(opts...),
 		),
 		list: connect.NewClient[v1.ListImagesRequest, v1.ListImagesResponse](
@@ -1020,6 +1090,7 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 // imageServiceClient implements ImageServiceClient.
 type imageServiceClient struct {
 	_import        *connect.Client[v1.ImportImageRequest, v1.ImportImageResponse]
+	pull           *connect.Client[v1.PullImageRequest, v1.PullImageResponse]
 	list           *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
 	get            *connect.Client[v1.GetImageRequest, v1.GetImageResponse]
 	tag            *connect.Client[v1.TagImageRequest, v1.TagImageResponse]
@@ -1030,6 +1101,11 @@ type imageServiceClient struct {
 // Import calls dsec.v1.ImageService.Import.
 func (c *imageServiceClient) Import(ctx context.Context) *connect.ClientStreamForClient[v1.ImportImageRequest, v1.ImportImageResponse] {
 	return c._import.CallClientStream(ctx)
+}
+
+// Pull calls dsec.v1.ImageService.Pull.
+func (c *imageServiceClient) Pull(ctx context.Context, req *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.PullImageResponse], error) {
+	return c.pull.CallServerStream(ctx, req)
 }
 
 // List calls dsec.v1.ImageService.List.
@@ -1060,6 +1136,7 @@ func (c *imageServiceClient) GarbageCollect(ctx context.Context, req *connect.Re
 // ImageServiceHandler is an implementation of the dsec.v1.ImageService service.
 type ImageServiceHandler interface {
 	Import(context.Context, *connect.ClientStream[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
+	Pull(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.PullImageResponse]) error
 	List(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error)
 	Get(context.Context, *connect.Request[v1.GetImageRequest]) (*connect.Response[v1.GetImageResponse], error)
 	Tag(context.Context, *connect.Request[v1.TagImageRequest]) (*connect.Response[v1.TagImageResponse], error)
@@ -1078,6 +1155,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		ImageServiceImportProcedure,
 		svc.Import,
 		connect.WithSchema(imageServiceMethods.ByName("Import")),
+		connect.WithHandlerOptions(opts...),
+	)
+	imageServicePullHandler := connect.NewServerStreamHandler(
+		ImageServicePullProcedure,
+		svc.Pull,
+		connect.WithSchema(imageServiceMethods.ByName("Pull")),
 		connect.WithHandlerOptions(opts...),
 	)
 	imageServiceListHandler := connect.NewUnaryHandler(
@@ -1114,6 +1197,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		switch r.URL.Path {
 		case ImageServiceImportProcedure:
 			imageServiceImportHandler.ServeHTTP(w, r)
+		case ImageServicePullProcedure:
+			imageServicePullHandler.ServeHTTP(w, r)
 		case ImageServiceListProcedure:
 			imageServiceListHandler.ServeHTTP(w, r)
 		case ImageServiceGetProcedure:
@@ -1135,6 +1220,10 @@ type UnimplementedImageServiceHandler struct{}
 
 func (UnimplementedImageServiceHandler) Import(context.Context, *connect.ClientStream[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.Import is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) Pull(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.PullImageResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.Pull is not implemented"))
 }
 
 func (UnimplementedImageServiceHandler) List(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error) {

@@ -91,6 +91,12 @@ const (
 	EdgeServiceScreenshotOnEdgeProcedure = "/dsec.v1.EdgeService/ScreenshotOnEdge"
 	// EdgeServiceInputOnEdgeProcedure is the fully-qualified name of the EdgeService's InputOnEdge RPC.
 	EdgeServiceInputOnEdgeProcedure = "/dsec.v1.EdgeService/InputOnEdge"
+	// EdgeServiceSetNetworkOnEdgeProcedure is the fully-qualified name of the EdgeService's
+	// SetNetworkOnEdge RPC.
+	EdgeServiceSetNetworkOnEdgeProcedure = "/dsec.v1.EdgeService/SetNetworkOnEdge"
+	// EdgeServiceVerifyOnEdgeProcedure is the fully-qualified name of the EdgeService's VerifyOnEdge
+	// RPC.
+	EdgeServiceVerifyOnEdgeProcedure = "/dsec.v1.EdgeService/VerifyOnEdge"
 	// EdgeServiceFreezeJobOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// FreezeJobOnEdge RPC.
 	EdgeServiceFreezeJobOnEdgeProcedure = "/dsec.v1.EdgeService/FreezeJobOnEdge"
@@ -143,6 +149,8 @@ type EdgeServiceClient interface {
 	ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error)
 	ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error)
+	SetNetworkOnEdge(context.Context, *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	VerifyOnEdge(context.Context, *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
@@ -283,6 +291,18 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(edgeServiceMethods.ByName("InputOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
+		setNetworkOnEdge: connect.NewClient[v1.EdgeSetNetworkRequest, v1.SetNetworkResponse](
+			httpClient,
+			baseURL+EdgeServiceSetNetworkOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("SetNetworkOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
+		verifyOnEdge: connect.NewClient[v1.EdgeVerifyRequest, v1.VerifyResponse](
+			httpClient,
+			baseURL+EdgeServiceVerifyOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("VerifyOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJobOnEdge: connect.NewClient[v1.EdgeListRequest, v1.JobResponse](
 			httpClient,
 			baseURL+EdgeServiceFreezeJobOnEdgeProcedure,
@@ -355,6 +375,8 @@ type edgeServiceClient struct {
 	thawOnEdge             *connect.Client[v1.EdgeSandboxRequest, v1.ThawResponse]
 	screenshotOnEdge       *connect.Client[v1.EdgeSandboxRequest, v1.ScreenshotResponse]
 	inputOnEdge            *connect.Client[v1.EdgeInputRequest, v1.InputResponse]
+	setNetworkOnEdge       *connect.Client[v1.EdgeSetNetworkRequest, v1.SetNetworkResponse]
+	verifyOnEdge           *connect.Client[v1.EdgeVerifyRequest, v1.VerifyResponse]
 	freezeJobOnEdge        *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	thawJobOnEdge          *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	batchExecOnEdge        *connect.Client[v1.EdgeBatchExecRequest, v1.BatchExecResponse]
@@ -460,6 +482,16 @@ func (c *edgeServiceClient) InputOnEdge(ctx context.Context, req *connect.Reques
 	return c.inputOnEdge.CallUnary(ctx, req)
 }
 
+// SetNetworkOnEdge calls dsec.v1.EdgeService.SetNetworkOnEdge.
+func (c *edgeServiceClient) SetNetworkOnEdge(ctx context.Context, req *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
+	return c.setNetworkOnEdge.CallUnary(ctx, req)
+}
+
+// VerifyOnEdge calls dsec.v1.EdgeService.VerifyOnEdge.
+func (c *edgeServiceClient) VerifyOnEdge(ctx context.Context, req *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return c.verifyOnEdge.CallUnary(ctx, req)
+}
+
 // FreezeJobOnEdge calls dsec.v1.EdgeService.FreezeJobOnEdge.
 func (c *edgeServiceClient) FreezeJobOnEdge(ctx context.Context, req *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJobOnEdge.CallUnary(ctx, req)
@@ -524,6 +556,8 @@ type EdgeServiceHandler interface {
 	ThawOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ThawResponse], error)
 	ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error)
+	SetNetworkOnEdge(context.Context, *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	VerifyOnEdge(context.Context, *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
@@ -660,6 +694,18 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(edgeServiceMethods.ByName("InputOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
+	edgeServiceSetNetworkOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceSetNetworkOnEdgeProcedure,
+		svc.SetNetworkOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("SetNetworkOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
+	edgeServiceVerifyOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceVerifyOnEdgeProcedure,
+		svc.VerifyOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("VerifyOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
 	edgeServiceFreezeJobOnEdgeHandler := connect.NewUnaryHandler(
 		EdgeServiceFreezeJobOnEdgeProcedure,
 		svc.FreezeJobOnEdge,
@@ -748,6 +794,10 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceScreenshotOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceInputOnEdgeProcedure:
 			edgeServiceInputOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceSetNetworkOnEdgeProcedure:
+			edgeServiceSetNetworkOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceVerifyOnEdgeProcedure:
+			edgeServiceVerifyOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceFreezeJobOnEdgeProcedure:
 			edgeServiceFreezeJobOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceThawJobOnEdgeProcedure:
@@ -847,6 +897,14 @@ func (UnimplementedEdgeServiceHandler) ScreenshotOnEdge(context.Context, *connec
 
 func (UnimplementedEdgeServiceHandler) InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.InputOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) SetNetworkOnEdge(context.Context, *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.SetNetworkOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) VerifyOnEdge(context.Context, *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.VerifyOnEdge is not implemented"))
 }
 
 func (UnimplementedEdgeServiceHandler) FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {

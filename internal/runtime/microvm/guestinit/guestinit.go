@@ -72,6 +72,8 @@ type Guest struct {
 
 	cgroup   int // UserCgroup, opened before the switch of root
 	writable int // the writable disk's root, for statfs
+	upper    int // the overlay's upper directory, for diff
+	spawn    chan spawnReq
 	mu       sync.Mutex
 	oomKills uint64
 	pidsMax  uint64
@@ -108,7 +110,7 @@ func Start() (*Guest, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := &Guest{cgroup: -1, writable: -1}
+	g := &Guest{cgroup: -1, writable: -1, upper: -1}
 	driver := "virtio_mmio"
 	if transport == "pci" {
 		driver = "virtio_pci"
@@ -125,6 +127,10 @@ func Start() (*Guest, error) {
 	conn, err := os.OpenFile(port, os.O_RDWR, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open the agent port: %w", err)
+	}
+	if err := waitForHost(conn); err != nil {
+		conn.Close()
+		return nil, err
 	}
 	var in *agent.Init
 	err = agent.AcceptInit(conn, func(i *agent.Init) (*agent.InitResult, error) {
@@ -149,6 +155,7 @@ func Start() (*Guest, error) {
 		User:    in.User,
 		Fork:    g.fork,
 		Verdict: g.verdict,
+		Diff:    g.diff,
 	}
 	return g, nil
 }
@@ -203,7 +210,20 @@ func (g *Guest) setup(in *agent.Init, mods modules) error {
 		return err
 	}
 	g.writable = fd
+	if g.upper, err = unix.Open(upper, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
+		return err
+	}
+	// The container's overlay options: xino=on keeps inode numbers
+	// consistent across the layers' file systems (readdir and stat agree),
+	// index, redirect_dir and metacopy off, volatile (the disk dies with
+	// the sandbox: no syncs).
 	data := "lowerdir=" + strings.Join(lower, ":") + ",upperdir=" + upper + ",workdir=" + work
+	for _, o := range sandboxinit.OverlayOptions {
+		data += "," + o[0]
+		if o[1] != "" {
+			data += "=" + o[1]
+		}
+	}
 	if err := unix.Mount("overlay", newRoot, "overlay", unix.MS_NODEV, data); err != nil {
 		return fmt.Errorf("mount overlay (%d layers): %w", len(lower), err)
 	}
@@ -227,6 +247,20 @@ func (g *Guest) setup(in *agent.Init, mods modules) error {
 		return err
 	}
 	if err := g.limits(in.Resources); err != nil {
+		return err
+	}
+	// The kernel's log is the guest's, but a container cannot read its
+	// kernel's either (dmesg needs CAP_SYSLOG, which the workload lacks).
+	for _, kv := range [][2]string{{"kernel/dmesg_restrict", "1"}, {"kernel/kptr_restrict", "2"}} {
+		if err := os.WriteFile("/proc/sys/"+kv[0], []byte(kv[1]), 0); err != nil {
+			return fmt.Errorf("sysctl %s: %w", kv[0], err)
+		}
+	}
+	if c := in.Container; c != nil && !c.NoLockdown {
+		if err := g.startSpawner(c.Caps, c.Seccomp); err != nil {
+			return err
+		}
+	} else if err := g.startSpawner(^uint64(0), nil); err != nil {
 		return err
 	}
 	if err := sandboxinit.MaskPaths(newRoot); err != nil {
@@ -291,11 +325,12 @@ func (g *Guest) limits(r *agent.Resources) error {
 	return nil
 }
 
-// fork has every process the agent starts born in UserCgroup.
+// fork has every process the agent starts forked by the locked-down
+// spawner thread and born in UserCgroup.
 func (g *Guest) fork(attr *syscall.SysProcAttr, start func() error) error {
-	attr.UseCgroupFD = true
-	attr.CgroupFD = g.cgroup
-	return start()
+	done := make(chan error, 1)
+	g.spawn <- spawnReq{attr: attr, start: start, done: done}
+	return <-done
 }
 
 // verdict tells a failed command's result what the guest's kernel saw:
@@ -392,6 +427,38 @@ func waitFor(path string) error {
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("%s did not appear", path)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// waitForHost waits until the host's first request is readable on the
+// port. Until QEMU's "port open" message reaches the guest's driver, a
+// read of the port returns end of file (and poll says POLLHUP), though
+// the host is connected and has written: the guest opens the port that
+// early at every boot, so it polls past it (POLLHUP set).
+func waitForHost(conn *os.File) error {
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	for {
+		var ready bool
+		var perr error
+		err := rc.Control(func(fd uintptr) {
+			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			_, perr = unix.Poll(fds, 100)
+			// The driver says POLLIN|POLLHUP while the host is not
+			// connected (a read would not block: it returns EOF).
+			ready = fds[0].Revents&(unix.POLLIN|unix.POLLHUP) == unix.POLLIN
+		})
+		switch {
+		case err != nil:
+			return err
+		case perr != nil && perr != unix.EINTR:
+			return fmt.Errorf("poll the agent port: %w", perr)
+		case ready:
+			return nil
 		}
 		time.Sleep(time.Millisecond)
 	}
