@@ -188,6 +188,14 @@ type EgressConn interface {
 	CloseWrite() error
 }
 
+// DiskSnapshotter is implemented by sandboxes that are a whole disk (the
+// fullvm backend's): SnapshotDisk writes the sandbox's disk as it is now,
+// as one standalone image file at out (qcow2), which the edge stores as a
+// disk image. A frozen sandbox stays frozen.
+type DiskSnapshotter interface {
+	SnapshotDisk(ctx context.Context, out string) error
+}
+
 // Display is implemented by sandboxes with a screen, a keyboard and a
 // mouse (the VM backends): computer-use tasks, and guests that do not run
 // dsec-agent.
