@@ -84,6 +84,10 @@ type Config struct {
 	MaxConns    int
 	// Record receives every decision; it must not block for long.
 	Record func(sandbox string, e Event)
+	// Mirror, if set, answers plain-HTTP requests for MirrorHost (and
+	// apt's for deb.debian.org/debian/) without dialing, for the
+	// ecosystems a sandbox's policy allows (mirrorserve.go).
+	Mirror *Mirror
 }
 
 // Proxy is the edge's half of egress, shared by all of its sandboxes.
@@ -255,6 +259,11 @@ func (sb *Sandbox) Serve(ctx context.Context, c Conn) {
 		sb.record(ev)
 	}
 
+	if sb.p.cfg.Mirror != nil && req.Method != http.MethodConnect {
+		if done := sb.serveMirror(ctx, c, req, q, &ev, deny); done {
+			return
+		}
+	}
 	d := sb.Policy().Decide(q)
 	if !d.Allowed {
 		deny(http.StatusForbidden, d.Rule)
