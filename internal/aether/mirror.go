@@ -109,7 +109,9 @@ type Mirror struct {
 // flight is one artifact download in progress; done closes when it ended,
 // with err or the blob's digest.
 type flight struct {
-	done   chan struct{}
+	done chan struct{}
+	// waiters is how many requests wait for it (under Mirror.mu).
+	waiters int
 	digest string
 	err    error
 }
@@ -337,6 +339,7 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 	}
 	m.mu.Lock()
 	if f, ok := m.flights[ref]; ok {
+		f.waiters++
 		m.mu.Unlock()
 		select {
 		case <-f.done:
