@@ -112,8 +112,8 @@ type flight struct {
 	done chan struct{}
 	// waiters is how many requests wait for it (under Mirror.mu).
 	waiters int
-	digest string
-	err    error
+	digest  string
+	err     error
 }
 
 // page is one cached index page.

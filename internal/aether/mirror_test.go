@@ -205,18 +205,24 @@ func (h *mirrorHarness) get(u string) (int, []byte, error) {
 	return resp.StatusCode, b, err
 }
 
-// eventFor waits for the event of a request for host and path's method
-// (recorded when the connection ends).
-func (h *mirrorHarness) eventsFor(host string) []Event {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	var out []Event
-	for _, e := range h.events {
-		if e.Host == host {
-			out = append(out, e)
+// eventsFor waits for n events of requests for host (recorded when each
+// connection ends, after the client has its answer) and returns them.
+func (h *mirrorHarness) eventsFor(host string, n int) []Event {
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		h.mu.Lock()
+		var out []Event
+		for _, e := range h.events {
+			if e.Host == host {
+				out = append(out, e)
+			}
 		}
+		h.mu.Unlock()
+		if len(out) >= n || time.Now().After(deadline) {
+			return out
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
-	return out
 }
 
 func content(n int, seed byte) []byte {
@@ -265,7 +271,7 @@ func TestMirrorPyPI(t *testing.T) {
 	if len(links) != 2 || links[0] != wantGood || !strings.HasPrefix(links[1], "http://mirror.dsec.internal/pypi/files/sha256/") {
 		t.Fatalf("index links not rewritten to the mirror: %q", links)
 	}
-	if e := h.eventsFor(MirrorHost); len(e) == 0 || !e[len(e)-1].Allowed || e[len(e)-1].Rule != "allow pypi (mirror)" || e[len(e)-1].Addr != "mirror" {
+	if e := h.eventsFor(MirrorHost, 1); len(e) == 0 || !e[len(e)-1].Allowed || e[len(e)-1].Rule != "allow pypi (mirror)" || e[len(e)-1].Addr != "mirror" {
 		t.Fatalf("mirror decision not recorded as allowed: %+v", e)
 	}
 
@@ -331,7 +337,7 @@ func TestMirrorPolicy(t *testing.T) {
 	if err != nil || code != http.StatusForbidden {
 		t.Fatalf("pypi through the mirror without the rule: %d %v %s", code, err, body)
 	}
-	ev := h.eventsFor(MirrorHost)
+	ev := h.eventsFor(MirrorHost, 1)
 	if len(ev) != 1 || ev[0].Allowed || ev[0].Rule != "mirror /pypi/: default deny" {
 		t.Fatalf("refusal not recorded: %+v", ev)
 	}
@@ -481,7 +487,7 @@ func TestMirrorApt(t *testing.T) {
 	if a, b := up.hitsOf("/debian/pool/main/d/demo/demo_1.0_amd64.deb"), up.hitsOf("/debian/dists/bookworm/InRelease"); a != 1 || b != 1 {
 		t.Fatalf("upstream asked %d times for the .deb, %d for InRelease", a, b)
 	}
-	ev := h.eventsFor("deb.debian.org")
+	ev := h.eventsFor("deb.debian.org", 4)
 	if len(ev) != 4 || !ev[0].Allowed || ev[0].Rule != "allow debian (mirror)" || ev[0].Addr != "mirror" {
 		t.Fatalf("events %+v", ev)
 	}
