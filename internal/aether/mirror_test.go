@@ -76,6 +76,24 @@ type upstream struct {
 	hits  map[string]int
 	// gate, if set, holds every file request until it is closed.
 	gate chan struct{}
+	// rate, if set, is the bytes per second all file downloads share
+	// (the node's uplink, for the benchmark); next is when the next
+	// chunk may go.
+	rate int64
+	next time.Time
+}
+
+// pace waits until n more bytes may go at the shared rate.
+func (u *upstream) pace(n int) {
+	u.mu.Lock()
+	now := time.Now()
+	if u.next.Before(now) {
+		u.next = now
+	}
+	u.next = u.next.Add(time.Duration(int64(n) * int64(time.Second) / u.rate))
+	wait := u.next.Sub(now)
+	u.mu.Unlock()
+	time.Sleep(wait)
 }
 
 func newUpstream(t testing.TB) *upstream {
@@ -96,7 +114,17 @@ func newUpstream(t testing.TB) *upstream {
 				<-gate
 			}
 			w.Header().Set("Content-Length", fmt.Sprint(len(f)))
-			w.Write(f)
+			if u.rate == 0 {
+				w.Write(f)
+				return
+			}
+			for off := 0; off < len(f); off += 256 << 10 {
+				end := min(off+256<<10, len(f))
+				u.pace(end - off)
+				if _, err := w.Write(f[off:end]); err != nil {
+					return
+				}
+			}
 		case isPage:
 			fmt.Fprint(w, pg)
 		default:
