@@ -50,6 +50,10 @@ const (
 	// that fails the check ends short, so the client sees an error and
 	// never a complete, wrong file.
 	holdBack = 64 << 10
+	// maxPageFetches bounds the index pages fetched at once, each read
+	// whole (up to maxIndexBytes): what index fetches hold in memory
+	// together, whatever the number of sandboxes asking.
+	maxPageFetches = 8
 	// fetchTimeout bounds one upstream download of an artifact, which
 	// goes on when its first requester leaves (others wait for it).
 	fetchTimeout = 30 * time.Minute
@@ -102,6 +106,7 @@ type Mirror struct {
 	pages   map[string]*page
 	pageMem int64
 	pageFl  map[string]*pageFlight
+	pageSem chan struct{}
 
 	hits, misses, served, upstream atomic.Int64
 }
@@ -189,6 +194,7 @@ func NewMirror(cfg MirrorConfig) *Mirror {
 		flights: map[string]*flight{},
 		pages:   map[string]*page{},
 		pageFl:  map[string]*pageFlight{},
+		pageSem: make(chan struct{}, maxPageFetches),
 	}
 }
 
@@ -583,6 +589,12 @@ func (m *Mirror) servePage(w http.ResponseWriter, r *http.Request, url, accept s
 func (m *Mirror) fetchPage(w http.ResponseWriter, r *http.Request, url, accept string, rewrite func([]byte) ([]byte, error)) (*page, int, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 2*time.Minute)
 	defer cancel()
+	select {
+	case m.pageSem <- struct{}{}:
+		defer func() { <-m.pageSem }()
+	case <-ctx.Done():
+		return nil, http.StatusServiceUnavailable, fmt.Errorf("fetch %s: too many index fetches at once", url)
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, http.StatusBadRequest, err
