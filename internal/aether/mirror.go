@@ -204,7 +204,7 @@ func (m *Mirror) Stats() MirrorStats {
 		BytesServed: m.served.Load(), BytesUpstream: m.upstream.Load()}
 }
 
-// Ecosystem says which named rule a mirror path belongs to ("pypi",
+// MirrorEcosystem says which named rule a mirror path belongs to ("pypi",
 // "npm", "debian"), or "" for a path the mirror does not serve. The proxy
 // serves a path only to a sandbox whose policy allows its ecosystem.
 func MirrorEcosystem(path string) string {
@@ -338,7 +338,7 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 	ctx := r.Context()
 	ref := refName(url, want)
 	if d, err := m.cfg.Store.Refs().Get(ctx, ref); err == nil {
-		if m.serveBlob(w, r, d) {
+		if m.serveBlob(w, r, d, ref) {
 			m.hits.Add(1)
 			return
 		}
@@ -357,7 +357,7 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 			return
 		}
 		m.hits.Add(1)
-		if !m.serveBlob(w, r, f.digest) {
+		if !m.serveBlob(w, r, f.digest, ref) {
 			http.Error(w, "dsec mirror: "+url+" was fetched but its blob is gone", http.StatusBadGateway)
 		}
 		return
@@ -365,18 +365,31 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 	f := &flight{done: make(chan struct{})}
 	m.flights[ref] = f
 	m.mu.Unlock()
-	m.misses.Add(1)
+	// Waiters are released whatever happens, a panic that aborts the
+	// response included.
+	defer func() {
+		m.mu.Lock()
+		delete(m.flights, ref)
+		m.mu.Unlock()
+		if f.err == nil && f.digest == "" {
+			f.err = fmt.Errorf("%s: the mirror's copy could not be served", url)
+		}
+		close(f.done)
+	}()
 	var aborted bool
-	f.digest, f.err, aborted = m.fetch(w, r, url, want)
+	if d, err := m.cfg.Store.Refs().Get(ctx, ref); err == nil && m.serveBlob(w, r, d, ref) {
+		// Another flight stored it between the first look and this one.
+		m.hits.Add(1)
+		f.digest = d
+	} else {
+		m.misses.Add(1)
+		f.digest, f.err, aborted = m.fetch(w, r, url, want)
+	}
 	if f.err == nil {
 		if err := m.cfg.Store.Refs().Set(context.WithoutCancel(ctx), ref, f.digest); err != nil {
 			f.err = fmt.Errorf("keep %s: %w", url, err)
 		}
 	}
-	m.mu.Lock()
-	delete(m.flights, ref)
-	m.mu.Unlock()
-	close(f.done)
 	if aborted {
 		// The head went out: end the body short, so the client sees an
 		// error rather than a complete, wrong file.
@@ -384,8 +397,9 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 	}
 }
 
-// serveBlob answers with a stored blob; false if it cannot be opened.
-func (m *Mirror) serveBlob(w http.ResponseWriter, r *http.Request, digest string) bool {
+// serveBlob answers with a stored blob; false if it cannot be opened. A
+// blob found corrupt loses ref, so the next request fetches it again.
+func (m *Mirror) serveBlob(w http.ResponseWriter, r *http.Request, digest, ref string) bool {
 	ctx := r.Context()
 	desc, err := m.cfg.Store.Stat(ctx, digest)
 	if err != nil {
@@ -402,12 +416,37 @@ func (m *Mirror) serveBlob(w http.ResponseWriter, r *http.Request, digest string
 	if r.Method == http.MethodHead {
 		return true
 	}
-	n, err := io.Copy(w, rc)
-	m.served.Add(n)
-	if err != nil && errors.Is(err, blobstore.ErrDigestMismatch) {
-		// The store's copy is corrupt (it checks at EOF): end the
-		// response with an error rather than cleanly.
-		panic(http.ErrAbortHandler)
+	// The store checks the digest at EOF: the last chunk read goes out
+	// only once the next read said EOF, so a corrupt copy ends short.
+	a, b := make([]byte, 32<<10), make([]byte, 32<<10)
+	var held []byte
+	for {
+		n, err := rc.Read(a)
+		if n > 0 {
+			if held != nil {
+				if _, werr := w.Write(held); werr != nil {
+					return true
+				}
+				m.served.Add(int64(len(held)))
+			}
+			// held is the chunk just read; the next read goes into
+			// the other buffer.
+			held = a[:n]
+			a, b = b, a
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			if errors.Is(err, blobstore.ErrDigestMismatch) {
+				m.cfg.Store.Refs().Delete(context.WithoutCancel(ctx), ref)
+			}
+			// End the response with an error rather than cleanly.
+			panic(http.ErrAbortHandler)
+		}
+	}
+	if _, err := w.Write(held); err == nil {
+		m.served.Add(int64(len(held)))
 	}
 	return true
 }

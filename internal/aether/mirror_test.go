@@ -16,11 +16,13 @@ import (
 	"fmt"
 	"io"
 	"math/big"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -253,10 +255,13 @@ func (h *mirrorHarness) eventsFor(host string, n int) []Event {
 	}
 }
 
+// content is n pseudo-random bytes: no chunk of it repeats another, so a
+// chunk sent twice or out of order shows.
 func content(n int, seed byte) []byte {
+	r := mrand.New(mrand.NewPCG(uint64(seed), 1))
 	b := make([]byte, n)
 	for i := range b {
-		b[i] = byte(i*7) ^ seed
+		b[i] = byte(r.Uint32())
 	}
 	return b
 }
@@ -518,5 +523,42 @@ func TestMirrorApt(t *testing.T) {
 	ev := h.eventsFor("deb.debian.org", 4)
 	if len(ev) != 4 || !ev[0].Allowed || ev[0].Rule != "allow debian (mirror)" || ev[0].Addr != "mirror" {
 		t.Fatalf("events %+v", ev)
+	}
+}
+
+// A stored copy that no longer matches its digest is not served whole,
+// and the next request fetches the file again.
+func TestMirrorCorruptBlob(t *testing.T) {
+	up := newUpstream(t)
+	good, _ := pypiFixture(up)
+	h := newMirrorHarness(t, up, mustPolicy(t, []string{"pypi"}, nil))
+	wheel := "http://" + MirrorHost + "/pypi/files/sha256/" + hexSHA256(good) + "/packages/aa/demo-1.0-py3-none-any.whl"
+	if code, got, err := h.get(wheel); err != nil || code != 200 || string(got) != string(good) {
+		t.Fatalf("first: %d %v", code, err)
+	}
+	p, err := h.store.Path("sha256:" + hexSHA256(good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := append([]byte(nil), good...)
+	bad[len(bad)/2] ^= 0xff
+	if err := os.Chmod(p, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, bad, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := h.get(wheel); err == nil {
+		t.Fatal("a corrupt stored copy was served as a complete response")
+	}
+	if n := up.hitsOf("/packages/aa/demo-1.0-py3-none-any.whl"); n != 1 {
+		t.Fatalf("upstream asked %d times before the corruption showed", n)
+	}
+	// The ref was dropped: fetched again, and right.
+	if code, got, err := h.get(wheel); err != nil || code != 200 || string(got) != string(good) {
+		t.Fatalf("after corruption: %d %v", code, err)
+	}
+	if n := up.hitsOf("/packages/aa/demo-1.0-py3-none-any.whl"); n != 2 {
+		t.Fatalf("upstream asked %d times, want 2", n)
 	}
 }
