@@ -562,3 +562,42 @@ func TestMirrorCorruptBlob(t *testing.T) {
 		t.Fatalf("upstream asked %d times, want 2", n)
 	}
 }
+
+// A response the mirror is serving is cut when the policy stops allowing
+// its ecosystem, as an open tunnel is.
+func TestMirrorPolicyChange(t *testing.T) {
+	up := newUpstream(t)
+	good, _ := pypiFixture(up)
+	h := newMirrorHarness(t, up, mustPolicy(t, []string{"pypi"}, nil))
+	up.gate = make(chan struct{})
+	wheel := "http://" + MirrorHost + "/pypi/files/sha256/" + hexSHA256(good) + "/packages/aa/demo-1.0-py3-none-any.whl"
+	res := make(chan error, 1)
+	go func() {
+		_, _, err := h.get(wheel)
+		res <- err
+	}()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		h.m.mu.Lock()
+		n := len(h.m.flights)
+		h.m.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the download never started")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if n := h.sb.SetPolicy(mustPolicy(t, nil, []string{"pypi"})); n != 1 {
+		t.Fatalf("SetPolicy closed %d connections, want the mirror's 1", n)
+	}
+	if err := <-res; err == nil {
+		t.Fatal("the download went on after the policy denied pypi")
+	}
+	close(up.gate)
+	ev := h.eventsFor(MirrorHost, 1)
+	if len(ev) != 1 || ev[0].Ended != "policy changed: deny pypi" {
+		t.Fatalf("events %+v", ev)
+	}
+}

@@ -39,6 +39,8 @@ func (sb *Sandbox) serveMirror(ctx context.Context, c Conn, req *http.Request, q
 			return true
 		}
 		ev.Rule = d.Rule + " (mirror)"
+		// What a policy change re-decides while the response goes out.
+		q = Request{Host: Ecosystems[eco].Hosts[0], Port: 443, Method: q.Method}
 	case host == "deb.debian.org" && q.Port == 80 && strings.HasPrefix(path, "/debian/") &&
 		(req.Method == http.MethodGet || req.Method == http.MethodHead):
 		d := sb.Policy().Decide(q)
@@ -49,6 +51,12 @@ func (sb *Sandbox) serveMirror(ctx context.Context, c Conn, req *http.Request, q
 	default:
 		return false
 	}
+	t := &tunnel{q: q, client: c}
+	if !sb.add(t) {
+		deny(http.StatusServiceUnavailable, "sandbox closed")
+		return true
+	}
+	defer sb.remove(t)
 	ev.Allowed = true
 	ev.Addr = "mirror"
 	req.Host = MirrorHost
@@ -69,6 +77,11 @@ func (sb *Sandbox) serveMirror(ctx context.Context, c Conn, req *http.Request, q
 		rw.WriteHeader(http.StatusOK)
 	}
 	ev.BytesIn = rw.n
+	sb.mu.Lock()
+	if t.ended != "" {
+		ev.Ended = t.ended
+	}
+	sb.mu.Unlock()
 	if rw.status >= 400 && ev.Ended == "" {
 		ev.Ended = "mirror answered " + strconv.Itoa(rw.status)
 	}

@@ -131,8 +131,16 @@ type Sandbox struct {
 type tunnel struct {
 	q      Request
 	client Conn
-	up     net.Conn
+	up     net.Conn // nil when the mirror serves it
 	ended  string // set under Sandbox.mu when the policy closed it
+}
+
+// close ends both sides; a request the mirror serves has no upstream.
+func (t *tunnel) close() {
+	t.client.Close()
+	if t.up != nil {
+		t.up.Close()
+	}
 }
 
 // Sandbox starts tracking a sandbox's egress under policy.
@@ -162,8 +170,7 @@ func (sb *Sandbox) SetPolicy(p Policy) int {
 	}
 	sb.mu.Unlock()
 	for _, t := range drop {
-		t.client.Close()
-		t.up.Close()
+		t.close()
 	}
 	return len(drop)
 }
@@ -179,8 +186,7 @@ func (sb *Sandbox) Close() {
 	}
 	sb.mu.Unlock()
 	for t := range conns {
-		t.client.Close()
-		t.up.Close()
+		t.close()
 	}
 }
 
