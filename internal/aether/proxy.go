@@ -132,7 +132,7 @@ type tunnel struct {
 	q      Request
 	client Conn
 	up     net.Conn // nil when the mirror serves it
-	ended  string // set under Sandbox.mu when the policy closed it
+	ended  string   // set under Sandbox.mu when the policy closed it
 }
 
 // close ends both sides; a request the mirror serves has no upstream.
