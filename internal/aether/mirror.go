@@ -337,11 +337,8 @@ func refName(url string, want *check) string {
 func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url string, want *check) {
 	ctx := r.Context()
 	ref := refName(url, want)
-	if d, err := m.cfg.Store.Refs().Get(ctx, ref); err == nil {
-		if m.serveBlob(w, r, d, ref) {
-			m.hits.Add(1)
-			return
-		}
+	if d, err := m.cfg.Store.Refs().Get(ctx, ref); err == nil && m.serveBlob(w, r, d, ref) {
+		return
 	}
 	m.mu.Lock()
 	if f, ok := m.flights[ref]; ok {
@@ -356,7 +353,6 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 			http.Error(w, "dsec mirror: "+f.err.Error(), http.StatusBadGateway)
 			return
 		}
-		m.hits.Add(1)
 		if !m.serveBlob(w, r, f.digest, ref) {
 			http.Error(w, "dsec mirror: "+url+" was fetched but its blob is gone", http.StatusBadGateway)
 		}
@@ -365,32 +361,38 @@ func (m *Mirror) serveArtifact(w http.ResponseWriter, r *http.Request, url strin
 	f := &flight{done: make(chan struct{})}
 	m.flights[ref] = f
 	m.mu.Unlock()
-	// Waiters are released whatever happens, a panic that aborts the
-	// response included.
-	defer func() {
-		m.mu.Lock()
-		delete(m.flights, ref)
-		m.mu.Unlock()
-		if f.err == nil && f.digest == "" {
-			f.err = fmt.Errorf("%s: the mirror's copy could not be served", url)
-		}
-		close(f.done)
-	}()
-	var aborted bool
-	if d, err := m.cfg.Store.Refs().Get(ctx, ref); err == nil && m.serveBlob(w, r, d, ref) {
+	// finish records the outcome, keeps the ref and releases the waiters:
+	// before the first requester's last bytes go out (so that whatever it
+	// does next finds the ref, not the flight), and in any case, a panic
+	// that aborts the response included.
+	var once sync.Once
+	finish := func(digest string, err error) {
+		once.Do(func() {
+			if err == nil && digest == "" {
+				err = fmt.Errorf("%s: the mirror's copy could not be served", url)
+			}
+			if err == nil {
+				if serr := m.cfg.Store.Refs().Set(context.WithoutCancel(ctx), ref, digest); serr != nil {
+					err = fmt.Errorf("keep %s: %w", url, serr)
+				}
+			}
+			f.digest, f.err = digest, err
+			m.mu.Lock()
+			delete(m.flights, ref)
+			m.mu.Unlock()
+			close(f.done)
+		})
+	}
+	defer finish("", nil)
+	if d, err := m.cfg.Store.Refs().Get(ctx, ref); err == nil {
 		// Another flight stored it between the first look and this one.
-		m.hits.Add(1)
-		f.digest = d
-	} else {
-		m.misses.Add(1)
-		f.digest, f.err, aborted = m.fetch(w, r, url, want)
-	}
-	if f.err == nil {
-		if err := m.cfg.Store.Refs().Set(context.WithoutCancel(ctx), ref, f.digest); err != nil {
-			f.err = fmt.Errorf("keep %s: %w", url, err)
+		finish(d, nil)
+		if m.serveBlob(w, r, d, ref) {
+			return
 		}
 	}
-	if aborted {
+	m.misses.Add(1)
+	if aborted := m.fetch(w, r, url, want, finish); aborted {
 		// The head went out: end the body short, so the client sees an
 		// error rather than a complete, wrong file.
 		panic(http.ErrAbortHandler)
@@ -410,6 +412,9 @@ func (m *Mirror) serveBlob(w http.ResponseWriter, r *http.Request, digest, ref s
 		return false
 	}
 	defer rc.Close()
+	// Counted before the response goes out: a client that has its
+	// answer finds the counters up to date.
+	m.hits.Add(1)
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Content-Length", strconv.FormatInt(desc.Size, 10))
 	w.WriteHeader(http.StatusOK)
@@ -424,10 +429,9 @@ func (m *Mirror) serveBlob(w http.ResponseWriter, r *http.Request, digest, ref s
 		n, err := rc.Read(a)
 		if n > 0 {
 			if held != nil {
-				if _, werr := w.Write(held); werr != nil {
+				if m.write(w, held) != nil {
 					return true
 				}
-				m.served.Add(int64(len(held)))
 			}
 			// held is the chunk just read; the next read goes into
 			// the other buffer.
@@ -439,36 +443,50 @@ func (m *Mirror) serveBlob(w http.ResponseWriter, r *http.Request, digest, ref s
 		}
 		if err != nil {
 			if errors.Is(err, blobstore.ErrDigestMismatch) {
+				// Drop the ref and the blob (Put keeps a blob already
+				// there): the next request fetches a good copy.
 				m.cfg.Store.Refs().Delete(context.WithoutCancel(ctx), ref)
+				m.cfg.Store.Delete(context.WithoutCancel(ctx), digest)
 			}
 			// End the response with an error rather than cleanly.
 			panic(http.ErrAbortHandler)
 		}
 	}
-	if _, err := w.Write(held); err == nil {
-		m.served.Add(int64(len(held)))
-	}
+	m.write(w, held)
 	return true
+}
+
+// write sends p to a client, counted as served before it goes (a client
+// that has its answer finds the counters up to date).
+func (m *Mirror) write(w io.Writer, p []byte) error {
+	m.served.Add(int64(len(p)))
+	n, err := w.Write(p)
+	if n < len(p) {
+		m.served.Add(int64(n - len(p)))
+	}
+	return err
 }
 
 // fetch downloads url into the blob store, streaming it to w as it
 // arrives, all but the last holdBack bytes until it matched want. It goes
-// on when the client leaves (others may be waiting for it). It returns
-// the blob's digest, or why nothing was stored (after which w's response
-// must be aborted if aborted is set).
-func (m *Mirror) fetch(w http.ResponseWriter, r *http.Request, url string, want *check) (digest string, err error, aborted bool) {
+// on when the client leaves (others may be waiting for it). It calls
+// finish with the blob's digest, or why nothing was stored, before the
+// last bytes go out; w's response must be aborted if it returns true.
+func (m *Mirror) fetch(w http.ResponseWriter, r *http.Request, url string, want *check, finish func(string, error)) (aborted bool) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), fetchTimeout)
 	defer cancel()
-	req, rqerr := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err = rqerr; err != nil {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		finish("", err)
 		http.Error(w, "dsec mirror: "+err.Error(), http.StatusBadRequest)
-		return "", err, false
+		return false
 	}
 	resp, err := m.client.Do(req)
 	if err != nil {
 		err = fmt.Errorf("fetch %s: %w", url, err)
+		finish("", err)
 		http.Error(w, "dsec mirror: "+err.Error(), http.StatusBadGateway)
-		return "", err, false
+		return false
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
@@ -477,8 +495,9 @@ func (m *Mirror) fetch(w http.ResponseWriter, r *http.Request, url string, want 
 		if resp.StatusCode == http.StatusNotFound {
 			status = http.StatusNotFound
 		}
+		finish("", err)
 		http.Error(w, "dsec mirror: "+err.Error(), status)
-		return "", err, false
+		return false
 	}
 
 	// Upstream → (hash, blob store, client). The store gets it through a
@@ -523,12 +542,8 @@ func (m *Mirror) fetch(w http.ResponseWriter, r *http.Request, url string, want 
 			held = append(held, buf[:n]...)
 			if len(held) > holdBack {
 				send := held[:len(held)-holdBack]
-				if client {
-					if _, werr := w.Write(send); werr != nil {
-						client = false
-					} else {
-						m.served.Add(int64(len(send)))
-					}
+				if client && m.write(w, send) != nil {
+					client = false
 				}
 				held = append(held[:0], held[len(send):]...)
 			}
@@ -551,20 +566,21 @@ func (m *Mirror) fetch(w http.ResponseWriter, r *http.Request, url string, want 
 	if rerr != nil {
 		pw.CloseWithError(rerr)
 		<-stored
-		return "", rerr, r.Method != http.MethodHead
+		finish("", rerr)
+		return r.Method != http.MethodHead
 	}
 	pw.Close()
 	p := <-stored
 	if p.err != nil {
 		err := fmt.Errorf("store %s: %w", url, p.err)
-		return "", err, r.Method != http.MethodHead
+		finish("", err)
+		return r.Method != http.MethodHead
 	}
+	finish(p.d.Digest, nil)
 	if client {
-		if _, err := w.Write(held); err == nil {
-			m.served.Add(int64(len(held)))
-		}
+		m.write(w, held)
 	}
-	return p.d.Digest, nil, false
+	return false
 }
 
 // servePage serves an index page from memory while it is fresh, else
@@ -726,8 +742,7 @@ func (m *Mirror) writePage(w http.ResponseWriter, r *http.Request, p *page) {
 	if r.Method == http.MethodHead {
 		return
 	}
-	n, _ := w.Write(p.body)
-	m.served.Add(int64(n))
+	m.write(w, p.body)
 }
 
 // mirrorBase is how rewritten links name the mirror: sandboxes reach it
