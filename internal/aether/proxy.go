@@ -84,6 +84,10 @@ type Config struct {
 	MaxConns    int
 	// Record receives every decision; it must not block for long.
 	Record func(sandbox string, e Event)
+	// Mirror, if set, answers plain-HTTP requests for MirrorHost (and
+	// apt's for deb.debian.org/debian/) without dialing, for the
+	// ecosystems a sandbox's policy allows (mirrorserve.go).
+	Mirror *Mirror
 }
 
 // Proxy is the edge's half of egress, shared by all of its sandboxes.
@@ -127,8 +131,16 @@ type Sandbox struct {
 type tunnel struct {
 	q      Request
 	client Conn
-	up     net.Conn
-	ended  string // set under Sandbox.mu when the policy closed it
+	up     net.Conn // nil when the mirror serves it
+	ended  string   // set under Sandbox.mu when the policy closed it
+}
+
+// close ends both sides; a request the mirror serves has no upstream.
+func (t *tunnel) close() {
+	t.client.Close()
+	if t.up != nil {
+		t.up.Close()
+	}
 }
 
 // Sandbox starts tracking a sandbox's egress under policy.
@@ -158,8 +170,7 @@ func (sb *Sandbox) SetPolicy(p Policy) int {
 	}
 	sb.mu.Unlock()
 	for _, t := range drop {
-		t.client.Close()
-		t.up.Close()
+		t.close()
 	}
 	return len(drop)
 }
@@ -175,8 +186,7 @@ func (sb *Sandbox) Close() {
 	}
 	sb.mu.Unlock()
 	for t := range conns {
-		t.client.Close()
-		t.up.Close()
+		t.close()
 	}
 }
 
@@ -255,6 +265,11 @@ func (sb *Sandbox) Serve(ctx context.Context, c Conn) {
 		sb.record(ev)
 	}
 
+	if sb.p.cfg.Mirror != nil && req.Method != http.MethodConnect {
+		if done := sb.serveMirror(ctx, c, req, q, &ev, deny); done {
+			return
+		}
+	}
 	d := sb.Policy().Decide(q)
 	if !d.Allowed {
 		deny(http.StatusForbidden, d.Rule)

@@ -137,6 +137,12 @@ type Config struct {
 	// Hosts answers the egress proxy's lookups before DNS (`--hosts FILE`,
 	// aether.LoadHosts): its addresses may be loopback or private.
 	Hosts map[string][]netip.Addr
+	// Mirror configures the node's package mirror (aether.Mirror; its
+	// Store and Resolver are filled in: the edge's blob store and the
+	// egress resolver). NoMirror turns it off: sandboxes reach package
+	// upstreams directly through the proxy only.
+	Mirror   aether.MirrorConfig
+	NoMirror bool
 	// NoTrajectory turns the trajectory log off: no records, no
 	// fast-forward (operations that carry a seq are refused). For
 	// measuring the log's overhead.
@@ -195,6 +201,9 @@ type Edge struct {
 	// aether decides sandboxes' outward connections (egress.go); nil
 	// with Config.NoEgress.
 	aether *aether.Proxy
+	// mirror is the node's package mirror the proxy serves (egress.go);
+	// nil with Config.NoEgress or NoMirror.
+	mirror *aether.Mirror
 	// usagePass and usagePassCPU are how long the last pass reading every
 	// sandbox's usage took and the CPU time it spent, in nanoseconds
 	// (sandboxusage.go).
@@ -392,7 +401,8 @@ func New(cfg Config) (*Edge, error) {
 	}
 	e.recyclers = recyclersOf(e)
 	if !cfg.NoEgress {
-		e.aether = aether.New(aether.Config{Resolver: aether.NewResolver(cfg.Hosts), Record: e.recordEgress})
+		res := aether.NewResolver(cfg.Hosts)
+		e.aether = aether.New(aether.Config{Resolver: res, Record: e.recordEgress, Mirror: e.newMirror(res)})
 	}
 	e.state.meters = map[runtime.Kind]runtime.UsageReporter{}
 	for kind, b := range cfg.Backends {

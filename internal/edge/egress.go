@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
 
 	dsecv1 "github.com/dsec-dev/dsec/api/dsec/v1"
@@ -80,17 +81,61 @@ func (e *Edge) stopEgress(sb *sandbox) {
 	}
 }
 
-// proxyEnv is what every exec in rs gets for its tools to use the proxy.
-func (e *Edge) proxyEnv(rs runtime.Sandbox, env []string) []string {
+// proxyEnv is what every exec in rs gets for its tools to use the proxy,
+// and, for the ecosystems sb's policy allows when the exec starts, the
+// node's mirror (aether.MirrorEnv: pip's index, npm's registry).
+func (e *Edge) proxyEnv(sb *sandbox, rs runtime.Sandbox, env []string) []string {
 	if e.aether == nil {
 		return env
 	}
 	if _, ok := rs.(runtime.Egress); !ok {
 		return env
 	}
+	pre := aether.ProxyEnv()
+	if e.mirror != nil {
+		e.mu.Lock()
+		s := sb.spec
+		e.mu.Unlock()
+		pre = append(pre, aether.MirrorEnv(policyOf(s))...)
+	}
 	// The request's own entries come after: the agent takes the last of a
 	// key, so a caller may still set its own.
-	return append(aether.ProxyEnv(), env...)
+	return append(pre, env...)
+}
+
+// newMirror makes the node's package mirror over its blob store, naming
+// upstreams through res, with its counters in the edge's metrics; nil
+// with Config.NoMirror.
+func (e *Edge) newMirror(res *aether.Resolver) *aether.Mirror {
+	if e.cfg.NoMirror {
+		return nil
+	}
+	mc := e.cfg.Mirror
+	mc.Store, mc.Resolver = e.cfg.Store, res
+	m := aether.NewMirror(mc)
+	stat := func(f func(aether.MirrorStats) int64) func() float64 {
+		return func() float64 { return float64(f(m.Stats())) }
+	}
+	for _, c := range []prometheus.Collector{
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "dsec_edge_mirror_hits_total",
+			Help: "Package mirror requests served from the blob store or the index cache (including those that waited for another's fetch)."},
+			stat(func(s aether.MirrorStats) int64 { return s.Hits })),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "dsec_edge_mirror_misses_total",
+			Help: "Package mirror requests that fetched upstream."},
+			stat(func(s aether.MirrorStats) int64 { return s.Misses })),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "dsec_edge_mirror_served_bytes_total",
+			Help: "Bytes the package mirror served to sandboxes."},
+			stat(func(s aether.MirrorStats) int64 { return s.BytesServed })),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "dsec_edge_mirror_upstream_bytes_total",
+			Help: "Bytes the package mirror fetched from upstreams."},
+			stat(func(s aether.MirrorStats) int64 { return s.BytesUpstream })),
+	} {
+		if err := e.cfg.Registry.Register(c); err != nil {
+			e.log.Warn("register mirror metrics", "err", err)
+		}
+	}
+	e.mirror = m
+	return m
 }
 
 // recordEgress puts one decision on the sandbox's trajectory and in metrics.

@@ -374,7 +374,7 @@ func (e *Edge) runExec(ctx context.Context, sb *sandbox, rreq runtime.ExecReques
 		return nil, err
 	}
 	start := time.Now()
-	rreq.Env = e.proxyEnv(rs, rreq.Env)
+	rreq.Env = e.proxyEnv(sb, rs, rreq.Env)
 	res, err := rs.Exec(ctx, rreq, out)
 	e.metrics.execSeconds.WithLabelValues(string(sb.kind)).Observe(time.Since(start).Seconds())
 	if err = e.end(sb, rs, err); err != nil {
