@@ -86,6 +86,9 @@ type FS struct {
 	ctx    context.Context // cancelled by Close: readahead and recording stop
 	stop   context.CancelFunc
 
+	closeOnce sync.Once
+	closeErr  error
+
 	mu     sync.Mutex
 	layers map[string]*layerFile
 	// opening serialises opens of one layer (index, metadata fetch).
@@ -205,6 +208,11 @@ func (f *FS) Stats() Stats {
 // files that EROFS mounts still hold keep the FUSE mount busy: it is then
 // detached, and their readers get errors.
 func (f *FS) Close() error {
+	f.closeOnce.Do(func() { f.closeErr = f.close() })
+	return f.closeErr
+}
+
+func (f *FS) close() error {
 	f.mu.Lock()
 	ls := make([]*layerFile, 0, len(f.layers))
 	for _, l := range f.layers {
