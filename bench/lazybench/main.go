@@ -40,7 +40,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/dsec-dev/dsec/internal/blobstore"
@@ -94,8 +93,8 @@ func main() {
 	must(err)
 	idx, err := layer.LoadChunkIndex(ctx, direct, desc.Digest, desc.Size)
 	must(err)
-	fmt.Printf("image: %s, one EROFS layer of %s (%d chunks of 1 MiB, %d of metadata), built and stored in %s\n",
-		*rootfs, mib(desc.Size), idx.Chunks(), len(idx.Meta), time.Since(t0).Round(time.Second))
+	fmt.Printf("image: %s, one EROFS layer of %s (%d chunks of 1 MiB; metadata %s in %d extents), built and stored in %s\n",
+		*rootfs, mib(desc.Size), idx.Chunks(), mib(idx.MetaBytes()), len(idx.Meta), time.Since(t0).Round(time.Second))
 	fmt.Printf("store: SeaweedFS weed mini on loopback behind a proxy limited to %.0f Mbit/s (all connections together)\n", *mbit)
 	fmt.Printf("burst: %d creates at once on a fresh node; first exec = chroot /bin/true, useful = python3 -c '%s'\n\n", *burst, pyCmd)
 	fmt.Printf("%-14s %10s %10s %10s %10s %12s %12s %8s %8s %12s\n",
@@ -215,10 +214,14 @@ func coldPython(root, digest string, file func() (string, error)) time.Duration 
 	return time.Since(t)
 }
 
+// run runs argv chrooted into root through the host's chroot(8), not
+// SysProcAttr.Chroot: Go forks with vfork and the forking thread keeps its
+// P until the child has exec'd, so a child exec'ing a binary from a lazy
+// layer this process serves would, with GOMAXPROCS such forks at once,
+// leave no P to serve the FUSE reads that exec waits for. The edge never
+// does that: the sandboxes' own processes exec from layers, not the edge.
 func run(root string, argv ...string) {
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: root}
-	cmd.Dir = "/"
+	cmd := exec.Command("/usr/sbin/chroot", append([]string{root}, argv...)...)
 	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"}
 	if out, err := cmd.CombinedOutput(); err != nil {
 		log.Fatalf("chroot %s %v: %v: %s", root, argv, err, out)

@@ -27,15 +27,33 @@ const chunkMagic = "DSECCHK1"
 // ChunkIndex is the digest list stored beside a layer: the sha256 of every
 // ChunkSize piece of the layer file (the last one shorter), so that a
 // loader reading ranges, which cannot check the whole blob's digest, can
-// check each piece it fetches. Meta lists the chunks that hold EROFS
-// metadata (superblock, inodes, directories, xattrs, symlinks: everything
-// but regular files' data blocks), which a loader fetches before the mount.
+// check each piece it fetches. Meta lists the extents of the file that
+// hold EROFS metadata (superblock, inodes, directories, xattrs, symlinks:
+// everything but regular files' data blocks), each with its own sha256, so
+// that a loader can fetch them before the mount without the data chunks
+// around them: in a 915 MiB Debian image 2 MiB of metadata is spread over
+// 210 of its 1 MiB chunks.
 type ChunkIndex struct {
 	Layer     string // the layer's digest (not stored in the blob)
 	Size      int64
 	ChunkSize int64
 	Sums      [][sha256.Size]byte
-	Meta      []uint32
+	Meta      []Extent
+}
+
+// Extent is a byte range of a layer file and the sha256 of its bytes.
+type Extent struct {
+	Off, Len int64
+	Sum      [sha256.Size]byte
+}
+
+// MetaBytes returns the bytes of all metadata extents.
+func (x *ChunkIndex) MetaBytes() int64 {
+	var n int64
+	for _, e := range x.Meta {
+		n += e.Len
+	}
+	return n
 }
 
 // ChunkRef is the ref naming the chunk index of the layer digest.
@@ -60,7 +78,7 @@ func (x *ChunkIndex) Extent(i int) (off, n int64) {
 }
 
 // MarshalBinary encodes the index: magic, chunk size, layer size, counts,
-// the metadata chunk numbers, then the raw sums.
+// the metadata extents (offset, length, sum), then the chunks' raw sums.
 func (x *ChunkIndex) MarshalBinary() ([]byte, error) {
 	var b bytes.Buffer
 	b.WriteString(chunkMagic)
@@ -71,7 +89,9 @@ func (x *ChunkIndex) MarshalBinary() ([]byte, error) {
 	binary.LittleEndian.PutUint32(hdr[16:], uint32(len(x.Meta)))
 	b.Write(hdr[:])
 	for _, m := range x.Meta {
-		b.Write(binary.LittleEndian.AppendUint32(nil, m))
+		b.Write(binary.LittleEndian.AppendUint64(nil, uint64(m.Off)))
+		b.Write(binary.LittleEndian.AppendUint64(nil, uint64(m.Len)))
+		b.Write(m.Sum[:])
 	}
 	for _, s := range x.Sums {
 		b.Write(s[:])
@@ -99,17 +119,20 @@ func ParseChunkIndex(layerDigest string, b []byte) (*ChunkIndex, error) {
 	if x.ChunkSize <= 0 || x.Size < 0 || n != (x.Size+x.ChunkSize-1)/x.ChunkSize {
 		return bad("sizes disagree")
 	}
-	if int64(len(rest)) != nm*4+n*sha256.Size {
+	const extentSize = 16 + sha256.Size
+	if int64(len(rest)) != nm*extentSize+n*sha256.Size {
 		return bad("wrong length")
 	}
 	for i := range nm {
-		m := binary.LittleEndian.Uint32(rest[i*4:])
-		if int64(m) >= n {
-			return bad("metadata chunk out of range")
+		r := rest[i*extentSize:]
+		e := Extent{Off: int64(binary.LittleEndian.Uint64(r)), Len: int64(binary.LittleEndian.Uint64(r[8:]))}
+		copy(e.Sum[:], r[16:])
+		if e.Off < 0 || e.Len <= 0 || e.Off+e.Len > x.Size || (i > 0 && e.Off < x.Meta[i-1].Off+x.Meta[i-1].Len) {
+			return bad("metadata extent out of range or order")
 		}
-		x.Meta = append(x.Meta, m)
+		x.Meta = append(x.Meta, e)
 	}
-	rest = rest[nm*4:]
+	rest = rest[nm*extentSize:]
 	x.Sums = make([][sha256.Size]byte, n)
 	for i := range x.Sums {
 		copy(x.Sums[i][:], rest[i*sha256.Size:])
@@ -119,8 +142,8 @@ func ParseChunkIndex(layerDigest string, b []byte) (*ChunkIndex, error) {
 
 // IndexFile computes the chunk index of the EROFS file at path. A file
 // whose metadata cannot be walked (not EROFS, a layout this walker does
-// not know) gets every chunk listed as metadata: the loader then fetches
-// it all up front, correct if not lazy.
+// not know) gets the whole file as one metadata extent: the loader then
+// fetches it all up front, correct if not lazy.
 func IndexFile(path string) (*ChunkIndex, error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -140,12 +163,16 @@ func IndexFile(path string) (*ChunkIndex, error) {
 		}
 		x.Sums = append(x.Sums, sha256.Sum256(buf[:n]))
 	}
-	if meta, err := erofsMetaChunks(f, x.Size, ChunkSize); err == nil {
-		x.Meta = meta
-	} else {
-		for i := range x.Sums {
-			x.Meta = append(x.Meta, uint32(i))
+	runs, err := erofsMetaRuns(f, x.Size)
+	if err != nil {
+		runs = [][2]int64{{0, x.Size}}
+	}
+	for _, r := range runs {
+		b := make([]byte, r[1])
+		if _, err := f.ReadAt(b, r[0]); err != nil {
+			return nil, fmt.Errorf("index %s: %w", path, err)
 		}
+		x.Meta = append(x.Meta, Extent{Off: r[0], Len: r[1], Sum: sha256.Sum256(b)})
 	}
 	return x, nil
 }
@@ -204,9 +231,10 @@ const (
 	ftypeDir        = 2
 )
 
-// erofsMetaChunks walks the directory tree of the EROFS image in r and
-// returns the chunks holding anything but regular-file data blocks.
-func erofsMetaChunks(r io.ReaderAt, size, chunk int64) ([]uint32, error) {
+// erofsMetaRuns walks the directory tree of the EROFS image in r and
+// returns the byte ranges (offset, length) holding anything but
+// regular-file data blocks.
+func erofsMetaRuns(r io.ReaderAt, size int64) ([][2]int64, error) {
 	sb := make([]byte, 128)
 	if _, err := r.ReadAt(sb, sbOffset); err != nil {
 		return nil, err
@@ -344,15 +372,24 @@ func erofsMetaChunks(r io.ReaderAt, size, chunk int64) ([]uint32, error) {
 	if err := walk(uint64(binary.LittleEndian.Uint16(sb[sbOffRootNid:])), 0); err != nil {
 		return nil, err
 	}
-	var meta []uint32
-	perChunk := chunk / blksz
-	for c := int64(0); c*chunk < size; c++ {
-		for b := c * perChunk; b < min((c+1)*perChunk, nblocks); b++ {
-			if !data[b] {
-				meta = append(meta, uint32(c))
-				break
-			}
+	// Runs of blocks that are not file data, merged across gaps of up to
+	// metaGap blocks: one range read for a few extra KiB beats two.
+	const metaGap = 8
+	var runs [][2]int64
+	for b := int64(0); b < nblocks; b++ {
+		if data[b] {
+			continue
 		}
+		start := b
+		for b+1 < nblocks && !data[b+1] {
+			b++
+		}
+		off, end := start*blksz, min((b+1)*blksz, size)
+		if n := len(runs); n > 0 && off-(runs[n-1][0]+runs[n-1][1]) <= metaGap*blksz {
+			runs[n-1][1] = end - runs[n-1][0]
+			continue
+		}
+		runs = append(runs, [2]int64{off, end - off})
 	}
-	return meta, nil
+	return runs, nil
 }

@@ -50,10 +50,17 @@ func TestBuildStoresChunkIndex(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, sha256.Sum256(b), x.Sums[i], "chunk %d", i)
 	}
-	// 12 MiB of file data, a few KiB of metadata: the superblock's chunk is
-	// metadata, and most chunks are not.
-	require.Contains(t, x.Meta, uint32(0))
-	require.Less(t, len(x.Meta), x.Chunks()/2, "metadata chunks %v of %d", x.Meta, x.Chunks())
+	// 12 MiB of file data, a few KiB of metadata: the superblock is in the
+	// first extent, the extents are small, and their sums are right.
+	require.NotEmpty(t, x.Meta)
+	require.Zero(t, x.Meta[0].Off)
+	require.Less(t, x.MetaBytes(), int64(256<<10), "metadata extents %v", x.Meta)
+	for _, m := range x.Meta {
+		b := make([]byte, m.Len)
+		_, err := f.ReadAt(b, m.Off)
+		require.NoError(t, err)
+		require.Equal(t, sha256.Sum256(b), m.Sum)
+	}
 
 	// A layer of one chunk or less has none: it is fetched whole.
 	small := t.TempDir()

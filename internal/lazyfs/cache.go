@@ -134,19 +134,19 @@ func (c *chunkCache) has(k chunkKey) bool {
 	return ok
 }
 
-// get returns chunk i of layer l, fetching it once however many callers
-// ask at the same time. The fetch runs on a context of its own (bounded by
-// the fetcher's deadlines and retries), so one reader that gives up does
-// not fail the others; ctx bounds only this caller's wait.
-func (c *chunkCache) get(ctx context.Context, l *layerFile, i int) ([]byte, error) {
-	k := chunkKey(l.index.Sums[i])
+// get returns the piece k (a chunk or a metadata extent), fetching it
+// with fetch once however many callers ask at the same time. The fetch
+// runs on its own goroutine (bounded by the fetcher's deadlines and
+// retries), so one reader that gives up does not fail the others; ctx
+// bounds only this caller's wait.
+func (c *chunkCache) get(ctx context.Context, k chunkKey, fetch func() ([]byte, error)) ([]byte, error) {
 	c.mu.Lock()
 	cl, ok := c.inflight[k]
 	if !ok {
 		cl = &call{done: make(chan struct{})}
 		c.inflight[k] = cl
 		go func() {
-			cl.data, cl.err = l.fs.fetchChunk(l, i)
+			cl.data, cl.err = fetch()
 			if cl.err == nil {
 				cl.err = c.place(k, cl.data)
 			}

@@ -30,6 +30,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -297,9 +298,12 @@ func (f *FS) open(ctx context.Context, digest string, size int64) (*layerFile, e
 	}
 	l.recording = prefetch == nil
 	// Metadata first: the mount reads the superblock, and every lookup
-	// reads inodes and directories; fetched together now, not one chunk
-	// per lookup later.
-	if err := f.fetchAll(ctx, l, idx.Meta); err != nil {
+	// reads inodes and directories; fetched together now (the extents
+	// alone, not the chunks around them), not one at a time later.
+	if err := f.fetchAll(ctx, len(idx.Meta), func(i int) error {
+		_, err := l.meta(ctx, i)
+		return err
+	}); err != nil {
 		return nil, err
 	}
 	f.mu.Lock()
@@ -310,14 +314,21 @@ func (f *FS) open(ctx context.Context, digest string, size int64) (*layerFile, e
 	child := f.root.NewPersistentInode(context.Background(), node, fs.StableAttr{Mode: syscall.S_IFREG, Ino: ino})
 	f.root.AddChild(strings.TrimPrefix(digest, "sha256:"), child, true)
 	if len(prefetch) > 0 {
-		go f.fetchAll(f.ctx, l, prefetch)
+		go f.fetchAll(f.ctx, len(prefetch), func(i int) error {
+			c := int(prefetch[i])
+			if f.cache.has(chunkKey(idx.Sums[c])) {
+				return nil
+			}
+			_, err := l.chunk(f.ctx, c)
+			return err
+		})
 	}
 	return l, nil
 }
 
-// fetchAll makes sure the chunks are cached, opts.Readahead at a time, in
-// order of the list.
-func (f *FS) fetchAll(ctx context.Context, l *layerFile, chunks []uint32) error {
+// fetchAll runs item(0..n-1), opts.Readahead at a time, in order, and
+// stops at the first error, which it returns.
+func (f *FS) fetchAll(ctx context.Context, n int, item func(i int) error) error {
 	var (
 		mu    sync.Mutex
 		first error
@@ -329,13 +340,13 @@ func (f *FS) fetchAll(ctx context.Context, l *layerFile, chunks []uint32) error 
 	}
 	work := make(chan int)
 	var wg sync.WaitGroup
-	for range min(f.opts.Readahead, max(len(chunks), 1)) {
+	for range min(f.opts.Readahead, max(n, 1)) {
 		wg.Go(func() {
 			for i := range work {
-				if failed() || f.cache.has(chunkKey(l.index.Sums[i])) {
+				if failed() {
 					continue
 				}
-				if _, err := f.cache.get(ctx, l, i); err != nil {
+				if err := item(i); err != nil {
 					mu.Lock()
 					if first == nil {
 						first = err
@@ -346,12 +357,12 @@ func (f *FS) fetchAll(ctx context.Context, l *layerFile, chunks []uint32) error 
 		})
 	}
 feed:
-	for _, c := range chunks {
+	for i := range n {
 		if failed() {
 			break
 		}
 		select {
-		case work <- int(c):
+		case work <- i:
 		case <-ctx.Done():
 			break feed
 		}
@@ -362,22 +373,21 @@ feed:
 		return first
 	}
 	if err := ctx.Err(); err != nil {
-		return fail.New(fail.Unavailable, fmt.Errorf("lazy layer %s: %w", l.digest, err))
+		return fail.New(fail.Unavailable, err)
 	}
 	return nil
 }
 
-// fetchChunk reads chunk i of l from the store and verifies it, retrying
-// failed reads with a deadline on each attempt.
-func (f *FS) fetchChunk(l *layerFile, i int) ([]byte, error) {
-	off, n := l.index.Extent(i)
+// fetchRange reads n bytes at off of l from the store and checks them
+// against sum, retrying failed reads with a deadline on each attempt.
+func (f *FS) fetchRange(l *layerFile, off, n int64, sum chunkKey, what string) ([]byte, error) {
 	var last error
 	for attempt := range f.opts.Attempts {
 		if attempt > 0 {
 			select {
 			case <-time.After(time.Duration(100<<attempt) * time.Millisecond):
 			case <-f.ctx.Done():
-				return nil, fail.New(fail.Unavailable, fmt.Errorf("chunk %d of layer %s: %w", i, l.digest, f.ctx.Err()))
+				return nil, fail.New(fail.Unavailable, fmt.Errorf("%s of layer %s: %w", what, l.digest, f.ctx.Err()))
 			}
 		}
 		ctx, cancel := context.WithTimeout(f.ctx, f.opts.FetchTimeout)
@@ -391,14 +401,14 @@ func (f *FS) fetchChunk(l *layerFile, i int) ([]byte, error) {
 			continue
 		}
 		f.m.fetchedBytes.Add(int64(len(data)))
-		if chunkKey(sumOf(data)) != chunkKey(l.index.Sums[i]) {
+		if chunkKey(sumOf(data)) != sum {
 			f.m.failures.Add(1)
-			return nil, fail.New(fail.DataLoss, fmt.Errorf("chunk %d of layer %s: %w", i, l.digest, blobstore.ErrDigestMismatch))
+			return nil, fail.New(fail.DataLoss, fmt.Errorf("%s of layer %s: %w", what, l.digest, blobstore.ErrDigestMismatch))
 		}
 		return data, nil
 	}
 	f.m.failures.Add(1)
-	return nil, fail.New(fail.Unavailable, fmt.Errorf("chunk %d of layer %s: %d attempts: %w", i, l.digest, f.opts.Attempts, last))
+	return nil, fail.New(fail.Unavailable, fmt.Errorf("%s of layer %s: %d attempts: %w", what, l.digest, f.opts.Attempts, last))
 }
 
 // layerFile is one layer served lazily.
@@ -433,8 +443,41 @@ func (l *layerFile) touch(i int) {
 	}
 }
 
-// read copies the layer's bytes at off into dst: from cached chunks, else
-// fetched. Any chunk that cannot be had fails the whole read.
+// chunk returns chunk i of l, fetched once into the cache.
+func (l *layerFile) chunk(ctx context.Context, i int) ([]byte, error) {
+	off, n := l.index.Extent(i)
+	k := chunkKey(l.index.Sums[i])
+	return l.fs.cache.get(ctx, k, func() ([]byte, error) {
+		return l.fs.fetchRange(l, off, n, k, fmt.Sprintf("chunk %d", i))
+	})
+}
+
+// meta returns metadata extent i of l, fetched once into the cache.
+func (l *layerFile) meta(ctx context.Context, i int) ([]byte, error) {
+	e := l.index.Meta[i]
+	k := chunkKey(e.Sum)
+	b := make([]byte, e.Len)
+	if n, ok := l.fs.cache.readCached(k, b, 0); ok && int64(n) == e.Len {
+		return b, nil
+	}
+	return l.fs.cache.get(ctx, k, func() ([]byte, error) {
+		return l.fs.fetchRange(l, e.Off, e.Len, k, fmt.Sprintf("metadata extent at %d", e.Off))
+	})
+}
+
+// metaAt returns the metadata extent holding byte off, or -1.
+func (l *layerFile) metaAt(off int64) int {
+	m := l.index.Meta
+	i := sort.Search(len(m), func(i int) bool { return m[i].Off+m[i].Len > off })
+	if i < len(m) && m[i].Off <= off {
+		return i
+	}
+	return -1
+}
+
+// read copies the layer's bytes at off into dst: from a metadata extent
+// when off is in one, else from its chunk; cached pieces from disk, the
+// others fetched. Any piece that cannot be had fails the whole read.
 func (l *layerFile) read(ctx context.Context, dst []byte, off int64) (int, error) {
 	if off >= l.index.Size {
 		return 0, nil
@@ -442,17 +485,31 @@ func (l *layerFile) read(ctx context.Context, dst []byte, off int64) (int, error
 	end := min(off+int64(len(dst)), l.index.Size)
 	done := 0
 	for pos := off; pos < end; {
-		i := int(pos / l.index.ChunkSize)
-		coff, clen := l.index.Extent(i)
-		in := pos - coff
-		want := min(end-pos, clen-in)
+		var (
+			k        chunkKey
+			pieceOff int64
+			pieceEnd int64
+			fetch    func() ([]byte, error)
+		)
+		if m := l.metaAt(pos); m >= 0 {
+			e := l.index.Meta[m]
+			k, pieceOff, pieceEnd = chunkKey(e.Sum), e.Off, e.Off+e.Len
+			fetch = func() ([]byte, error) { return l.meta(ctx, m) }
+		} else {
+			i := int(pos / l.index.ChunkSize)
+			coff, clen := l.index.Extent(i)
+			k, pieceOff, pieceEnd = chunkKey(l.index.Sums[i]), coff, coff+clen
+			l.touch(i)
+			fetch = func() ([]byte, error) { return l.chunk(ctx, i) }
+		}
+		in := pos - pieceOff
+		want := min(end, pieceEnd) - pos
 		part := dst[done : done+int(want)]
-		l.touch(i)
-		if n, ok := l.fs.cache.readCached(chunkKey(l.index.Sums[i]), part, in); ok && int64(n) == want {
+		if n, ok := l.fs.cache.readCached(k, part, in); ok && int64(n) == want {
 			l.fs.m.hits.Add(1)
 		} else {
 			l.fs.m.misses.Add(1)
-			data, err := l.fs.cache.get(ctx, l, i)
+			data, err := fetch()
 			if err != nil {
 				return 0, err
 			}
