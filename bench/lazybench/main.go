@@ -93,7 +93,7 @@ func main() {
 	must(err)
 	idx, err := layer.LoadChunkIndex(ctx, direct, desc.Digest, desc.Size)
 	must(err)
-	fmt.Printf("image: %s, one EROFS layer of %s (%d chunks of 1 MiB; metadata %s in %d extents), built and stored in %s\n",
+	fmt.Printf("image: %s, one EROFS layer of %s (%d chunks of 256 KiB; metadata %s in %d extents), built and stored in %s\n",
 		*rootfs, mib(desc.Size), idx.Chunks(), mib(idx.MetaBytes()), len(idx.Meta), time.Since(t0).Round(time.Second))
 	fmt.Printf("store: SeaweedFS weed mini on loopback behind a proxy limited to %.0f Mbit/s (all connections together)\n", *mbit)
 	fmt.Printf("burst: %d creates at once on a fresh node; first exec = chroot /bin/true, useful = python3 -c '%s'\n\n", *burst, pyCmd)
@@ -118,6 +118,7 @@ func main() {
 	st := lz.FS().Stats()
 	r.disk = du(filepath.Join(lazyNode, "lazy", "chunks"))
 	r.print("lazy", desc.Size, st.ReadBytes)
+	fmt.Printf("%-14s %d range reads, mean %s each\n", "", st.Fetches, (st.FetchTime / time.Duration(max(st.Fetches, 1))).Round(time.Millisecond))
 	must(lz.FS().SavePrefetch(ctx, desc.Digest))
 
 	// lazy on another fresh node, with the list.

@@ -12,10 +12,10 @@ import (
 // them without a registry) and the Prometheus series, dsec_lazy_*, that
 // read them.
 type metrics struct {
-	readBytes, fetchedBytes, fetches, hits, misses, failures, evictedN counter
-	evictions                                                          *counter
-	cacheBytes                                                         prometheus.Gauge
-	fetchSeconds                                                       prometheus.Histogram
+	readBytes, fetchedBytes, fetches, hits, misses, failures, evictedN, fetchNanos counter
+	evictions                                                                      *counter
+	cacheBytes                                                                     prometheus.Gauge
+	fetchSeconds                                                                   prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
