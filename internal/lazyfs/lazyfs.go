@@ -621,3 +621,15 @@ func (f *FS) opened(digest string) (string, bool) {
 	}
 	return filepath.Join(f.mnt, strings.TrimPrefix(digest, "sha256:")), true
 }
+
+// OpenLayers returns the digests of the layers open, sorted.
+func (f *FS) OpenLayers() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make([]string, 0, len(f.layers))
+	for d := range f.layers {
+		out = append(out, d)
+	}
+	sort.Strings(out)
+	return out
+}

@@ -2,6 +2,7 @@ package lazyfs_test
 
 import (
 	"bytes"
+	"encoding/binary"
 	"context"
 	"crypto/rand"
 	"fmt"
@@ -348,7 +349,7 @@ func TestConcurrentReadersOneFetch(t *testing.T) {
 			}
 			defer unix.Close(fd)
 			bufs[r] = make([]byte, 4096)
-			if _, err := unix.Pread(fd, bufs[r], int64(data)*layer.ChunkSize+int64(r)*64<<10); err != nil {
+			if _, err := unix.Pread(fd, bufs[r], int64(data)*layer.ChunkSize+int64(r)*4096); err != nil {
 				bufs[r] = nil
 			}
 		})
@@ -496,18 +497,38 @@ func TestPrefetchList(t *testing.T) {
 	_, err := os.ReadFile(filepath.Join(dir, "d0/e6/big"))
 	require.NoError(t, err)
 	require.NoError(t, st.FS().SavePrefetch(context.Background(), d.Digest))
-	read := st.FS().Stats().FetchedBytes
+	// The list: the chunks read, in order; the file is 4.9 MB of one
+	// contiguous run of chunks.
+	ctx := context.Background()
+	ref, err := e.remote.Refs().Get(ctx, layer.PrefetchRef(d.Digest))
+	require.NoError(t, err)
+	raw, err := blobstore.ReadAll(ctx, e.remote, ref)
+	require.NoError(t, err)
+	x, err := layer.LoadChunkIndex(ctx, e.remote, d.Digest, d.Size)
+	require.NoError(t, err)
+	want := x.MetaBytes()
+	var list []int
+	for i := 8; i+4 <= len(raw); i += 4 {
+		c := int(binary.LittleEndian.Uint32(raw[i:]))
+		list = append(list, c)
+		_, n := x.Extent(c)
+		want += n
+	}
+	require.GreaterOrEqual(t, len(list), int(4900<<10/x.ChunkSize), "list %v", list)
+	for i := 1; i < len(list); i++ {
+		require.Greater(t, list[i], list[i-1], "a sequential read recorded out of order: %v", list)
+	}
 
 	other := t.TempDir()
 	st2 := e.lazy(other, lazyfs.Options{})
-	_, err = st2.Fetch(context.Background(), d.Digest)
+	_, err = st2.Fetch(ctx, d.Digest)
 	require.NoError(t, err)
-	// Readahead runs in the background: wait until it has fetched what
-	// the first run read (a bound only against hanging for ever).
+	// Readahead runs in the background: wait until it has fetched the
+	// list (a bound only against hanging for ever).
 	deadline := time.Now().Add(time.Minute)
-	for st2.FS().Stats().FetchedBytes < read && time.Now().Before(deadline) {
+	for st2.FS().Stats().FetchedBytes < want && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
-	require.Equal(t, read, st2.FS().Stats().FetchedBytes, "readahead did not follow the recorded list")
+	require.Equal(t, want, st2.FS().Stats().FetchedBytes, "readahead did not follow the recorded list")
 	require.Zero(t, st2.FS().Stats().ReadBytes, "nobody read the file: the fetches were readahead")
 }

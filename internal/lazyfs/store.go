@@ -76,3 +76,8 @@ func (s *Store) Fetch(ctx context.Context, digest string) (string, error) {
 	}
 	return p, nil
 }
+
+// CachedLayers returns the layers open lazily on this node: their metadata
+// and the chunks read so far are in the node's cache (edge heartbeats
+// report them, for placement).
+func (s *Store) CachedLayers() []string { return s.fs.OpenLayers() }
