@@ -93,8 +93,8 @@ func main() {
 	must(err)
 	idx, err := layer.LoadChunkIndex(ctx, direct, desc.Digest, desc.Size)
 	must(err)
-	fmt.Printf("image: %s, one EROFS layer of %s (%d chunks of 256 KiB; metadata %s in %d extents), built and stored in %s\n",
-		*rootfs, mib(desc.Size), idx.Chunks(), mib(idx.MetaBytes()), len(idx.Meta), time.Since(t0).Round(time.Second))
+	fmt.Printf("image: %s, one EROFS layer of %s (%d chunks of %d KiB; metadata %s in %d extents), built and stored in %s\n",
+		*rootfs, mib(desc.Size), idx.Chunks(), idx.ChunkSize>>10, mib(idx.MetaBytes()), len(idx.Meta), time.Since(t0).Round(time.Second))
 	fmt.Printf("store: SeaweedFS weed mini on loopback behind a proxy limited to %.0f Mbit/s (all connections together)\n", *mbit)
 	fmt.Printf("burst: %d creates at once on a fresh node; first exec = chroot /bin/true, useful = python3 -c '%s'\n\n", *burst, pyCmd)
 	fmt.Printf("%-14s %10s %10s %10s %10s %12s %12s %8s %8s %12s\n",
