@@ -239,10 +239,13 @@ func (f *FS) close() error {
 	f.stop()
 	err := f.server.Unmount()
 	if err != nil {
+		// Busy: an EROFS mount still holds a layer file. Detached, the
+		// mount goes once that one is unmounted; meanwhile the server
+		// keeps answering (f.ctx is cancelled, so fetches fail: EIO).
+		// No Wait: it would last until then.
 		if derr := unix.Unmount(f.mnt, unix.MNT_DETACH); derr == nil || errors.Is(derr, unix.EINVAL) {
 			err = nil
 		}
-		f.server.Wait()
 	}
 	os.Remove(f.mnt)
 	return err

@@ -532,3 +532,23 @@ func TestPrefetchList(t *testing.T) {
 	require.Equal(t, want, st2.FS().Stats().FetchedBytes, "readahead did not follow the recorded list")
 	require.Zero(t, st2.FS().Stats().ReadBytes, "nobody read the file: the fetches were readahead")
 }
+
+// Closing the loader while a layer is still mounted from it does not hang
+// (the edge's shutdown must finish): the FUSE mount is detached, and gone
+// from the mount table at once.
+func TestCloseWhileMounted(t *testing.T) {
+	e := newEnv(t)
+	d := e.build(tree(t))
+	st := e.lazy(e.node, lazyfs.Options{})
+	e.mount(st, d)
+	done := make(chan error, 1)
+	go func() { done <- st.FS().Close() }()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(time.Minute):
+		t.Fatal("Close hung with a layer mounted") // a bound against hanging, not a speed check
+	}
+	requireNotMounted(t, st.FS().Dir())
+	require.NoError(t, e.mounts.Release(d.Digest))
+}
