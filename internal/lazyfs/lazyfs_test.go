@@ -2,9 +2,9 @@ package lazyfs_test
 
 import (
 	"bytes"
-	"encoding/binary"
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"io/fs"
