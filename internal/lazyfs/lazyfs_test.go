@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/minio/minio-go/v7"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -551,4 +552,34 @@ func TestCloseWhileMounted(t *testing.T) {
 	}
 	requireNotMounted(t, st.FS().Dir())
 	require.NoError(t, e.mounts.Release(d.Digest))
+}
+
+// A burst of creates of one new image on one node fetches each piece
+// once: 8 at once open the layer, mount it and read every file.
+func TestBurstFetchesEachPieceOnce(t *testing.T) {
+	e := newEnv(t)
+	src := tree(t)
+	d := e.build(src)
+	x, err := layer.LoadChunkIndex(context.Background(), e.remote, d.Digest, d.Size)
+	require.NoError(t, err)
+	st := e.lazy(e.node, lazyfs.Options{})
+	before := e.count.ranges.Load()
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			p, err := st.Fetch(context.Background(), d.Digest)
+			if !assert.NoError(t, err) {
+				return
+			}
+			dir, err := e.mounts.Acquire(context.Background(), d.Digest, p)
+			if !assert.NoError(t, err) {
+				return
+			}
+			defer e.mounts.Release(d.Digest)
+			sameTree(t, src, dir)
+		})
+	}
+	wg.Wait()
+	require.Equal(t, int64(x.Chunks()+len(x.Meta)), e.count.ranges.Load()-before,
+		"%d chunks and %d metadata extents, each read once", x.Chunks(), len(x.Meta))
 }
