@@ -1,5 +1,5 @@
 // Package lazyfs serves layers this node does not hold as read-only files
-// on a FUSE mount whose reads fetch the 1 MiB chunks they need from the
+// on a FUSE mount whose reads fetch the chunks (128 KiB) they need from the
 // blob store with range reads, so an EROFS layer can be mounted (file-backed
 // EROFS over the FUSE file) and a sandbox started before the layer is here:
 // agents read a few per cent of an image.

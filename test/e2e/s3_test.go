@@ -118,7 +118,7 @@ func TestS3Store(t *testing.T) {
 	}
 
 	// A second node: a fresh data dir, the same bucket. Every layer with a
-	// chunk index (busybox's, over 1 MiB) is loaded on demand there.
+	// chunk index (busybox's, over one chunk) is loaded on demand there.
 	data2 := t.TempDir()
 	c2 := up(data2, "--lazy-min-size", "1")
 	if got := c2.ok(t, "image", "ls"); !strings.Contains(got, "busybox:latest") {
