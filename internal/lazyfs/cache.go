@@ -41,6 +41,10 @@ type chunkCache struct {
 type cached struct {
 	key  chunkKey
 	size int64
+	// verified is false for pieces a previous process left: the first
+	// read hashes the file before trusting it (a crash or a disk can have
+	// damaged it since), and a piece that does not match is fetched again.
+	verified bool
 }
 
 // call is one fetch of a chunk that every reader of it waits for.
@@ -66,10 +70,10 @@ func newChunkCache(dir string, max int64, m *metrics) (*chunkCache, error) {
 			os.Remove(filepath.Join(c.tmp, e.Name()))
 		}
 	}
-	// Chunks a previous run cached stay usable: they were verified before
-	// they were placed (written to tmp, renamed in). Oldest first into the
-	// LRU, by modification time (touched on every hit would cost a syscall
-	// per read; placement order is a fair guess).
+	// Chunks a previous run cached stay usable, checked again on their
+	// first read (see cached.verified). Oldest first into the LRU, by
+	// modification time (touched on every hit would cost a syscall per
+	// read; placement order is a fair guess).
 	ents, err := os.ReadDir(c.dir)
 	if err != nil {
 		return nil, fail.New(fail.Internal, fmt.Errorf("chunk cache: %w", err))
@@ -93,7 +97,7 @@ func newChunkCache(dir string, max int64, m *metrics) (*chunkCache, error) {
 	}
 	sort.Slice(olds, func(i, j int) bool { return olds[i].t.Before(olds[j].t) })
 	for _, o := range olds {
-		c.byKey[o.key] = c.lru.PushFront(&cached{o.key, o.size})
+		c.byKey[o.key] = c.lru.PushFront(&cached{key: o.key, size: o.size})
 		c.used += o.size
 	}
 	c.evictLocked()
@@ -107,8 +111,10 @@ func (c *chunkCache) path(k chunkKey) string { return filepath.Join(c.dir, hex.E
 func (c *chunkCache) readCached(k chunkKey, dst []byte, off int64) (int, bool) {
 	c.mu.Lock()
 	e, ok := c.byKey[k]
+	verified := false
 	if ok {
 		c.lru.MoveToFront(e)
+		verified = e.Value.(*cached).verified
 	}
 	c.mu.Unlock()
 	if !ok {
@@ -119,11 +125,37 @@ func (c *chunkCache) readCached(k chunkKey, dst []byte, off int64) (int, bool) {
 		return 0, false // evicted between the lookup and the open
 	}
 	defer f.Close()
+	if !verified && !c.verify(k, f) {
+		return 0, false
+	}
 	n, err := f.ReadAt(dst, off)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return 0, false
 	}
 	return n, true
+}
+
+// verify hashes a piece a previous process cached; one that does not match
+// its name is dropped, so that the caller fetches it again.
+func (c *chunkCache) verify(k chunkKey, f *os.File) bool {
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err == nil && chunkKey(h.Sum(nil)) == k {
+		c.mu.Lock()
+		if e, ok := c.byKey[k]; ok {
+			e.Value.(*cached).verified = true
+		}
+		c.mu.Unlock()
+		return true
+	}
+	c.mu.Lock()
+	if e, ok := c.byKey[k]; ok {
+		c.lru.Remove(e)
+		delete(c.byKey, k)
+		c.used -= e.Value.(*cached).size
+		os.Remove(c.path(k))
+	}
+	c.mu.Unlock()
+	return false
 }
 
 // has reports whether chunk k is cached.
@@ -182,7 +214,7 @@ func (c *chunkCache) place(k chunkKey, data []byte) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.byKey[k]; !ok {
-		c.byKey[k] = c.lru.PushFront(&cached{k, int64(len(data))})
+		c.byKey[k] = c.lru.PushFront(&cached{key: k, size: int64(len(data)), verified: true})
 		c.used += int64(len(data))
 	}
 	c.evictLocked()
