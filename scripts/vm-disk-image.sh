@@ -29,14 +29,17 @@ mirror="${DSEC_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 hash="$(sha256sum "$script" | cut -c1-16)"
 image="$cache/debian-bookworm-$hash.qcow2"
 out="${1:-}"
+# The image's path is the one line on stdout (callers read it); what the
+# build says (debootstrap, apt) goes to stderr.
+exec 3>&1 1>&2
 
 finish() {
   if [ -n "$out" ] && [ "$out" != "$image" ]; then
     mkdir -p "$(dirname "$out")"
     cp --reflink=auto "$image" "$out.tmp.$$" && mv "$out.tmp.$$" "$out"
-    echo "$out"
+    echo "$out" >&3
   else
-    echo "$image"
+    echo "$image" >&3
   fi
 }
 
@@ -127,6 +130,12 @@ dev=/dev/disk/by-id/virtio-dsec-agent
 dir=/run/dsec-agent
 mkdir -p "$dir"
 mountpoint -q "$dir" || mount -t erofs -o ro "$dev" "$dir"
+# The port opens once the boot is over (every unit started): the backend
+# saves its boot template when the guest opens the port, and a guest
+# saved mid-boot would finish booting again in every sandbox restored
+# from it, each burning CPU the others need. (The unit itself started
+# with sysinit.target, so it holds nothing up.)
+systemctl is-system-running --wait >/dev/null 2>&1 || true
 exec "$dir/dsec-agent" 3<>/dev/virtio-ports/dsec.agent
 EOF
 chmod 755 "$mnt/usr/local/sbin/dsec-agent-start"

@@ -149,3 +149,51 @@ func egressSummary(e *trajectory.Egress) string {
 	}
 	return b.String()
 }
+
+func newSandboxVerifyCmd(g *globals) *cobra.Command {
+	var (
+		f         execFlags
+		artifacts []string
+	)
+	cmd := &cobra.Command{
+		Use:   "verify ID --artifact PATH... -- CMD [ARG...]",
+		Short: "Grade a sandbox's work in a fresh sandbox holding only its artifacts; exit with the grading command's exit code",
+		Long: `Run a grading command in a verifier: a fresh sandbox of the sandbox's own
+images as it was created (with its resources and environment, no network),
+into which only the --artifact paths (files or directories, absolute) are
+copied from the sandbox, each to the same path. Nothing else the sandbox's
+workload changed (a conftest.py that passes every test, a patched test
+runner, a trojaned binary) reaches the grade. The verifier is destroyed
+afterwards; the step is recorded on the sandbox's trajectory. Output is
+printed when the command ends; the exit code is the command's.`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if cmd.ArgsLenAtDash() != 1 {
+				return cli.Usagef("want ID --artifact PATH... -- CMD [ARG...]")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(artifacts) == 0 {
+				return cli.Usagef("give at least one --artifact PATH to copy into the verifier")
+			}
+			opts, err := f.options(args[1:])
+			if err != nil {
+				return err
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			res, err := c.Sandbox(args[0], dsec.Unnumbered()).Verify(cmd.Context(), opts, artifacts...)
+			if err != nil {
+				return &cli.ExitCodeError{Code: cli.ExitInfra, Msg: err.Error()}
+			}
+			cmd.OutOrStdout().Write(res.Stdout)
+			cmd.ErrOrStderr().Write(res.Stderr)
+			return resultExit(res)
+		},
+	}
+	f.register(cmd)
+	cmd.Flags().StringArrayVar(&artifacts, "artifact", nil, "absolute PATH (file or directory) to copy from the sandbox into the verifier (repeatable)")
+	return cmd
+}

@@ -41,6 +41,7 @@ func newSandboxCmd(g *globals) *cobra.Command {
 		newSandboxInputCmd(g),
 		newSandboxNetworkCmd(g),
 		newSandboxEventsCmd(g),
+		newSandboxVerifyCmd(g),
 	)
 	return cmd
 }

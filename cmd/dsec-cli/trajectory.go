@@ -274,7 +274,7 @@ func summary(r *trajectory.Record) string {
 		if e := r.Environment; e != nil {
 			s = fmt.Sprintf("%s (%s, %s)", e.Image, e.Backend, plural(len(e.Layers), "layer"))
 		}
-	case trajectory.KindExec:
+	case trajectory.KindExec, trajectory.KindVerify:
 		if x := r.Exec; x != nil {
 			s = "`" + clipText(trajectory.Command(x), 50) + "`"
 			if r.Error == nil {
@@ -282,6 +282,9 @@ func summary(r *trajectory.Record) string {
 				if x.Stderr != nil && x.Stderr.Size > 0 {
 					s += ", stderr " + dataSize(x.Stderr)
 				}
+			}
+			if v := r.Verify; v != nil {
+				s += " (verifier with " + plural(len(v.Artifacts), "artifact") + ")"
 			}
 		}
 	case trajectory.KindWriteFile, trajectory.KindReadFile:

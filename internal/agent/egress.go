@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/netip"
+	"os"
 	"sync"
+
+	"golang.org/x/sys/unix"
 )
 
 // The agent's half of egress (internal/aether holds the edge's): a plain
@@ -23,7 +25,9 @@ import (
 // egressListeners are the server's proxy listeners by address, made by
 // the first EgressAccept that names one and kept until Serve returns. Each
 // has one goroutine accepting and handing connections over unbuffered, so
-// at most one accepted connection waits for a stream to take it.
+// at most one accepted connection waits for a stream to take it. They are
+// made with plain system calls: the agent runs in every sandbox and does
+// not link package net (its init and resolver) for one loopback socket.
 type egressListeners struct {
 	mu     sync.Mutex
 	closed bool
@@ -31,8 +35,8 @@ type egressListeners struct {
 }
 
 type egressListener struct {
-	ln    net.Listener
-	conns chan net.Conn
+	fd    int
+	conns chan *os.File
 }
 
 func (e *egressListeners) get(addr string) (*egressListener, error) {
@@ -48,25 +52,25 @@ func (e *egressListeners) get(addr string) (*egressListener, error) {
 	if l := e.by[addr]; l != nil {
 		return l, nil
 	}
-	ln, err := net.Listen("tcp", addr)
+	fd, err := listenTCP(ap)
 	if err != nil {
 		// Most likely the workload bound the port first: its own sandbox
 		// loses egress, nothing else does.
 		return nil, errorf(CodeFailedPrecondition, "egress accept: listen on %s: %v", addr, err)
 	}
-	l := &egressListener{ln: ln, conns: make(chan net.Conn)}
+	l := &egressListener{fd: fd, conns: make(chan *os.File)}
 	go func() {
+		defer close(l.conns)
 		for {
-			c, err := ln.Accept()
-			if err != nil {
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					continue
-				}
-				close(l.conns)
-				return
+			// A blocking accept on its own thread: one per listener.
+			cfd, _, err := unix.Accept4(fd, unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK)
+			switch {
+			case err == unix.EINTR || err == unix.ECONNABORTED:
+				continue
+			case err != nil:
+				return // shut down by close, or broken
 			}
-			l.conns <- c
+			l.conns <- os.NewFile(uintptr(cfd), "egress")
 		}
 	}()
 	if e.by == nil {
@@ -74,6 +78,35 @@ func (e *egressListeners) get(addr string) (*egressListener, error) {
 	}
 	e.by[addr] = l
 	return l, nil
+}
+
+// listenTCP makes a blocking listening socket on ap.
+func listenTCP(ap netip.AddrPort) (int, error) {
+	var sa unix.Sockaddr
+	family := unix.AF_INET
+	if ap.Addr().Is4() {
+		sa = &unix.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().As4()}
+	} else {
+		family = unix.AF_INET6
+		sa = &unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()}
+	}
+	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if err := unix.Bind(fd, sa); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if err := unix.Listen(fd, 128); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
 }
 
 // close closes every listener and the connections waiting in hand-over.
@@ -84,12 +117,21 @@ func (e *egressListeners) close() {
 	e.by = nil
 	e.mu.Unlock()
 	for _, l := range by {
-		l.ln.Close()
+		// Shutdown wakes the blocked accept (EINVAL); then the fd goes.
+		unix.Shutdown(l.fd, unix.SHUT_RDWR)
 		go func() {
 			for c := range l.conns {
 				c.Close()
 			}
+			unix.Close(l.fd)
 		}()
+	}
+}
+
+// shutdown half-closes the socket f (unix.SHUT_RD or SHUT_WR).
+func shutdown(f *os.File, how int) {
+	if rc, err := f.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) { unix.Shutdown(int(fd), how) })
 	}
 }
 
@@ -99,7 +141,7 @@ func (srv *server) egressAccept(s *stream, r *egressAcceptRequest) error {
 	if err != nil {
 		return err
 	}
-	var c net.Conn
+	var c *os.File
 	select {
 	case c = <-l.conns:
 		if c == nil {
@@ -113,13 +155,7 @@ func (srv *server) egressAccept(s *stream, r *egressAcceptRequest) error {
 	// once, and what the edge sent before it (a reply, then its end) is
 	// still written out, as the frames arrived in order; without that end
 	// the inbound copy fails on the canceled context and closes c.
-	stop := context.AfterFunc(s.ctx, func() {
-		if tc, ok := c.(*net.TCPConn); ok {
-			tc.CloseRead()
-		} else {
-			c.Close()
-		}
-	})
+	stop := context.AfterFunc(s.ctx, func() { shutdown(c, unix.SHUT_RD) })
 	defer stop()
 	if err := s.sendData(s.ctx, chBody, nil, false); err != nil {
 		return nil // the edge is gone; nobody to answer
@@ -129,8 +165,8 @@ func (srv *server) egressAccept(s *stream, r *egressAcceptRequest) error {
 	go func() {
 		defer close(inbound)
 		_, err := io.Copy(c, &bodyReader{ctx: s.ctx, s: s})
-		if cw, ok := c.(interface{ CloseWrite() error }); ok && err == nil {
-			cw.CloseWrite()
+		if err == nil {
+			shutdown(c, unix.SHUT_WR)
 		} else {
 			c.Close()
 		}
@@ -218,7 +254,7 @@ func (e *EgressConn) Write(p []byte) (int, error) {
 	e.wmu.Lock()
 	defer e.wmu.Unlock()
 	if e.closed {
-		return 0, net.ErrClosed
+		return 0, os.ErrClosed
 	}
 	if err := e.s.sendData(e.ctx, chBody, p, false); err != nil {
 		return 0, err

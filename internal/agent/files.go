@@ -329,8 +329,28 @@ func (srv *server) getArchive(s *stream, r *getArchiveRequest) error {
 	if err != nil {
 		return fmt.Errorf("get archive: %w", err)
 	}
+	if fi.Mode().IsRegular() {
+		// One file (a verifier's artifact): its archive holds it alone,
+		// under its base name, so that its siblings stay behind.
+		tw := tar.NewWriter(bodyWriter{ctx: s.ctx, s: s})
+		hdr, err := tar.FileInfoHeader(fi, "")
+		if err == nil {
+			hdr.Name = filepath.Base(dir)
+			err = tw.WriteHeader(hdr)
+		}
+		if err == nil {
+			err = copyRegular(tw, dir, fi, hdr.Size)
+		}
+		if err == nil {
+			err = tw.Close()
+		}
+		if err != nil {
+			return fmt.Errorf("get archive %s: %w", dir, err)
+		}
+		return nil
+	}
 	if !fi.IsDir() {
-		return errorf(CodeInvalidArgument, "get archive: %s is not a directory", dir)
+		return errorf(CodeInvalidArgument, "get archive: %s is neither a directory nor a regular file", dir)
 	}
 	rootDev := fi.Sys().(*syscall.Stat_t).Dev
 	tw := tar.NewWriter(bodyWriter{ctx: s.ctx, s: s})

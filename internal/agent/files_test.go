@@ -195,6 +195,25 @@ func TestArchiveRoundTrip(t *testing.T) {
 		"src/": "", "src/main.py": "print(1)\n",
 	}, got)
 	assert.Equal(t, byte(tar.TypeDir), types["src/"])
+
+	// A regular file's archive holds it alone, under its base name, with
+	// its mode: what a verifier copies as one artifact.
+	out.Reset()
+	require.NoError(t, c.GetArchive(ctx, filepath.Join(dst, "bin/run"), &out))
+	tr = tar.NewReader(&out)
+	h, err := tr.Next()
+	require.NoError(t, err)
+	assert.Equal(t, "run", h.Name)
+	assert.Equal(t, int64(0o755), h.Mode&0o777)
+	body, err := io.ReadAll(tr)
+	require.NoError(t, err)
+	assert.Equal(t, "#!/bin/sh\n", string(body))
+	_, err = tr.Next()
+	assert.Equal(t, io.EOF, err, "one entry only")
+	// Anything else that is not a directory is refused.
+	// A symlink in the file's place is not followed (the workload could
+	// point it anywhere in its sandbox, /proc included).
+	assert.Error(t, c.GetArchive(ctx, filepath.Join(dst, "link"), io.Discard))
 }
 
 func TestPutArchiveCannotEscape(t *testing.T) {

@@ -96,6 +96,11 @@ type sandbox struct {
 	use sandboxUse
 	// egress relays rt's proxy connections while it runs (egress.go).
 	egress *egressRun
+	// verifyMu: one verify at a time (verify.go); image is the layer
+	// stack it was created with (the image's, before any rollback), what
+	// a verifier is built from.
+	verifyMu sync.Mutex
+	image    []runtime.Layer
 }
 
 // phase is the contract's state of sb, frozen aside (what messages name
@@ -287,6 +292,7 @@ func (e *Edge) create(ctx context.Context, caller *dsecv1.Caller, id string, in 
 		return nil, err
 	}
 	sb.rspec = rspec
+	sb.image = rspec.Layers
 	if rs != nil {
 		// The sandbox keeps its pool's runtime ID: rollback re-creates
 		// under it.

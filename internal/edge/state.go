@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -214,6 +216,9 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 	if err != nil {
 		return nil, "", err
 	}
+	if ds, ok := rs.(runtime.DiskSnapshotter); ok {
+		return e.snapshotDisk(ctx, sb, ds, ref)
+	}
 	e.mu.Lock()
 	stack := slices.Clone(sb.rspec.Layers)
 	e.mu.Unlock()
@@ -252,6 +257,33 @@ func (e *Edge) doSnapshot(ctx context.Context, sb *sandbox, ref string, seq uint
 		img.Layers = append(img.Layers, l.Digest)
 	}
 	return img, desc.Digest, nil
+}
+
+// snapshotDisk stores a whole-disk sandbox's disk (fullvm) as the disk
+// image ref: the image a later fullvm sandbox boots.
+func (e *Edge) snapshotDisk(ctx context.Context, sb *sandbox, ds runtime.DiskSnapshotter, ref string) (*dsecv1.Image, string, error) {
+	if _, err := image.ParseRef(ref); err != nil {
+		return nil, "", fail.New(fail.InvalidArgument, fmt.Errorf("ref: %w", err))
+	}
+	dir, err := os.MkdirTemp(e.cfg.DataDir, "disk-snapshot-")
+	if err != nil {
+		return nil, "", fail.New(fail.Internal, err)
+	}
+	defer os.RemoveAll(dir)
+	file := filepath.Join(dir, "disk.qcow2")
+	if err := ds.SnapshotDisk(ctx, file); err != nil {
+		return nil, "", fmt.Errorf("snapshot sandbox %q: %w", sb.id, err)
+	}
+	m, err := image.ImportDisk(ctx, e.cfg.Store, e.images, ref, file, 0)
+	if err != nil {
+		return nil, "", fail.New(fail.Internal, fmt.Errorf("snapshot sandbox %q: %w", sb.id, err))
+	}
+	_, digest, err := e.images.Get(ctx, ref)
+	if err != nil {
+		return nil, "", fail.New(fail.Internal, fmt.Errorf("snapshot sandbox %q: %w", sb.id, err))
+	}
+	disk := m.Layers[0].Digest
+	return &dsecv1.Image{Ref: ref, Digest: digest, Size: m.Size(), Layers: []string{disk}, DiskFormat: m.Disk.Format}, disk, nil
 }
 
 // releaseState drops what a sandbox that ended held beyond its runtime

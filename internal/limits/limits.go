@@ -9,6 +9,7 @@ package limits
 
 import (
 	"fmt"
+	"path"
 	"strings"
 	"time"
 
@@ -272,6 +273,38 @@ func Input(prefix string, r *dsecv1.InputRequest) error {
 			}
 		default:
 			return invalid("%skind %q is not text, key, move or click", f, ev.GetKind())
+		}
+	}
+	return nil
+}
+
+// MaxArtifacts bounds a verify's artifacts.
+const MaxArtifacts = 64
+
+// Verify checks a verify request (field names start with prefix): a
+// grading command as Exec checks it, and 1 to MaxArtifacts artifacts, each
+// an absolute, clean path other than "/" (a verifier gets what the grade
+// needs, not the whole sandbox back).
+func Verify(prefix string, r *dsecv1.VerifyRequest) error {
+	if r.GetExec() == nil {
+		return invalid("%sexec is required (the grading command)", prefix)
+	}
+	if err := Exec(prefix+"exec.", r.GetExec()); err != nil {
+		return err
+	}
+	if len(r.GetArtifacts()) == 0 {
+		return invalid("%sartifacts: at least one path to copy into the verifier is required", prefix)
+	}
+	if len(r.GetArtifacts()) > MaxArtifacts {
+		return invalid("%sartifacts: %d paths, more than %d", prefix, len(r.GetArtifacts()), MaxArtifacts)
+	}
+	for i, a := range r.GetArtifacts() {
+		field := fmt.Sprintf("%sartifacts[%d]", prefix, i)
+		if err := Path(field, a); err != nil {
+			return err
+		}
+		if !path.IsAbs(a) || path.Clean(a) != a || a == "/" {
+			return invalid("%s %q must be an absolute, clean path other than /", field, a)
 		}
 	}
 	return nil

@@ -188,6 +188,14 @@ type EgressConn interface {
 	CloseWrite() error
 }
 
+// DiskSnapshotter is implemented by sandboxes that are a whole disk (the
+// fullvm backend's): SnapshotDisk writes the sandbox's disk as it is now,
+// as one standalone image file at out (qcow2), which the edge stores as a
+// disk image. A frozen sandbox stays frozen.
+type DiskSnapshotter interface {
+	SnapshotDisk(ctx context.Context, out string) error
+}
+
 // Display is implemented by sandboxes with a screen, a keyboard and a
 // mouse (the VM backends): computer-use tasks, and guests that do not run
 // dsec-agent.
@@ -331,7 +339,9 @@ type Sandbox interface {
 	ReadFile(ctx context.Context, path string, maxBytes int64) ([]byte, error)
 	// PutArchive extracts a tar stream into dir (created if missing).
 	PutArchive(ctx context.Context, dir string, tar io.Reader) error
-	// GetArchive writes dir as a tar stream to w.
+	// GetArchive writes dir as a tar stream to w (names relative to dir);
+	// when dir is a regular file, the stream holds that file alone under
+	// its base name.
 	GetArchive(ctx context.Context, dir string, w io.Writer) error
 	// Freeze stops every process of the sandbox, keeping its memory and
 	// state, and returns once they are stopped; Thaw resumes them. Both are

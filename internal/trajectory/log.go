@@ -1009,7 +1009,11 @@ func requestKey(r *Record) string {
 		Reward     *Reward
 		Snapshot   string
 		Checkpoint string
+		Artifacts  []string `json:",omitempty"`
 	}{Kind: r.Kind}
+	if r.Verify != nil {
+		k.Artifacts = r.Verify.Artifacts
+	}
 	if r.Snapshot != nil {
 		k.Snapshot = r.Snapshot.Ref
 	}

@@ -35,6 +35,10 @@ const (
 	KindSnapshot   = "snapshot"
 	KindCheckpoint = "checkpoint"
 	KindRollback   = "rollback"
+	// KindVerify: a grading command run in a fresh sandbox of the same
+	// images with only the listed artifacts copied from this one
+	// (Record.Exec: the command and its result; Record.Verify).
+	KindVerify = "verify"
 	// Events happen to a sandbox rather than being operations a client
 	// numbers: they carry the seq of the step they follow, and do not take
 	// a number of their own (a job-wide freeze must not shift the numbers
@@ -73,13 +77,14 @@ type Record struct {
 	Start string `json:"start"`
 	End   string `json:"end"`
 
-	Environment *Environment `json:"environment,omitempty"`
-	Exec        *Exec        `json:"exec,omitempty"`
-	File        *File        `json:"file,omitempty"`
-	Reward      *Reward      `json:"reward,omitempty"`
-	Snapshot    *Snapshot    `json:"snapshot,omitempty"`
-	Checkpoint  *Checkpoint  `json:"checkpoint,omitempty"`
-	Egress      *Egress      `json:"egress,omitempty"`
+	Environment *Environment  `json:"environment,omitempty"`
+	Exec        *Exec         `json:"exec,omitempty"`
+	File        *File         `json:"file,omitempty"`
+	Reward      *Reward       `json:"reward,omitempty"`
+	Snapshot    *Snapshot     `json:"snapshot,omitempty"`
+	Checkpoint  *Checkpoint   `json:"checkpoint,omitempty"`
+	Egress      *Egress       `json:"egress,omitempty"`
+	Verify      *Verification `json:"verify,omitempty"`
 	// Error is set when the operation failed with an error rather than a
 	// result (a file that does not exist, a bad path).
 	Error *Error `json:"error,omitempty"`
@@ -165,6 +170,13 @@ type Snapshot struct {
 
 // Checkpoint names a checkpoint: the result of a checkpoint (with the
 // layer it packed) or the target of a rollback.
+// Verification is what a verify step copied into its verifier sandbox.
+type Verification struct {
+	// Artifacts are the paths copied from the sandbox, files or
+	// directories, to the same paths in the verifier.
+	Artifacts []string `json:"artifacts"`
+}
+
 // Egress is one connection the sandbox asked its proxy for and what the
 // node's policy decided (internal/aether): recorded when it ends, or when
 // it is refused.

@@ -3288,6 +3288,127 @@ func (*InputResponse) Descriptor() ([]byte, []int) {
 	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{50}
 }
 
+// VerifyRequest runs a grading command in a verifier: a fresh sandbox of
+// the sandbox's own images (as created: no writable layer, no
+// checkpoint), resources and environment, no network, into which only the
+// artifacts are copied from the sandbox (each a file or a directory,
+// absolute, to the same path). Nothing else the sandbox's workload changed
+// (a conftest.py, a patched test runner, a trojaned binary) reaches the
+// grade. The verifier is destroyed after the command. The step is recorded
+// on the sandbox's trajectory under seq, like an exec.
+type VerifyRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Artifacts []string               `protobuf:"bytes,2,rep,name=artifacts,proto3" json:"artifacts,omitempty"`
+	// exec is the grading command; its sandbox_id and seq are not used.
+	Exec          *ExecRequest `protobuf:"bytes,3,opt,name=exec,proto3" json:"exec,omitempty"`
+	Seq           uint64       `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VerifyRequest) Reset() {
+	*x = VerifyRequest{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VerifyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VerifyRequest) ProtoMessage() {}
+
+func (x *VerifyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VerifyRequest.ProtoReflect.Descriptor instead.
+func (*VerifyRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *VerifyRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *VerifyRequest) GetArtifacts() []string {
+	if x != nil {
+		return x.Artifacts
+	}
+	return nil
+}
+
+func (x *VerifyRequest) GetExec() *ExecRequest {
+	if x != nil {
+		return x.Exec
+	}
+	return nil
+}
+
+func (x *VerifyRequest) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+type VerifyResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Result        *ExecResult            `protobuf:"bytes,1,opt,name=result,proto3" json:"result,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VerifyResponse) Reset() {
+	*x = VerifyResponse{}
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VerifyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VerifyResponse) ProtoMessage() {}
+
+func (x *VerifyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VerifyResponse.ProtoReflect.Descriptor instead.
+func (*VerifyResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *VerifyResponse) GetResult() *ExecResult {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
 // SetNetworkRequest changes a sandbox's egress policy: allow and deny are
 // added (a rule for a target already there replaces it), or with replace
 // they are the whole new policy. With neither (and no replace) it changes
@@ -3305,7 +3426,7 @@ type SetNetworkRequest struct {
 
 func (x *SetNetworkRequest) Reset() {
 	*x = SetNetworkRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3317,7 +3438,7 @@ func (x *SetNetworkRequest) String() string {
 func (*SetNetworkRequest) ProtoMessage() {}
 
 func (x *SetNetworkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[51]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3330,7 +3451,7 @@ func (x *SetNetworkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNetworkRequest.ProtoReflect.Descriptor instead.
 func (*SetNetworkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *SetNetworkRequest) GetSandboxId() string {
@@ -3372,7 +3493,7 @@ type SetNetworkResponse struct {
 
 func (x *SetNetworkResponse) Reset() {
 	*x = SetNetworkResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3384,7 +3505,7 @@ func (x *SetNetworkResponse) String() string {
 func (*SetNetworkResponse) ProtoMessage() {}
 
 func (x *SetNetworkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[52]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3397,7 +3518,7 @@ func (x *SetNetworkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetNetworkResponse.ProtoReflect.Descriptor instead.
 func (*SetNetworkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *SetNetworkResponse) GetNetwork() *NetworkPolicy {
@@ -3425,7 +3546,7 @@ type JobRequest struct {
 
 func (x *JobRequest) Reset() {
 	*x = JobRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3437,7 +3558,7 @@ func (x *JobRequest) String() string {
 func (*JobRequest) ProtoMessage() {}
 
 func (x *JobRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[53]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3450,7 +3571,7 @@ func (x *JobRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobRequest.ProtoReflect.Descriptor instead.
 func (*JobRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *JobRequest) GetLabels() map[string]string {
@@ -3470,7 +3591,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3482,7 +3603,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[54]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3495,7 +3616,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *JobResult) GetId() string {
@@ -3521,7 +3642,7 @@ type JobResponse struct {
 
 func (x *JobResponse) Reset() {
 	*x = JobResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3533,7 +3654,7 @@ func (x *JobResponse) String() string {
 func (*JobResponse) ProtoMessage() {}
 
 func (x *JobResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[55]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3546,7 +3667,7 @@ func (x *JobResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResponse.ProtoReflect.Descriptor instead.
 func (*JobResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *JobResponse) GetResults() []*JobResult {
@@ -3566,7 +3687,7 @@ type AcquireRequest struct {
 
 func (x *AcquireRequest) Reset() {
 	*x = AcquireRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3578,7 +3699,7 @@ func (x *AcquireRequest) String() string {
 func (*AcquireRequest) ProtoMessage() {}
 
 func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[56]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3591,7 +3712,7 @@ func (x *AcquireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireRequest.ProtoReflect.Descriptor instead.
 func (*AcquireRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *AcquireRequest) GetSpec() *SandboxSpec {
@@ -3617,7 +3738,7 @@ type AcquireResponse struct {
 
 func (x *AcquireResponse) Reset() {
 	*x = AcquireResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3629,7 +3750,7 @@ func (x *AcquireResponse) String() string {
 func (*AcquireResponse) ProtoMessage() {}
 
 func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[57]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3642,7 +3763,7 @@ func (x *AcquireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcquireResponse.ProtoReflect.Descriptor instead.
 func (*AcquireResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *AcquireResponse) GetResults() []*BatchCreateResult {
@@ -3661,7 +3782,7 @@ type BatchExecRequest struct {
 
 func (x *BatchExecRequest) Reset() {
 	*x = BatchExecRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3673,7 +3794,7 @@ func (x *BatchExecRequest) String() string {
 func (*BatchExecRequest) ProtoMessage() {}
 
 func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[58]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3686,7 +3807,7 @@ func (x *BatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecRequest.ProtoReflect.Descriptor instead.
 func (*BatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *BatchExecRequest) GetRequests() []*ExecRequest {
@@ -3709,7 +3830,7 @@ type BatchExecItem struct {
 
 func (x *BatchExecItem) Reset() {
 	*x = BatchExecItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3721,7 +3842,7 @@ func (x *BatchExecItem) String() string {
 func (*BatchExecItem) ProtoMessage() {}
 
 func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[59]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3734,7 +3855,7 @@ func (x *BatchExecItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecItem.ProtoReflect.Descriptor instead.
 func (*BatchExecItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *BatchExecItem) GetSandboxId() string {
@@ -3767,7 +3888,7 @@ type BatchExecResponse struct {
 
 func (x *BatchExecResponse) Reset() {
 	*x = BatchExecResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3779,7 +3900,7 @@ func (x *BatchExecResponse) String() string {
 func (*BatchExecResponse) ProtoMessage() {}
 
 func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[60]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3792,7 +3913,7 @@ func (x *BatchExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExecResponse.ProtoReflect.Descriptor instead.
 func (*BatchExecResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *BatchExecResponse) GetResults() []*BatchExecItem {
@@ -3811,7 +3932,7 @@ type BatchRollbackRequest struct {
 
 func (x *BatchRollbackRequest) Reset() {
 	*x = BatchRollbackRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3823,7 +3944,7 @@ func (x *BatchRollbackRequest) String() string {
 func (*BatchRollbackRequest) ProtoMessage() {}
 
 func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[61]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3836,7 +3957,7 @@ func (x *BatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*BatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *BatchRollbackRequest) GetRequests() []*RollbackRequest {
@@ -3857,7 +3978,7 @@ type BatchRollbackItem struct {
 
 func (x *BatchRollbackItem) Reset() {
 	*x = BatchRollbackItem{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3869,7 +3990,7 @@ func (x *BatchRollbackItem) String() string {
 func (*BatchRollbackItem) ProtoMessage() {}
 
 func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[62]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3882,7 +4003,7 @@ func (x *BatchRollbackItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackItem.ProtoReflect.Descriptor instead.
 func (*BatchRollbackItem) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *BatchRollbackItem) GetSandboxId() string {
@@ -3915,7 +4036,7 @@ type BatchRollbackResponse struct {
 
 func (x *BatchRollbackResponse) Reset() {
 	*x = BatchRollbackResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3927,7 +4048,7 @@ func (x *BatchRollbackResponse) String() string {
 func (*BatchRollbackResponse) ProtoMessage() {}
 
 func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[63]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3940,7 +4061,7 @@ func (x *BatchRollbackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRollbackResponse.ProtoReflect.Descriptor instead.
 func (*BatchRollbackResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *BatchRollbackResponse) GetResults() []*BatchRollbackItem {
@@ -3959,7 +4080,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3971,7 +4092,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[64]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3984,7 +4105,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *ReleaseRequest) GetIds() []string {
@@ -4003,7 +4124,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4015,7 +4136,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[65]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4028,7 +4149,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ReleaseResponse) GetResults() []*BatchDestroyResult {
@@ -4057,7 +4178,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4069,7 +4190,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[66]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4082,7 +4203,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *Image) GetRef() string {
@@ -4147,7 +4268,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4159,7 +4280,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[67]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4172,7 +4293,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ImportImageRequest) GetPart() isImportImageRequest_Part {
@@ -4235,7 +4356,7 @@ type ImportHeader struct {
 
 func (x *ImportHeader) Reset() {
 	*x = ImportHeader{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4247,7 +4368,7 @@ func (x *ImportHeader) String() string {
 func (*ImportHeader) ProtoMessage() {}
 
 func (x *ImportHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[68]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4260,7 +4381,7 @@ func (x *ImportHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportHeader.ProtoReflect.Descriptor instead.
 func (*ImportHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ImportHeader) GetRef() string {
@@ -4300,7 +4421,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4312,7 +4433,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[69]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4325,7 +4446,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -4355,7 +4476,7 @@ type PullImageRequest struct {
 
 func (x *PullImageRequest) Reset() {
 	*x = PullImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4367,7 +4488,7 @@ func (x *PullImageRequest) String() string {
 func (*PullImageRequest) ProtoMessage() {}
 
 func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[70]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4380,7 +4501,7 @@ func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
 func (*PullImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *PullImageRequest) GetSource() string {
@@ -4423,7 +4544,7 @@ type PullImageResponse struct {
 
 func (x *PullImageResponse) Reset() {
 	*x = PullImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4435,7 +4556,7 @@ func (x *PullImageResponse) String() string {
 func (*PullImageResponse) ProtoMessage() {}
 
 func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[71]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4448,7 +4569,7 @@ func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullImageResponse.ProtoReflect.Descriptor instead.
 func (*PullImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *PullImageResponse) GetLayersDone() int64 {
@@ -4494,7 +4615,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4506,7 +4627,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[72]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4519,7 +4640,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
 }
 
 type ListImagesResponse struct {
@@ -4531,7 +4652,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4543,7 +4664,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[73]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4556,7 +4677,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -4575,7 +4696,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4587,7 +4708,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[74]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4600,7 +4721,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *GetImageRequest) GetRef() string {
@@ -4619,7 +4740,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4631,7 +4752,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[75]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4644,7 +4765,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -4664,7 +4785,7 @@ type TagImageRequest struct {
 
 func (x *TagImageRequest) Reset() {
 	*x = TagImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4676,7 +4797,7 @@ func (x *TagImageRequest) String() string {
 func (*TagImageRequest) ProtoMessage() {}
 
 func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[76]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4689,7 +4810,7 @@ func (x *TagImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageRequest.ProtoReflect.Descriptor instead.
 func (*TagImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *TagImageRequest) GetSrc() string {
@@ -4715,7 +4836,7 @@ type TagImageResponse struct {
 
 func (x *TagImageResponse) Reset() {
 	*x = TagImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4727,7 +4848,7 @@ func (x *TagImageResponse) String() string {
 func (*TagImageResponse) ProtoMessage() {}
 
 func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[77]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4740,7 +4861,7 @@ func (x *TagImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TagImageResponse.ProtoReflect.Descriptor instead.
 func (*TagImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *TagImageResponse) GetImage() *Image {
@@ -4759,7 +4880,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4771,7 +4892,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[78]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4784,7 +4905,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *DeleteImageRequest) GetRef() string {
@@ -4802,7 +4923,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4814,7 +4935,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[79]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4827,7 +4948,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
 }
 
 // GarbageCollect (admin only) deletes the blobs nothing needs any more:
@@ -4849,7 +4970,7 @@ type GarbageCollectRequest struct {
 
 func (x *GarbageCollectRequest) Reset() {
 	*x = GarbageCollectRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4861,7 +4982,7 @@ func (x *GarbageCollectRequest) String() string {
 func (*GarbageCollectRequest) ProtoMessage() {}
 
 func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[80]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4874,7 +4995,7 @@ func (x *GarbageCollectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectRequest.ProtoReflect.Descriptor instead.
 func (*GarbageCollectRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *GarbageCollectRequest) GetDryRun() bool {
@@ -4918,7 +5039,7 @@ type GarbageCollectResponse struct {
 
 func (x *GarbageCollectResponse) Reset() {
 	*x = GarbageCollectResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4930,7 +5051,7 @@ func (x *GarbageCollectResponse) String() string {
 func (*GarbageCollectResponse) ProtoMessage() {}
 
 func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[81]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4943,7 +5064,7 @@ func (x *GarbageCollectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GarbageCollectResponse.ProtoReflect.Descriptor instead.
 func (*GarbageCollectResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *GarbageCollectResponse) GetScannedBlobs() int64 {
@@ -5060,7 +5181,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5072,7 +5193,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[82]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5085,7 +5206,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *Pool) GetId() string {
@@ -5184,7 +5305,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5196,7 +5317,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[83]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5209,7 +5330,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *CreatePoolRequest) GetSpec() *SandboxSpec {
@@ -5249,7 +5370,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5261,7 +5382,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[84]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5274,7 +5395,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -5292,7 +5413,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5304,7 +5425,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[85]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5317,7 +5438,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
 }
 
 type ListPoolsResponse struct {
@@ -5329,7 +5450,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5341,7 +5462,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[86]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5354,7 +5475,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -5373,7 +5494,7 @@ type DeletePoolRequest struct {
 
 func (x *DeletePoolRequest) Reset() {
 	*x = DeletePoolRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5385,7 +5506,7 @@ func (x *DeletePoolRequest) String() string {
 func (*DeletePoolRequest) ProtoMessage() {}
 
 func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[87]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5398,7 +5519,7 @@ func (x *DeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*DeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *DeletePoolRequest) GetId() string {
@@ -5416,7 +5537,7 @@ type DeletePoolResponse struct {
 
 func (x *DeletePoolResponse) Reset() {
 	*x = DeletePoolResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5428,7 +5549,7 @@ func (x *DeletePoolResponse) String() string {
 func (*DeletePoolResponse) ProtoMessage() {}
 
 func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[88]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5441,7 +5562,7 @@ func (x *DeletePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeletePoolResponse.ProtoReflect.Descriptor instead.
 func (*DeletePoolResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
 }
 
 // RunCodeRequest is one stateless call: run code in a language, in a clean
@@ -5475,7 +5596,7 @@ type RunCodeRequest struct {
 
 func (x *RunCodeRequest) Reset() {
 	*x = RunCodeRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5487,7 +5608,7 @@ func (x *RunCodeRequest) String() string {
 func (*RunCodeRequest) ProtoMessage() {}
 
 func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[89]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5500,7 +5621,7 @@ func (x *RunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
 }
 
 func (x *RunCodeRequest) GetCode() string {
@@ -5601,7 +5722,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5613,7 +5734,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[90]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5626,7 +5747,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
 }
 
 func (x *CommandResult) GetStatus() string {
@@ -5709,7 +5830,7 @@ type RunCodeResponse struct {
 
 func (x *RunCodeResponse) Reset() {
 	*x = RunCodeResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5721,7 +5842,7 @@ func (x *RunCodeResponse) String() string {
 func (*RunCodeResponse) ProtoMessage() {}
 
 func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[91]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5734,7 +5855,7 @@ func (x *RunCodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{91}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
 }
 
 func (x *RunCodeResponse) GetStatus() string {
@@ -5788,7 +5909,7 @@ type Quota struct {
 
 func (x *Quota) Reset() {
 	*x = Quota{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5800,7 +5921,7 @@ func (x *Quota) String() string {
 func (*Quota) ProtoMessage() {}
 
 func (x *Quota) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[92]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5813,7 +5934,7 @@ func (x *Quota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Quota.ProtoReflect.Descriptor instead.
 func (*Quota) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{92}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *Quota) GetMaxSandboxes() int64 {
@@ -5857,7 +5978,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5869,7 +5990,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[93]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5882,7 +6003,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{93}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *TenantUsage) GetSandboxes() int64 {
@@ -5921,7 +6042,7 @@ type Tenant struct {
 
 func (x *Tenant) Reset() {
 	*x = Tenant{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5933,7 +6054,7 @@ func (x *Tenant) String() string {
 func (*Tenant) ProtoMessage() {}
 
 func (x *Tenant) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[94]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5946,7 +6067,7 @@ func (x *Tenant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
 func (*Tenant) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{94}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *Tenant) GetName() string {
@@ -5995,7 +6116,7 @@ type CreateTenantRequest struct {
 
 func (x *CreateTenantRequest) Reset() {
 	*x = CreateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6007,7 +6128,7 @@ func (x *CreateTenantRequest) String() string {
 func (*CreateTenantRequest) ProtoMessage() {}
 
 func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[95]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6020,7 +6141,7 @@ func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
 func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{95}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *CreateTenantRequest) GetName() string {
@@ -6056,7 +6177,7 @@ type CreateTenantResponse struct {
 
 func (x *CreateTenantResponse) Reset() {
 	*x = CreateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6068,7 +6189,7 @@ func (x *CreateTenantResponse) String() string {
 func (*CreateTenantResponse) ProtoMessage() {}
 
 func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[96]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6081,7 +6202,7 @@ func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
 func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{96}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
 }
 
 func (x *CreateTenantResponse) GetName() string {
@@ -6126,7 +6247,7 @@ type UpdateTenantRequest struct {
 
 func (x *UpdateTenantRequest) Reset() {
 	*x = UpdateTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6138,7 +6259,7 @@ func (x *UpdateTenantRequest) String() string {
 func (*UpdateTenantRequest) ProtoMessage() {}
 
 func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[97]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6151,7 +6272,7 @@ func (x *UpdateTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantRequest.ProtoReflect.Descriptor instead.
 func (*UpdateTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{97}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
 }
 
 func (x *UpdateTenantRequest) GetName() string {
@@ -6226,7 +6347,7 @@ type UpdateTenantResponse struct {
 
 func (x *UpdateTenantResponse) Reset() {
 	*x = UpdateTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6238,7 +6359,7 @@ func (x *UpdateTenantResponse) String() string {
 func (*UpdateTenantResponse) ProtoMessage() {}
 
 func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[98]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6251,7 +6372,7 @@ func (x *UpdateTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdateTenantResponse.ProtoReflect.Descriptor instead.
 func (*UpdateTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{98}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
 }
 
 func (x *UpdateTenantResponse) GetTenant() *Tenant {
@@ -6271,7 +6392,7 @@ type GetTenantRequest struct {
 
 func (x *GetTenantRequest) Reset() {
 	*x = GetTenantRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6283,7 +6404,7 @@ func (x *GetTenantRequest) String() string {
 func (*GetTenantRequest) ProtoMessage() {}
 
 func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[99]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6296,7 +6417,7 @@ func (x *GetTenantRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantRequest.ProtoReflect.Descriptor instead.
 func (*GetTenantRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{99}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
 }
 
 func (x *GetTenantRequest) GetName() string {
@@ -6315,7 +6436,7 @@ type GetTenantResponse struct {
 
 func (x *GetTenantResponse) Reset() {
 	*x = GetTenantResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6327,7 +6448,7 @@ func (x *GetTenantResponse) String() string {
 func (*GetTenantResponse) ProtoMessage() {}
 
 func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[100]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6340,7 +6461,7 @@ func (x *GetTenantResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetTenantResponse.ProtoReflect.Descriptor instead.
 func (*GetTenantResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{100}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
 }
 
 func (x *GetTenantResponse) GetTenant() *Tenant {
@@ -6358,7 +6479,7 @@ type ListTenantsRequest struct {
 
 func (x *ListTenantsRequest) Reset() {
 	*x = ListTenantsRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6370,7 +6491,7 @@ func (x *ListTenantsRequest) String() string {
 func (*ListTenantsRequest) ProtoMessage() {}
 
 func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[101]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6383,7 +6504,7 @@ func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
 func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{101}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
 }
 
 type ListTenantsResponse struct {
@@ -6395,7 +6516,7 @@ type ListTenantsResponse struct {
 
 func (x *ListTenantsResponse) Reset() {
 	*x = ListTenantsResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6407,7 +6528,7 @@ func (x *ListTenantsResponse) String() string {
 func (*ListTenantsResponse) ProtoMessage() {}
 
 func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[102]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6420,7 +6541,7 @@ func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
 func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{102}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{104}
 }
 
 func (x *ListTenantsResponse) GetTenants() []*Tenant {
@@ -6438,7 +6559,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6450,7 +6571,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[103]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6463,7 +6584,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{103}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{105}
 }
 
 type ListNodesResponse struct {
@@ -6476,7 +6597,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6488,7 +6609,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[104]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6501,7 +6622,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{104}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{106}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -6543,7 +6664,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6555,7 +6676,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[105]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6568,7 +6689,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{105}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{107}
 }
 
 func (x *Node) GetId() string {
@@ -6686,7 +6807,7 @@ type NodeBackend struct {
 
 func (x *NodeBackend) Reset() {
 	*x = NodeBackend{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6698,7 +6819,7 @@ func (x *NodeBackend) String() string {
 func (*NodeBackend) ProtoMessage() {}
 
 func (x *NodeBackend) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[106]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6711,7 +6832,7 @@ func (x *NodeBackend) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeBackend.ProtoReflect.Descriptor instead.
 func (*NodeBackend) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{106}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{108}
 }
 
 func (x *NodeBackend) GetBackend() string {
@@ -6841,7 +6962,7 @@ type NodeMeasurement struct {
 
 func (x *NodeMeasurement) Reset() {
 	*x = NodeMeasurement{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[109]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6853,7 +6974,7 @@ func (x *NodeMeasurement) String() string {
 func (*NodeMeasurement) ProtoMessage() {}
 
 func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[107]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[109]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6866,7 +6987,7 @@ func (x *NodeMeasurement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeMeasurement.ProtoReflect.Descriptor instead.
 func (*NodeMeasurement) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{107}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{109}
 }
 
 func (x *NodeMeasurement) GetMilliCpu() int64 {
@@ -6971,7 +7092,7 @@ type SandboxCount struct {
 
 func (x *SandboxCount) Reset() {
 	*x = SandboxCount{}
-	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[110]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6983,7 +7104,7 @@ func (x *SandboxCount) String() string {
 func (*SandboxCount) ProtoMessage() {}
 
 func (x *SandboxCount) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_dsec_proto_msgTypes[108]
+	mi := &file_dsec_v1_dsec_proto_msgTypes[110]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6996,7 +7117,7 @@ func (x *SandboxCount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxCount.ProtoReflect.Descriptor instead.
 func (*SandboxCount) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{108}
+	return file_dsec_v1_dsec_proto_rawDescGZIP(), []int{110}
 }
 
 func (x *SandboxCount) GetBackend() string {
@@ -7277,7 +7398,15 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
 	"\x06events\x18\x02 \x03(\v2\x13.dsec.v1.InputEventR\x06events\"\x0f\n" +
-	"\rInputResponse\"v\n" +
+	"\rInputResponse\"\x88\x01\n" +
+	"\rVerifyRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1c\n" +
+	"\tartifacts\x18\x02 \x03(\tR\tartifacts\x12(\n" +
+	"\x04exec\x18\x03 \x01(\v2\x14.dsec.v1.ExecRequestR\x04exec\x12\x10\n" +
+	"\x03seq\x18\x04 \x01(\x04R\x03seq\"=\n" +
+	"\x0eVerifyResponse\x12+\n" +
+	"\x06result\x18\x01 \x01(\v2\x13.dsec.v1.ExecResultR\x06result\"v\n" +
 	"\x11SetNetworkRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x14\n" +
@@ -7572,7 +7701,7 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"\fSandboxCount\x12\x18\n" +
 	"\abackend\x18\x01 \x01(\tR\abackend\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x14\n" +
-	"\x05count\x18\x03 \x01(\x03R\x05count2\x8b\x0f\n" +
+	"\x05count\x18\x03 \x01(\x03R\x05count2\xc6\x0f\n" +
 	"\x0eSandboxService\x12G\n" +
 	"\x06Create\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12Z\n" +
 	"\vBatchCreate\x12$.dsec.v1.BatchCreateSandboxesRequest\x1a%.dsec.v1.BatchCreateSandboxesResponse\x12>\n" +
@@ -7599,7 +7728,8 @@ const file_dsec_v1_dsec_proto_rawDesc = "" +
 	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x126\n" +
 	"\x05Input\x12\x15.dsec.v1.InputRequest\x1a\x16.dsec.v1.InputResponse\x12E\n" +
 	"\n" +
-	"SetNetwork\x12\x1a.dsec.v1.SetNetworkRequest\x1a\x1b.dsec.v1.SetNetworkResponse\x126\n" +
+	"SetNetwork\x12\x1a.dsec.v1.SetNetworkRequest\x1a\x1b.dsec.v1.SetNetworkResponse\x129\n" +
+	"\x06Verify\x12\x16.dsec.v1.VerifyRequest\x1a\x17.dsec.v1.VerifyResponse\x126\n" +
 	"\tFreezeJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x124\n" +
 	"\aThawJob\x12\x13.dsec.v1.JobRequest\x1a\x14.dsec.v1.JobResponse\x12<\n" +
 	"\aAcquire\x12\x17.dsec.v1.AcquireRequest\x1a\x18.dsec.v1.AcquireResponse\x12B\n" +
@@ -7640,7 +7770,7 @@ func file_dsec_v1_dsec_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_dsec_proto_rawDescData
 }
 
-var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 115)
+var file_dsec_v1_dsec_proto_msgTypes = make([]protoimpl.MessageInfo, 117)
 var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*Resources)(nil),                     // 0: dsec.v1.Resources
 	(*SandboxSpec)(nil),                   // 1: dsec.v1.SandboxSpec
@@ -7693,85 +7823,87 @@ var file_dsec_v1_dsec_proto_goTypes = []any{
 	(*InputEvent)(nil),                    // 48: dsec.v1.InputEvent
 	(*InputRequest)(nil),                  // 49: dsec.v1.InputRequest
 	(*InputResponse)(nil),                 // 50: dsec.v1.InputResponse
-	(*SetNetworkRequest)(nil),             // 51: dsec.v1.SetNetworkRequest
-	(*SetNetworkResponse)(nil),            // 52: dsec.v1.SetNetworkResponse
-	(*JobRequest)(nil),                    // 53: dsec.v1.JobRequest
-	(*JobResult)(nil),                     // 54: dsec.v1.JobResult
-	(*JobResponse)(nil),                   // 55: dsec.v1.JobResponse
-	(*AcquireRequest)(nil),                // 56: dsec.v1.AcquireRequest
-	(*AcquireResponse)(nil),               // 57: dsec.v1.AcquireResponse
-	(*BatchExecRequest)(nil),              // 58: dsec.v1.BatchExecRequest
-	(*BatchExecItem)(nil),                 // 59: dsec.v1.BatchExecItem
-	(*BatchExecResponse)(nil),             // 60: dsec.v1.BatchExecResponse
-	(*BatchRollbackRequest)(nil),          // 61: dsec.v1.BatchRollbackRequest
-	(*BatchRollbackItem)(nil),             // 62: dsec.v1.BatchRollbackItem
-	(*BatchRollbackResponse)(nil),         // 63: dsec.v1.BatchRollbackResponse
-	(*ReleaseRequest)(nil),                // 64: dsec.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),               // 65: dsec.v1.ReleaseResponse
-	(*Image)(nil),                         // 66: dsec.v1.Image
-	(*ImportImageRequest)(nil),            // 67: dsec.v1.ImportImageRequest
-	(*ImportHeader)(nil),                  // 68: dsec.v1.ImportHeader
-	(*ImportImageResponse)(nil),           // 69: dsec.v1.ImportImageResponse
-	(*PullImageRequest)(nil),              // 70: dsec.v1.PullImageRequest
-	(*PullImageResponse)(nil),             // 71: dsec.v1.PullImageResponse
-	(*ListImagesRequest)(nil),             // 72: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),            // 73: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),               // 74: dsec.v1.GetImageRequest
-	(*GetImageResponse)(nil),              // 75: dsec.v1.GetImageResponse
-	(*TagImageRequest)(nil),               // 76: dsec.v1.TagImageRequest
-	(*TagImageResponse)(nil),              // 77: dsec.v1.TagImageResponse
-	(*DeleteImageRequest)(nil),            // 78: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),           // 79: dsec.v1.DeleteImageResponse
-	(*GarbageCollectRequest)(nil),         // 80: dsec.v1.GarbageCollectRequest
-	(*GarbageCollectResponse)(nil),        // 81: dsec.v1.GarbageCollectResponse
-	(*Pool)(nil),                          // 82: dsec.v1.Pool
-	(*CreatePoolRequest)(nil),             // 83: dsec.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),            // 84: dsec.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),              // 85: dsec.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),             // 86: dsec.v1.ListPoolsResponse
-	(*DeletePoolRequest)(nil),             // 87: dsec.v1.DeletePoolRequest
-	(*DeletePoolResponse)(nil),            // 88: dsec.v1.DeletePoolResponse
-	(*RunCodeRequest)(nil),                // 89: dsec.v1.RunCodeRequest
-	(*CommandResult)(nil),                 // 90: dsec.v1.CommandResult
-	(*RunCodeResponse)(nil),               // 91: dsec.v1.RunCodeResponse
-	(*Quota)(nil),                         // 92: dsec.v1.Quota
-	(*TenantUsage)(nil),                   // 93: dsec.v1.TenantUsage
-	(*Tenant)(nil),                        // 94: dsec.v1.Tenant
-	(*CreateTenantRequest)(nil),           // 95: dsec.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),          // 96: dsec.v1.CreateTenantResponse
-	(*UpdateTenantRequest)(nil),           // 97: dsec.v1.UpdateTenantRequest
-	(*UpdateTenantResponse)(nil),          // 98: dsec.v1.UpdateTenantResponse
-	(*GetTenantRequest)(nil),              // 99: dsec.v1.GetTenantRequest
-	(*GetTenantResponse)(nil),             // 100: dsec.v1.GetTenantResponse
-	(*ListTenantsRequest)(nil),            // 101: dsec.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),           // 102: dsec.v1.ListTenantsResponse
-	(*ListNodesRequest)(nil),              // 103: dsec.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),             // 104: dsec.v1.ListNodesResponse
-	(*Node)(nil),                          // 105: dsec.v1.Node
-	(*NodeBackend)(nil),                   // 106: dsec.v1.NodeBackend
-	(*NodeMeasurement)(nil),               // 107: dsec.v1.NodeMeasurement
-	(*SandboxCount)(nil),                  // 108: dsec.v1.SandboxCount
-	nil,                                   // 109: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                                   // 110: dsec.v1.ListSandboxesRequest.LabelsEntry
-	nil,                                   // 111: dsec.v1.SubmitRewardRequest.MetadataEntry
-	nil,                                   // 112: dsec.v1.JobRequest.LabelsEntry
-	nil,                                   // 113: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                                   // 114: dsec.v1.RunCodeResponse.FilesEntry
-	(*durationpb.Duration)(nil),           // 115: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),         // 116: google.protobuf.Timestamp
+	(*VerifyRequest)(nil),                 // 51: dsec.v1.VerifyRequest
+	(*VerifyResponse)(nil),                // 52: dsec.v1.VerifyResponse
+	(*SetNetworkRequest)(nil),             // 53: dsec.v1.SetNetworkRequest
+	(*SetNetworkResponse)(nil),            // 54: dsec.v1.SetNetworkResponse
+	(*JobRequest)(nil),                    // 55: dsec.v1.JobRequest
+	(*JobResult)(nil),                     // 56: dsec.v1.JobResult
+	(*JobResponse)(nil),                   // 57: dsec.v1.JobResponse
+	(*AcquireRequest)(nil),                // 58: dsec.v1.AcquireRequest
+	(*AcquireResponse)(nil),               // 59: dsec.v1.AcquireResponse
+	(*BatchExecRequest)(nil),              // 60: dsec.v1.BatchExecRequest
+	(*BatchExecItem)(nil),                 // 61: dsec.v1.BatchExecItem
+	(*BatchExecResponse)(nil),             // 62: dsec.v1.BatchExecResponse
+	(*BatchRollbackRequest)(nil),          // 63: dsec.v1.BatchRollbackRequest
+	(*BatchRollbackItem)(nil),             // 64: dsec.v1.BatchRollbackItem
+	(*BatchRollbackResponse)(nil),         // 65: dsec.v1.BatchRollbackResponse
+	(*ReleaseRequest)(nil),                // 66: dsec.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),               // 67: dsec.v1.ReleaseResponse
+	(*Image)(nil),                         // 68: dsec.v1.Image
+	(*ImportImageRequest)(nil),            // 69: dsec.v1.ImportImageRequest
+	(*ImportHeader)(nil),                  // 70: dsec.v1.ImportHeader
+	(*ImportImageResponse)(nil),           // 71: dsec.v1.ImportImageResponse
+	(*PullImageRequest)(nil),              // 72: dsec.v1.PullImageRequest
+	(*PullImageResponse)(nil),             // 73: dsec.v1.PullImageResponse
+	(*ListImagesRequest)(nil),             // 74: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),            // 75: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),               // 76: dsec.v1.GetImageRequest
+	(*GetImageResponse)(nil),              // 77: dsec.v1.GetImageResponse
+	(*TagImageRequest)(nil),               // 78: dsec.v1.TagImageRequest
+	(*TagImageResponse)(nil),              // 79: dsec.v1.TagImageResponse
+	(*DeleteImageRequest)(nil),            // 80: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),           // 81: dsec.v1.DeleteImageResponse
+	(*GarbageCollectRequest)(nil),         // 82: dsec.v1.GarbageCollectRequest
+	(*GarbageCollectResponse)(nil),        // 83: dsec.v1.GarbageCollectResponse
+	(*Pool)(nil),                          // 84: dsec.v1.Pool
+	(*CreatePoolRequest)(nil),             // 85: dsec.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),            // 86: dsec.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),              // 87: dsec.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),             // 88: dsec.v1.ListPoolsResponse
+	(*DeletePoolRequest)(nil),             // 89: dsec.v1.DeletePoolRequest
+	(*DeletePoolResponse)(nil),            // 90: dsec.v1.DeletePoolResponse
+	(*RunCodeRequest)(nil),                // 91: dsec.v1.RunCodeRequest
+	(*CommandResult)(nil),                 // 92: dsec.v1.CommandResult
+	(*RunCodeResponse)(nil),               // 93: dsec.v1.RunCodeResponse
+	(*Quota)(nil),                         // 94: dsec.v1.Quota
+	(*TenantUsage)(nil),                   // 95: dsec.v1.TenantUsage
+	(*Tenant)(nil),                        // 96: dsec.v1.Tenant
+	(*CreateTenantRequest)(nil),           // 97: dsec.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),          // 98: dsec.v1.CreateTenantResponse
+	(*UpdateTenantRequest)(nil),           // 99: dsec.v1.UpdateTenantRequest
+	(*UpdateTenantResponse)(nil),          // 100: dsec.v1.UpdateTenantResponse
+	(*GetTenantRequest)(nil),              // 101: dsec.v1.GetTenantRequest
+	(*GetTenantResponse)(nil),             // 102: dsec.v1.GetTenantResponse
+	(*ListTenantsRequest)(nil),            // 103: dsec.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),           // 104: dsec.v1.ListTenantsResponse
+	(*ListNodesRequest)(nil),              // 105: dsec.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),             // 106: dsec.v1.ListNodesResponse
+	(*Node)(nil),                          // 107: dsec.v1.Node
+	(*NodeBackend)(nil),                   // 108: dsec.v1.NodeBackend
+	(*NodeMeasurement)(nil),               // 109: dsec.v1.NodeMeasurement
+	(*SandboxCount)(nil),                  // 110: dsec.v1.SandboxCount
+	nil,                                   // 111: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                                   // 112: dsec.v1.ListSandboxesRequest.LabelsEntry
+	nil,                                   // 113: dsec.v1.SubmitRewardRequest.MetadataEntry
+	nil,                                   // 114: dsec.v1.JobRequest.LabelsEntry
+	nil,                                   // 115: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                                   // 116: dsec.v1.RunCodeResponse.FilesEntry
+	(*durationpb.Duration)(nil),           // 117: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),         // 118: google.protobuf.Timestamp
 }
 var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	0,   // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	109, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	115, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
-	115, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
+	111, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	117, // 2: dsec.v1.SandboxSpec.ttl:type_name -> google.protobuf.Duration
+	117, // 3: dsec.v1.SandboxSpec.idle_timeout:type_name -> google.protobuf.Duration
 	2,   // 4: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.NetworkPolicy
 	1,   // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	116, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	116, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	118, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	118, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	4,   // 8: dsec.v1.Sandbox.usage:type_name -> dsec.v1.SandboxUsage
-	116, // 9: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
-	115, // 10: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
+	118, // 9: dsec.v1.SandboxUsage.measured_at:type_name -> google.protobuf.Timestamp
+	117, // 10: dsec.v1.SandboxUsage.window:type_name -> google.protobuf.Duration
 	1,   // 11: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	3,   // 12: dsec.v1.CreateSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
 	1,   // 13: dsec.v1.BatchCreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
@@ -7779,165 +7911,169 @@ var file_dsec_v1_dsec_proto_depIdxs = []int32{
 	8,   // 15: dsec.v1.BatchCreateResult.error:type_name -> dsec.v1.ItemError
 	9,   // 16: dsec.v1.BatchCreateSandboxesResponse.results:type_name -> dsec.v1.BatchCreateResult
 	3,   // 17: dsec.v1.GetSandboxResponse.sandbox:type_name -> dsec.v1.Sandbox
-	110, // 18: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
+	112, // 18: dsec.v1.ListSandboxesRequest.labels:type_name -> dsec.v1.ListSandboxesRequest.LabelsEntry
 	3,   // 19: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	115, // 20: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
-	115, // 21: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
+	117, // 20: dsec.v1.ExecRequest.timeout:type_name -> google.protobuf.Duration
+	117, // 21: dsec.v1.ExecResult.duration:type_name -> google.protobuf.Duration
 	16,  // 22: dsec.v1.ExecResponse.result:type_name -> dsec.v1.ExecResult
 	16,  // 23: dsec.v1.ExecStreamResponse.result:type_name -> dsec.v1.ExecResult
 	1,   // 24: dsec.v1.RunRequest.spec:type_name -> dsec.v1.SandboxSpec
 	15,  // 25: dsec.v1.RunRequest.exec:type_name -> dsec.v1.ExecRequest
 	16,  // 26: dsec.v1.RunResponse.result:type_name -> dsec.v1.ExecResult
-	111, // 27: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
+	113, // 27: dsec.v1.SubmitRewardRequest.metadata:type_name -> dsec.v1.SubmitRewardRequest.MetadataEntry
 	8,   // 28: dsec.v1.BatchDestroyResult.error:type_name -> dsec.v1.ItemError
 	32,  // 29: dsec.v1.BatchDestroySandboxesResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	66,  // 30: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
+	68,  // 30: dsec.v1.SnapshotResponse.image:type_name -> dsec.v1.Image
 	3,   // 31: dsec.v1.FreezeResponse.sandbox:type_name -> dsec.v1.Sandbox
 	3,   // 32: dsec.v1.ThawResponse.sandbox:type_name -> dsec.v1.Sandbox
 	48,  // 33: dsec.v1.InputRequest.events:type_name -> dsec.v1.InputEvent
-	2,   // 34: dsec.v1.SetNetworkResponse.network:type_name -> dsec.v1.NetworkPolicy
-	112, // 35: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
-	8,   // 36: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
-	54,  // 37: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
-	1,   // 38: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
-	9,   // 39: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
-	15,  // 40: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
-	16,  // 41: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
-	8,   // 42: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
-	59,  // 43: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
-	38,  // 44: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
-	39,  // 45: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
-	8,   // 46: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
-	62,  // 47: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
-	32,  // 48: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
-	116, // 49: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	68,  // 50: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
-	66,  // 51: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
-	66,  // 52: dsec.v1.PullImageResponse.image:type_name -> dsec.v1.Image
-	66,  // 53: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	66,  // 54: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
-	66,  // 55: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
-	115, // 56: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
-	1,   // 57: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
-	115, // 58: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
-	1,   // 59: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
-	115, // 60: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
-	82,  // 61: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
-	82,  // 62: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
-	115, // 63: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
-	115, // 64: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
-	113, // 65: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	90,  // 66: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
-	90,  // 67: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
-	114, // 68: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
-	92,  // 69: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
-	0,   // 70: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
-	93,  // 71: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
-	116, // 72: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	92,  // 73: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
-	0,   // 74: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
-	94,  // 75: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	94,  // 76: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	94,  // 77: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
-	94,  // 78: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
-	105, // 79: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
-	116, // 80: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
-	106, // 81: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
-	107, // 82: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
-	108, // 83: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
-	5,   // 84: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
-	7,   // 85: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
-	11,  // 86: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
-	13,  // 87: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
-	15,  // 88: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	15,  // 89: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	19,  // 90: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
-	21,  // 91: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	23,  // 92: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	29,  // 93: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
-	31,  // 94: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
-	25,  // 95: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
-	27,  // 96: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
-	34,  // 97: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	36,  // 98: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
-	38,  // 99: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
-	40,  // 100: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
-	42,  // 101: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
-	44,  // 102: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
-	46,  // 103: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	49,  // 104: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
-	51,  // 105: dsec.v1.SandboxService.SetNetwork:input_type -> dsec.v1.SetNetworkRequest
-	53,  // 106: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
-	53,  // 107: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
-	56,  // 108: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
-	58,  // 109: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
-	61,  // 110: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
-	64,  // 111: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
-	67,  // 112: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
-	70,  // 113: dsec.v1.ImageService.Pull:input_type -> dsec.v1.PullImageRequest
-	72,  // 114: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
-	74,  // 115: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
-	76,  // 116: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
-	78,  // 117: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
-	80,  // 118: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
-	83,  // 119: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
-	85,  // 120: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
-	87,  // 121: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
-	89,  // 122: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	95,  // 123: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
-	97,  // 124: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
-	99,  // 125: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
-	101, // 126: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
-	103, // 127: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
-	6,   // 128: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
-	10,  // 129: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
-	12,  // 130: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
-	14,  // 131: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
-	17,  // 132: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
-	18,  // 133: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
-	20,  // 134: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
-	22,  // 135: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
-	24,  // 136: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	30,  // 137: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
-	33,  // 138: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
-	26,  // 139: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
-	28,  // 140: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
-	35,  // 141: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
-	37,  // 142: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
-	39,  // 143: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
-	41,  // 144: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
-	43,  // 145: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
-	45,  // 146: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
-	47,  // 147: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	50,  // 148: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
-	52,  // 149: dsec.v1.SandboxService.SetNetwork:output_type -> dsec.v1.SetNetworkResponse
-	55,  // 150: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
-	55,  // 151: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
-	57,  // 152: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
-	60,  // 153: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
-	63,  // 154: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
-	65,  // 155: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
-	69,  // 156: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
-	71,  // 157: dsec.v1.ImageService.Pull:output_type -> dsec.v1.PullImageResponse
-	73,  // 158: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
-	75,  // 159: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
-	77,  // 160: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
-	79,  // 161: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
-	81,  // 162: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
-	84,  // 163: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
-	86,  // 164: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
-	88,  // 165: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
-	91,  // 166: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
-	96,  // 167: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
-	98,  // 168: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
-	100, // 169: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
-	102, // 170: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
-	104, // 171: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
-	128, // [128:172] is the sub-list for method output_type
-	84,  // [84:128] is the sub-list for method input_type
-	84,  // [84:84] is the sub-list for extension type_name
-	84,  // [84:84] is the sub-list for extension extendee
-	0,   // [0:84] is the sub-list for field type_name
+	15,  // 34: dsec.v1.VerifyRequest.exec:type_name -> dsec.v1.ExecRequest
+	16,  // 35: dsec.v1.VerifyResponse.result:type_name -> dsec.v1.ExecResult
+	2,   // 36: dsec.v1.SetNetworkResponse.network:type_name -> dsec.v1.NetworkPolicy
+	114, // 37: dsec.v1.JobRequest.labels:type_name -> dsec.v1.JobRequest.LabelsEntry
+	8,   // 38: dsec.v1.JobResult.error:type_name -> dsec.v1.ItemError
+	56,  // 39: dsec.v1.JobResponse.results:type_name -> dsec.v1.JobResult
+	1,   // 40: dsec.v1.AcquireRequest.spec:type_name -> dsec.v1.SandboxSpec
+	9,   // 41: dsec.v1.AcquireResponse.results:type_name -> dsec.v1.BatchCreateResult
+	15,  // 42: dsec.v1.BatchExecRequest.requests:type_name -> dsec.v1.ExecRequest
+	16,  // 43: dsec.v1.BatchExecItem.result:type_name -> dsec.v1.ExecResult
+	8,   // 44: dsec.v1.BatchExecItem.error:type_name -> dsec.v1.ItemError
+	61,  // 45: dsec.v1.BatchExecResponse.results:type_name -> dsec.v1.BatchExecItem
+	38,  // 46: dsec.v1.BatchRollbackRequest.requests:type_name -> dsec.v1.RollbackRequest
+	39,  // 47: dsec.v1.BatchRollbackItem.result:type_name -> dsec.v1.RollbackResponse
+	8,   // 48: dsec.v1.BatchRollbackItem.error:type_name -> dsec.v1.ItemError
+	64,  // 49: dsec.v1.BatchRollbackResponse.results:type_name -> dsec.v1.BatchRollbackItem
+	32,  // 50: dsec.v1.ReleaseResponse.results:type_name -> dsec.v1.BatchDestroyResult
+	118, // 51: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	70,  // 52: dsec.v1.ImportImageRequest.header:type_name -> dsec.v1.ImportHeader
+	68,  // 53: dsec.v1.ImportImageResponse.image:type_name -> dsec.v1.Image
+	68,  // 54: dsec.v1.PullImageResponse.image:type_name -> dsec.v1.Image
+	68,  // 55: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	68,  // 56: dsec.v1.GetImageResponse.image:type_name -> dsec.v1.Image
+	68,  // 57: dsec.v1.TagImageResponse.image:type_name -> dsec.v1.Image
+	117, // 58: dsec.v1.GarbageCollectRequest.grace:type_name -> google.protobuf.Duration
+	1,   // 59: dsec.v1.Pool.spec:type_name -> dsec.v1.SandboxSpec
+	117, // 60: dsec.v1.Pool.idle_shrink:type_name -> google.protobuf.Duration
+	1,   // 61: dsec.v1.CreatePoolRequest.spec:type_name -> dsec.v1.SandboxSpec
+	117, // 62: dsec.v1.CreatePoolRequest.idle_shrink:type_name -> google.protobuf.Duration
+	84,  // 63: dsec.v1.CreatePoolResponse.pool:type_name -> dsec.v1.Pool
+	84,  // 64: dsec.v1.ListPoolsResponse.pools:type_name -> dsec.v1.Pool
+	117, // 65: dsec.v1.RunCodeRequest.compile_timeout:type_name -> google.protobuf.Duration
+	117, // 66: dsec.v1.RunCodeRequest.run_timeout:type_name -> google.protobuf.Duration
+	115, // 67: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	92,  // 68: dsec.v1.RunCodeResponse.compile_result:type_name -> dsec.v1.CommandResult
+	92,  // 69: dsec.v1.RunCodeResponse.run_result:type_name -> dsec.v1.CommandResult
+	116, // 70: dsec.v1.RunCodeResponse.files:type_name -> dsec.v1.RunCodeResponse.FilesEntry
+	94,  // 71: dsec.v1.Tenant.quota:type_name -> dsec.v1.Quota
+	0,   // 72: dsec.v1.Tenant.defaults:type_name -> dsec.v1.Resources
+	95,  // 73: dsec.v1.Tenant.usage:type_name -> dsec.v1.TenantUsage
+	118, // 74: dsec.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	94,  // 75: dsec.v1.CreateTenantRequest.quota:type_name -> dsec.v1.Quota
+	0,   // 76: dsec.v1.CreateTenantRequest.defaults:type_name -> dsec.v1.Resources
+	96,  // 77: dsec.v1.CreateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	96,  // 78: dsec.v1.UpdateTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	96,  // 79: dsec.v1.GetTenantResponse.tenant:type_name -> dsec.v1.Tenant
+	96,  // 80: dsec.v1.ListTenantsResponse.tenants:type_name -> dsec.v1.Tenant
+	107, // 81: dsec.v1.ListNodesResponse.nodes:type_name -> dsec.v1.Node
+	118, // 82: dsec.v1.Node.last_heartbeat_at:type_name -> google.protobuf.Timestamp
+	108, // 83: dsec.v1.Node.backends:type_name -> dsec.v1.NodeBackend
+	109, // 84: dsec.v1.Node.measured:type_name -> dsec.v1.NodeMeasurement
+	110, // 85: dsec.v1.Node.sandboxes:type_name -> dsec.v1.SandboxCount
+	5,   // 86: dsec.v1.SandboxService.Create:input_type -> dsec.v1.CreateSandboxRequest
+	7,   // 87: dsec.v1.SandboxService.BatchCreate:input_type -> dsec.v1.BatchCreateSandboxesRequest
+	11,  // 88: dsec.v1.SandboxService.Get:input_type -> dsec.v1.GetSandboxRequest
+	13,  // 89: dsec.v1.SandboxService.List:input_type -> dsec.v1.ListSandboxesRequest
+	15,  // 90: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	15,  // 91: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	19,  // 92: dsec.v1.SandboxService.Run:input_type -> dsec.v1.RunRequest
+	21,  // 93: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	23,  // 94: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	29,  // 95: dsec.v1.SandboxService.Destroy:input_type -> dsec.v1.DestroySandboxRequest
+	31,  // 96: dsec.v1.SandboxService.BatchDestroy:input_type -> dsec.v1.BatchDestroySandboxesRequest
+	25,  // 97: dsec.v1.SandboxService.SubmitReward:input_type -> dsec.v1.SubmitRewardRequest
+	27,  // 98: dsec.v1.SandboxService.GetTrajectory:input_type -> dsec.v1.GetTrajectoryRequest
+	34,  // 99: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	36,  // 100: dsec.v1.SandboxService.Checkpoint:input_type -> dsec.v1.CheckpointRequest
+	38,  // 101: dsec.v1.SandboxService.Rollback:input_type -> dsec.v1.RollbackRequest
+	40,  // 102: dsec.v1.SandboxService.DeleteCheckpoint:input_type -> dsec.v1.DeleteCheckpointRequest
+	42,  // 103: dsec.v1.SandboxService.Freeze:input_type -> dsec.v1.FreezeRequest
+	44,  // 104: dsec.v1.SandboxService.Thaw:input_type -> dsec.v1.ThawRequest
+	46,  // 105: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	49,  // 106: dsec.v1.SandboxService.Input:input_type -> dsec.v1.InputRequest
+	53,  // 107: dsec.v1.SandboxService.SetNetwork:input_type -> dsec.v1.SetNetworkRequest
+	51,  // 108: dsec.v1.SandboxService.Verify:input_type -> dsec.v1.VerifyRequest
+	55,  // 109: dsec.v1.SandboxService.FreezeJob:input_type -> dsec.v1.JobRequest
+	55,  // 110: dsec.v1.SandboxService.ThawJob:input_type -> dsec.v1.JobRequest
+	58,  // 111: dsec.v1.SandboxService.Acquire:input_type -> dsec.v1.AcquireRequest
+	60,  // 112: dsec.v1.SandboxService.BatchExec:input_type -> dsec.v1.BatchExecRequest
+	63,  // 113: dsec.v1.SandboxService.BatchRollback:input_type -> dsec.v1.BatchRollbackRequest
+	66,  // 114: dsec.v1.SandboxService.Release:input_type -> dsec.v1.ReleaseRequest
+	69,  // 115: dsec.v1.ImageService.Import:input_type -> dsec.v1.ImportImageRequest
+	72,  // 116: dsec.v1.ImageService.Pull:input_type -> dsec.v1.PullImageRequest
+	74,  // 117: dsec.v1.ImageService.List:input_type -> dsec.v1.ListImagesRequest
+	76,  // 118: dsec.v1.ImageService.Get:input_type -> dsec.v1.GetImageRequest
+	78,  // 119: dsec.v1.ImageService.Tag:input_type -> dsec.v1.TagImageRequest
+	80,  // 120: dsec.v1.ImageService.Delete:input_type -> dsec.v1.DeleteImageRequest
+	82,  // 121: dsec.v1.ImageService.GarbageCollect:input_type -> dsec.v1.GarbageCollectRequest
+	85,  // 122: dsec.v1.PoolService.Create:input_type -> dsec.v1.CreatePoolRequest
+	87,  // 123: dsec.v1.PoolService.List:input_type -> dsec.v1.ListPoolsRequest
+	89,  // 124: dsec.v1.PoolService.Delete:input_type -> dsec.v1.DeletePoolRequest
+	91,  // 125: dsec.v1.FnService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	97,  // 126: dsec.v1.TenantService.Create:input_type -> dsec.v1.CreateTenantRequest
+	99,  // 127: dsec.v1.TenantService.Update:input_type -> dsec.v1.UpdateTenantRequest
+	101, // 128: dsec.v1.TenantService.Get:input_type -> dsec.v1.GetTenantRequest
+	103, // 129: dsec.v1.TenantService.List:input_type -> dsec.v1.ListTenantsRequest
+	105, // 130: dsec.v1.ClusterService.ListNodes:input_type -> dsec.v1.ListNodesRequest
+	6,   // 131: dsec.v1.SandboxService.Create:output_type -> dsec.v1.CreateSandboxResponse
+	10,  // 132: dsec.v1.SandboxService.BatchCreate:output_type -> dsec.v1.BatchCreateSandboxesResponse
+	12,  // 133: dsec.v1.SandboxService.Get:output_type -> dsec.v1.GetSandboxResponse
+	14,  // 134: dsec.v1.SandboxService.List:output_type -> dsec.v1.ListSandboxesResponse
+	17,  // 135: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResponse
+	18,  // 136: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecStreamResponse
+	20,  // 137: dsec.v1.SandboxService.Run:output_type -> dsec.v1.RunResponse
+	22,  // 138: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.WriteFileResponse
+	24,  // 139: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	30,  // 140: dsec.v1.SandboxService.Destroy:output_type -> dsec.v1.DestroySandboxResponse
+	33,  // 141: dsec.v1.SandboxService.BatchDestroy:output_type -> dsec.v1.BatchDestroySandboxesResponse
+	26,  // 142: dsec.v1.SandboxService.SubmitReward:output_type -> dsec.v1.SubmitRewardResponse
+	28,  // 143: dsec.v1.SandboxService.GetTrajectory:output_type -> dsec.v1.GetTrajectoryResponse
+	35,  // 144: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotResponse
+	37,  // 145: dsec.v1.SandboxService.Checkpoint:output_type -> dsec.v1.CheckpointResponse
+	39,  // 146: dsec.v1.SandboxService.Rollback:output_type -> dsec.v1.RollbackResponse
+	41,  // 147: dsec.v1.SandboxService.DeleteCheckpoint:output_type -> dsec.v1.DeleteCheckpointResponse
+	43,  // 148: dsec.v1.SandboxService.Freeze:output_type -> dsec.v1.FreezeResponse
+	45,  // 149: dsec.v1.SandboxService.Thaw:output_type -> dsec.v1.ThawResponse
+	47,  // 150: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	50,  // 151: dsec.v1.SandboxService.Input:output_type -> dsec.v1.InputResponse
+	54,  // 152: dsec.v1.SandboxService.SetNetwork:output_type -> dsec.v1.SetNetworkResponse
+	52,  // 153: dsec.v1.SandboxService.Verify:output_type -> dsec.v1.VerifyResponse
+	57,  // 154: dsec.v1.SandboxService.FreezeJob:output_type -> dsec.v1.JobResponse
+	57,  // 155: dsec.v1.SandboxService.ThawJob:output_type -> dsec.v1.JobResponse
+	59,  // 156: dsec.v1.SandboxService.Acquire:output_type -> dsec.v1.AcquireResponse
+	62,  // 157: dsec.v1.SandboxService.BatchExec:output_type -> dsec.v1.BatchExecResponse
+	65,  // 158: dsec.v1.SandboxService.BatchRollback:output_type -> dsec.v1.BatchRollbackResponse
+	67,  // 159: dsec.v1.SandboxService.Release:output_type -> dsec.v1.ReleaseResponse
+	71,  // 160: dsec.v1.ImageService.Import:output_type -> dsec.v1.ImportImageResponse
+	73,  // 161: dsec.v1.ImageService.Pull:output_type -> dsec.v1.PullImageResponse
+	75,  // 162: dsec.v1.ImageService.List:output_type -> dsec.v1.ListImagesResponse
+	77,  // 163: dsec.v1.ImageService.Get:output_type -> dsec.v1.GetImageResponse
+	79,  // 164: dsec.v1.ImageService.Tag:output_type -> dsec.v1.TagImageResponse
+	81,  // 165: dsec.v1.ImageService.Delete:output_type -> dsec.v1.DeleteImageResponse
+	83,  // 166: dsec.v1.ImageService.GarbageCollect:output_type -> dsec.v1.GarbageCollectResponse
+	86,  // 167: dsec.v1.PoolService.Create:output_type -> dsec.v1.CreatePoolResponse
+	88,  // 168: dsec.v1.PoolService.List:output_type -> dsec.v1.ListPoolsResponse
+	90,  // 169: dsec.v1.PoolService.Delete:output_type -> dsec.v1.DeletePoolResponse
+	93,  // 170: dsec.v1.FnService.RunCode:output_type -> dsec.v1.RunCodeResponse
+	98,  // 171: dsec.v1.TenantService.Create:output_type -> dsec.v1.CreateTenantResponse
+	100, // 172: dsec.v1.TenantService.Update:output_type -> dsec.v1.UpdateTenantResponse
+	102, // 173: dsec.v1.TenantService.Get:output_type -> dsec.v1.GetTenantResponse
+	104, // 174: dsec.v1.TenantService.List:output_type -> dsec.v1.ListTenantsResponse
+	106, // 175: dsec.v1.ClusterService.ListNodes:output_type -> dsec.v1.ListNodesResponse
+	131, // [131:176] is the sub-list for method output_type
+	86,  // [86:131] is the sub-list for method input_type
+	86,  // [86:86] is the sub-list for extension type_name
+	86,  // [86:86] is the sub-list for extension extendee
+	0,   // [0:86] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_dsec_proto_init() }
@@ -7955,18 +8091,18 @@ func file_dsec_v1_dsec_proto_init() {
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Result)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[67].OneofWrappers = []any{
+	file_dsec_v1_dsec_proto_msgTypes[69].OneofWrappers = []any{
 		(*ImportImageRequest_Header)(nil),
 		(*ImportImageRequest_Chunk)(nil),
 	}
-	file_dsec_v1_dsec_proto_msgTypes[97].OneofWrappers = []any{}
+	file_dsec_v1_dsec_proto_msgTypes[99].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_dsec_proto_rawDesc), len(file_dsec_v1_dsec_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   115,
+			NumMessages:   117,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

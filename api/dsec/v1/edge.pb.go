@@ -405,6 +405,58 @@ func (x *EdgeInputRequest) GetRequest() *InputRequest {
 	return nil
 }
 
+type EdgeVerifyRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Request       *VerifyRequest         `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EdgeVerifyRequest) Reset() {
+	*x = EdgeVerifyRequest{}
+	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EdgeVerifyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EdgeVerifyRequest) ProtoMessage() {}
+
+func (x *EdgeVerifyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EdgeVerifyRequest.ProtoReflect.Descriptor instead.
+func (*EdgeVerifyRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *EdgeVerifyRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *EdgeVerifyRequest) GetRequest() *VerifyRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
 type EdgeSetNetworkRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -415,7 +467,7 @@ type EdgeSetNetworkRequest struct {
 
 func (x *EdgeSetNetworkRequest) Reset() {
 	*x = EdgeSetNetworkRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -427,7 +479,7 @@ func (x *EdgeSetNetworkRequest) String() string {
 func (*EdgeSetNetworkRequest) ProtoMessage() {}
 
 func (x *EdgeSetNetworkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[6]
+	mi := &file_dsec_v1_edge_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -440,7 +492,7 @@ func (x *EdgeSetNetworkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSetNetworkRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSetNetworkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *EdgeSetNetworkRequest) GetCaller() *Caller {
@@ -467,7 +519,7 @@ type EdgeListRequest struct {
 
 func (x *EdgeListRequest) Reset() {
 	*x = EdgeListRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -479,7 +531,7 @@ func (x *EdgeListRequest) String() string {
 func (*EdgeListRequest) ProtoMessage() {}
 
 func (x *EdgeListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[7]
+	mi := &file_dsec_v1_edge_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -492,7 +544,7 @@ func (x *EdgeListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeListRequest.ProtoReflect.Descriptor instead.
 func (*EdgeListRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *EdgeListRequest) GetCaller() *Caller {
@@ -519,7 +571,7 @@ type EdgeExecRequest struct {
 
 func (x *EdgeExecRequest) Reset() {
 	*x = EdgeExecRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -531,7 +583,7 @@ func (x *EdgeExecRequest) String() string {
 func (*EdgeExecRequest) ProtoMessage() {}
 
 func (x *EdgeExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[8]
+	mi := &file_dsec_v1_edge_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -544,7 +596,7 @@ func (x *EdgeExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeExecRequest.ProtoReflect.Descriptor instead.
 func (*EdgeExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *EdgeExecRequest) GetCaller() *Caller {
@@ -578,7 +630,7 @@ type EdgeRunRequest struct {
 
 func (x *EdgeRunRequest) Reset() {
 	*x = EdgeRunRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -590,7 +642,7 @@ func (x *EdgeRunRequest) String() string {
 func (*EdgeRunRequest) ProtoMessage() {}
 
 func (x *EdgeRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[9]
+	mi := &file_dsec_v1_edge_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -603,7 +655,7 @@ func (x *EdgeRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRunRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRunRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *EdgeRunRequest) GetCaller() *Caller {
@@ -658,7 +710,7 @@ type EdgeWriteFileRequest struct {
 
 func (x *EdgeWriteFileRequest) Reset() {
 	*x = EdgeWriteFileRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -670,7 +722,7 @@ func (x *EdgeWriteFileRequest) String() string {
 func (*EdgeWriteFileRequest) ProtoMessage() {}
 
 func (x *EdgeWriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[10]
+	mi := &file_dsec_v1_edge_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -683,7 +735,7 @@ func (x *EdgeWriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeWriteFileRequest.ProtoReflect.Descriptor instead.
 func (*EdgeWriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *EdgeWriteFileRequest) GetCaller() *Caller {
@@ -710,7 +762,7 @@ type EdgeReadFileRequest struct {
 
 func (x *EdgeReadFileRequest) Reset() {
 	*x = EdgeReadFileRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -722,7 +774,7 @@ func (x *EdgeReadFileRequest) String() string {
 func (*EdgeReadFileRequest) ProtoMessage() {}
 
 func (x *EdgeReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[11]
+	mi := &file_dsec_v1_edge_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -735,7 +787,7 @@ func (x *EdgeReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeReadFileRequest.ProtoReflect.Descriptor instead.
 func (*EdgeReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EdgeReadFileRequest) GetCaller() *Caller {
@@ -762,7 +814,7 @@ type EdgeSubmitRewardRequest struct {
 
 func (x *EdgeSubmitRewardRequest) Reset() {
 	*x = EdgeSubmitRewardRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -774,7 +826,7 @@ func (x *EdgeSubmitRewardRequest) String() string {
 func (*EdgeSubmitRewardRequest) ProtoMessage() {}
 
 func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[12]
+	mi := &file_dsec_v1_edge_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -787,7 +839,7 @@ func (x *EdgeSubmitRewardRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSubmitRewardRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSubmitRewardRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *EdgeSubmitRewardRequest) GetCaller() *Caller {
@@ -817,7 +869,7 @@ type EdgeSnapshotRequest struct {
 
 func (x *EdgeSnapshotRequest) Reset() {
 	*x = EdgeSnapshotRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -829,7 +881,7 @@ func (x *EdgeSnapshotRequest) String() string {
 func (*EdgeSnapshotRequest) ProtoMessage() {}
 
 func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[13]
+	mi := &file_dsec_v1_edge_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -842,7 +894,7 @@ func (x *EdgeSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*EdgeSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *EdgeSnapshotRequest) GetCaller() *Caller {
@@ -876,7 +928,7 @@ type EdgeCheckpointRequest struct {
 
 func (x *EdgeCheckpointRequest) Reset() {
 	*x = EdgeCheckpointRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -888,7 +940,7 @@ func (x *EdgeCheckpointRequest) String() string {
 func (*EdgeCheckpointRequest) ProtoMessage() {}
 
 func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[14]
+	mi := &file_dsec_v1_edge_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -901,7 +953,7 @@ func (x *EdgeCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*EdgeCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *EdgeCheckpointRequest) GetCaller() *Caller {
@@ -928,7 +980,7 @@ type EdgeRollbackRequest struct {
 
 func (x *EdgeRollbackRequest) Reset() {
 	*x = EdgeRollbackRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -940,7 +992,7 @@ func (x *EdgeRollbackRequest) String() string {
 func (*EdgeRollbackRequest) ProtoMessage() {}
 
 func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[15]
+	mi := &file_dsec_v1_edge_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -953,7 +1005,7 @@ func (x *EdgeRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRollbackRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *EdgeRollbackRequest) GetCaller() *Caller {
@@ -980,7 +1032,7 @@ type EdgeDeleteCheckpointRequest struct {
 
 func (x *EdgeDeleteCheckpointRequest) Reset() {
 	*x = EdgeDeleteCheckpointRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -992,7 +1044,7 @@ func (x *EdgeDeleteCheckpointRequest) String() string {
 func (*EdgeDeleteCheckpointRequest) ProtoMessage() {}
 
 func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[16]
+	mi := &file_dsec_v1_edge_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1005,7 +1057,7 @@ func (x *EdgeDeleteCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeDeleteCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*EdgeDeleteCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EdgeDeleteCheckpointRequest) GetCaller() *Caller {
@@ -1032,7 +1084,7 @@ type EdgeGetTrajectoryRequest struct {
 
 func (x *EdgeGetTrajectoryRequest) Reset() {
 	*x = EdgeGetTrajectoryRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1044,7 +1096,7 @@ func (x *EdgeGetTrajectoryRequest) String() string {
 func (*EdgeGetTrajectoryRequest) ProtoMessage() {}
 
 func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[17]
+	mi := &file_dsec_v1_edge_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1057,7 +1109,7 @@ func (x *EdgeGetTrajectoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeGetTrajectoryRequest.ProtoReflect.Descriptor instead.
 func (*EdgeGetTrajectoryRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *EdgeGetTrajectoryRequest) GetCaller() *Caller {
@@ -1084,7 +1136,7 @@ type EdgeBatchExecRequest struct {
 
 func (x *EdgeBatchExecRequest) Reset() {
 	*x = EdgeBatchExecRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[18]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1096,7 +1148,7 @@ func (x *EdgeBatchExecRequest) String() string {
 func (*EdgeBatchExecRequest) ProtoMessage() {}
 
 func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[18]
+	mi := &file_dsec_v1_edge_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1109,7 +1161,7 @@ func (x *EdgeBatchExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeBatchExecRequest.ProtoReflect.Descriptor instead.
 func (*EdgeBatchExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *EdgeBatchExecRequest) GetCaller() *Caller {
@@ -1136,7 +1188,7 @@ type EdgeBatchRollbackRequest struct {
 
 func (x *EdgeBatchRollbackRequest) Reset() {
 	*x = EdgeBatchRollbackRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[19]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1148,7 +1200,7 @@ func (x *EdgeBatchRollbackRequest) String() string {
 func (*EdgeBatchRollbackRequest) ProtoMessage() {}
 
 func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[19]
+	mi := &file_dsec_v1_edge_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1161,7 +1213,7 @@ func (x *EdgeBatchRollbackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeBatchRollbackRequest.ProtoReflect.Descriptor instead.
 func (*EdgeBatchRollbackRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *EdgeBatchRollbackRequest) GetCaller() *Caller {
@@ -1193,7 +1245,7 @@ type EdgeCreatePoolRequest struct {
 
 func (x *EdgeCreatePoolRequest) Reset() {
 	*x = EdgeCreatePoolRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1205,7 +1257,7 @@ func (x *EdgeCreatePoolRequest) String() string {
 func (*EdgeCreatePoolRequest) ProtoMessage() {}
 
 func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[20]
+	mi := &file_dsec_v1_edge_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1218,7 +1270,7 @@ func (x *EdgeCreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeCreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*EdgeCreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *EdgeCreatePoolRequest) GetCaller() *Caller {
@@ -1266,7 +1318,7 @@ type EdgeDeletePoolRequest struct {
 
 func (x *EdgeDeletePoolRequest) Reset() {
 	*x = EdgeDeletePoolRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1278,7 +1330,7 @@ func (x *EdgeDeletePoolRequest) String() string {
 func (*EdgeDeletePoolRequest) ProtoMessage() {}
 
 func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[21]
+	mi := &file_dsec_v1_edge_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1291,7 +1343,7 @@ func (x *EdgeDeletePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeDeletePoolRequest.ProtoReflect.Descriptor instead.
 func (*EdgeDeletePoolRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *EdgeDeletePoolRequest) GetCaller() *Caller {
@@ -1321,7 +1373,7 @@ type EdgeRunCodeRequest struct {
 
 func (x *EdgeRunCodeRequest) Reset() {
 	*x = EdgeRunCodeRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1333,7 +1385,7 @@ func (x *EdgeRunCodeRequest) String() string {
 func (*EdgeRunCodeRequest) ProtoMessage() {}
 
 func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[22]
+	mi := &file_dsec_v1_edge_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1346,7 +1398,7 @@ func (x *EdgeRunCodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EdgeRunCodeRequest.ProtoReflect.Descriptor instead.
 func (*EdgeRunCodeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *EdgeRunCodeRequest) GetCaller() *Caller {
@@ -1405,7 +1457,7 @@ type BackendCapacity struct {
 
 func (x *BackendCapacity) Reset() {
 	*x = BackendCapacity{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[23]
+	mi := &file_dsec_v1_edge_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1417,7 +1469,7 @@ func (x *BackendCapacity) String() string {
 func (*BackendCapacity) ProtoMessage() {}
 
 func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[23]
+	mi := &file_dsec_v1_edge_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1430,7 +1482,7 @@ func (x *BackendCapacity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackendCapacity.ProtoReflect.Descriptor instead.
 func (*BackendCapacity) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *BackendCapacity) GetBackend() string {
@@ -1561,7 +1613,7 @@ type NodeStatus struct {
 
 func (x *NodeStatus) Reset() {
 	*x = NodeStatus{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[24]
+	mi := &file_dsec_v1_edge_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1573,7 +1625,7 @@ func (x *NodeStatus) String() string {
 func (*NodeStatus) ProtoMessage() {}
 
 func (x *NodeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[24]
+	mi := &file_dsec_v1_edge_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1586,7 +1638,7 @@ func (x *NodeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeStatus.ProtoReflect.Descriptor instead.
 func (*NodeStatus) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *NodeStatus) GetMilliCpu() int64 {
@@ -1707,7 +1759,7 @@ type SandboxSummary struct {
 
 func (x *SandboxSummary) Reset() {
 	*x = SandboxSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[25]
+	mi := &file_dsec_v1_edge_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1719,7 +1771,7 @@ func (x *SandboxSummary) String() string {
 func (*SandboxSummary) ProtoMessage() {}
 
 func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[25]
+	mi := &file_dsec_v1_edge_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1732,7 +1784,7 @@ func (x *SandboxSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSummary.ProtoReflect.Descriptor instead.
 func (*SandboxSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SandboxSummary) GetId() string {
@@ -1820,7 +1872,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[26]
+	mi := &file_dsec_v1_edge_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1832,7 +1884,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[26]
+	mi := &file_dsec_v1_edge_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1845,7 +1897,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *HeartbeatRequest) GetNodeId() string {
@@ -1945,7 +1997,7 @@ type PoolSummary struct {
 
 func (x *PoolSummary) Reset() {
 	*x = PoolSummary{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[27]
+	mi := &file_dsec_v1_edge_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1957,7 +2009,7 @@ func (x *PoolSummary) String() string {
 func (*PoolSummary) ProtoMessage() {}
 
 func (x *PoolSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[27]
+	mi := &file_dsec_v1_edge_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1970,7 +2022,7 @@ func (x *PoolSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolSummary.ProtoReflect.Descriptor instead.
 func (*PoolSummary) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *PoolSummary) GetId() string {
@@ -2039,7 +2091,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_dsec_v1_edge_proto_msgTypes[28]
+	mi := &file_dsec_v1_edge_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2051,7 +2103,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_edge_proto_msgTypes[28]
+	mi := &file_dsec_v1_edge_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2064,7 +2116,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_edge_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *HeartbeatResponse) GetIntervalSeconds() int32 {
@@ -2104,7 +2156,10 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"sandbox_id\x18\x02 \x01(\tR\tsandboxId\"l\n" +
 	"\x10EdgeInputRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x12/\n" +
-	"\arequest\x18\x02 \x01(\v2\x15.dsec.v1.InputRequestR\arequest\"v\n" +
+	"\arequest\x18\x02 \x01(\v2\x15.dsec.v1.InputRequestR\arequest\"n\n" +
+	"\x11EdgeVerifyRequest\x12'\n" +
+	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x120\n" +
+	"\arequest\x18\x02 \x01(\v2\x16.dsec.v1.VerifyRequestR\arequest\"v\n" +
 	"\x15EdgeSetNetworkRequest\x12'\n" +
 	"\x06caller\x18\x01 \x01(\v2\x0f.dsec.v1.CallerR\x06caller\x124\n" +
 	"\arequest\x18\x02 \x01(\v2\x1a.dsec.v1.SetNetworkRequestR\arequest\"\xb3\x01\n" +
@@ -2240,7 +2295,7 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"\tmilli_cpu\x18\a \x01(\x03R\bmilliCpu\x12!\n" +
 	"\fmemory_bytes\x18\b \x01(\x03R\vmemoryBytes\">\n" +
 	"\x11HeartbeatResponse\x12)\n" +
-	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xdd\x10\n" +
+	"\x10interval_seconds\x18\x01 \x01(\x05R\x0fintervalSeconds2\xa2\x11\n" +
 	"\vEdgeService\x12J\n" +
 	"\fCreateOnEdge\x12\x1a.dsec.v1.EdgeCreateRequest\x1a\x1e.dsec.v1.CreateSandboxResponse\x12E\n" +
 	"\tGetOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1b.dsec.v1.GetSandboxResponse\x12F\n" +
@@ -2264,7 +2319,8 @@ const file_dsec_v1_edge_proto_rawDesc = "" +
 	"ThawOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x15.dsec.v1.ThawResponse\x12L\n" +
 	"\x10ScreenshotOnEdge\x12\x1b.dsec.v1.EdgeSandboxRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x12@\n" +
 	"\vInputOnEdge\x12\x19.dsec.v1.EdgeInputRequest\x1a\x16.dsec.v1.InputResponse\x12O\n" +
-	"\x10SetNetworkOnEdge\x12\x1e.dsec.v1.EdgeSetNetworkRequest\x1a\x1b.dsec.v1.SetNetworkResponse\x12A\n" +
+	"\x10SetNetworkOnEdge\x12\x1e.dsec.v1.EdgeSetNetworkRequest\x1a\x1b.dsec.v1.SetNetworkResponse\x12C\n" +
+	"\fVerifyOnEdge\x12\x1a.dsec.v1.EdgeVerifyRequest\x1a\x17.dsec.v1.VerifyResponse\x12A\n" +
 	"\x0fFreezeJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse\x12?\n" +
 	"\rThawJobOnEdge\x12\x18.dsec.v1.EdgeListRequest\x1a\x14.dsec.v1.JobResponse\x12L\n" +
 	"\x0fBatchExecOnEdge\x12\x1d.dsec.v1.EdgeBatchExecRequest\x1a\x1a.dsec.v1.BatchExecResponse\x12X\n" +
@@ -2288,7 +2344,7 @@ func file_dsec_v1_edge_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_edge_proto_rawDescData
 }
 
-var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_dsec_v1_edge_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_dsec_v1_edge_proto_goTypes = []any{
 	(*Caller)(nil),                      // 0: dsec.v1.Caller
 	(*EdgeCreateRequest)(nil),           // 1: dsec.v1.EdgeCreateRequest
@@ -2296,194 +2352,201 @@ var file_dsec_v1_edge_proto_goTypes = []any{
 	(*ResolvedLayer)(nil),               // 3: dsec.v1.ResolvedLayer
 	(*EdgeSandboxRequest)(nil),          // 4: dsec.v1.EdgeSandboxRequest
 	(*EdgeInputRequest)(nil),            // 5: dsec.v1.EdgeInputRequest
-	(*EdgeSetNetworkRequest)(nil),       // 6: dsec.v1.EdgeSetNetworkRequest
-	(*EdgeListRequest)(nil),             // 7: dsec.v1.EdgeListRequest
-	(*EdgeExecRequest)(nil),             // 8: dsec.v1.EdgeExecRequest
-	(*EdgeRunRequest)(nil),              // 9: dsec.v1.EdgeRunRequest
-	(*EdgeWriteFileRequest)(nil),        // 10: dsec.v1.EdgeWriteFileRequest
-	(*EdgeReadFileRequest)(nil),         // 11: dsec.v1.EdgeReadFileRequest
-	(*EdgeSubmitRewardRequest)(nil),     // 12: dsec.v1.EdgeSubmitRewardRequest
-	(*EdgeSnapshotRequest)(nil),         // 13: dsec.v1.EdgeSnapshotRequest
-	(*EdgeCheckpointRequest)(nil),       // 14: dsec.v1.EdgeCheckpointRequest
-	(*EdgeRollbackRequest)(nil),         // 15: dsec.v1.EdgeRollbackRequest
-	(*EdgeDeleteCheckpointRequest)(nil), // 16: dsec.v1.EdgeDeleteCheckpointRequest
-	(*EdgeGetTrajectoryRequest)(nil),    // 17: dsec.v1.EdgeGetTrajectoryRequest
-	(*EdgeBatchExecRequest)(nil),        // 18: dsec.v1.EdgeBatchExecRequest
-	(*EdgeBatchRollbackRequest)(nil),    // 19: dsec.v1.EdgeBatchRollbackRequest
-	(*EdgeCreatePoolRequest)(nil),       // 20: dsec.v1.EdgeCreatePoolRequest
-	(*EdgeDeletePoolRequest)(nil),       // 21: dsec.v1.EdgeDeletePoolRequest
-	(*EdgeRunCodeRequest)(nil),          // 22: dsec.v1.EdgeRunCodeRequest
-	(*BackendCapacity)(nil),             // 23: dsec.v1.BackendCapacity
-	(*NodeStatus)(nil),                  // 24: dsec.v1.NodeStatus
-	(*SandboxSummary)(nil),              // 25: dsec.v1.SandboxSummary
-	(*HeartbeatRequest)(nil),            // 26: dsec.v1.HeartbeatRequest
-	(*PoolSummary)(nil),                 // 27: dsec.v1.PoolSummary
-	(*HeartbeatResponse)(nil),           // 28: dsec.v1.HeartbeatResponse
-	nil,                                 // 29: dsec.v1.EdgeListRequest.LabelsEntry
-	nil,                                 // 30: dsec.v1.SandboxSummary.LabelsEntry
-	(*SandboxSpec)(nil),                 // 31: dsec.v1.SandboxSpec
-	(*Resources)(nil),                   // 32: dsec.v1.Resources
-	(*InputRequest)(nil),                // 33: dsec.v1.InputRequest
-	(*SetNetworkRequest)(nil),           // 34: dsec.v1.SetNetworkRequest
-	(*ExecRequest)(nil),                 // 35: dsec.v1.ExecRequest
-	(*WriteFileRequest)(nil),            // 36: dsec.v1.WriteFileRequest
-	(*ReadFileRequest)(nil),             // 37: dsec.v1.ReadFileRequest
-	(*SubmitRewardRequest)(nil),         // 38: dsec.v1.SubmitRewardRequest
-	(*SnapshotRequest)(nil),             // 39: dsec.v1.SnapshotRequest
-	(*CheckpointRequest)(nil),           // 40: dsec.v1.CheckpointRequest
-	(*RollbackRequest)(nil),             // 41: dsec.v1.RollbackRequest
-	(*DeleteCheckpointRequest)(nil),     // 42: dsec.v1.DeleteCheckpointRequest
-	(*GetTrajectoryRequest)(nil),        // 43: dsec.v1.GetTrajectoryRequest
-	(*BatchExecRequest)(nil),            // 44: dsec.v1.BatchExecRequest
-	(*BatchRollbackRequest)(nil),        // 45: dsec.v1.BatchRollbackRequest
-	(*CreatePoolRequest)(nil),           // 46: dsec.v1.CreatePoolRequest
-	(*RunCodeRequest)(nil),              // 47: dsec.v1.RunCodeRequest
-	(*SandboxUsage)(nil),                // 48: dsec.v1.SandboxUsage
-	(*CreateSandboxResponse)(nil),       // 49: dsec.v1.CreateSandboxResponse
-	(*GetSandboxResponse)(nil),          // 50: dsec.v1.GetSandboxResponse
-	(*ListSandboxesResponse)(nil),       // 51: dsec.v1.ListSandboxesResponse
-	(*ExecResponse)(nil),                // 52: dsec.v1.ExecResponse
-	(*ExecStreamResponse)(nil),          // 53: dsec.v1.ExecStreamResponse
-	(*RunResponse)(nil),                 // 54: dsec.v1.RunResponse
-	(*WriteFileResponse)(nil),           // 55: dsec.v1.WriteFileResponse
-	(*ReadFileResponse)(nil),            // 56: dsec.v1.ReadFileResponse
-	(*DestroySandboxResponse)(nil),      // 57: dsec.v1.DestroySandboxResponse
-	(*SubmitRewardResponse)(nil),        // 58: dsec.v1.SubmitRewardResponse
-	(*GetTrajectoryResponse)(nil),       // 59: dsec.v1.GetTrajectoryResponse
-	(*SnapshotResponse)(nil),            // 60: dsec.v1.SnapshotResponse
-	(*CheckpointResponse)(nil),          // 61: dsec.v1.CheckpointResponse
-	(*RollbackResponse)(nil),            // 62: dsec.v1.RollbackResponse
-	(*DeleteCheckpointResponse)(nil),    // 63: dsec.v1.DeleteCheckpointResponse
-	(*FreezeResponse)(nil),              // 64: dsec.v1.FreezeResponse
-	(*ThawResponse)(nil),                // 65: dsec.v1.ThawResponse
-	(*ScreenshotResponse)(nil),          // 66: dsec.v1.ScreenshotResponse
-	(*InputResponse)(nil),               // 67: dsec.v1.InputResponse
-	(*SetNetworkResponse)(nil),          // 68: dsec.v1.SetNetworkResponse
-	(*JobResponse)(nil),                 // 69: dsec.v1.JobResponse
-	(*BatchExecResponse)(nil),           // 70: dsec.v1.BatchExecResponse
-	(*BatchRollbackResponse)(nil),       // 71: dsec.v1.BatchRollbackResponse
-	(*CreatePoolResponse)(nil),          // 72: dsec.v1.CreatePoolResponse
-	(*ListPoolsResponse)(nil),           // 73: dsec.v1.ListPoolsResponse
-	(*DeletePoolResponse)(nil),          // 74: dsec.v1.DeletePoolResponse
-	(*RunCodeResponse)(nil),             // 75: dsec.v1.RunCodeResponse
+	(*EdgeVerifyRequest)(nil),           // 6: dsec.v1.EdgeVerifyRequest
+	(*EdgeSetNetworkRequest)(nil),       // 7: dsec.v1.EdgeSetNetworkRequest
+	(*EdgeListRequest)(nil),             // 8: dsec.v1.EdgeListRequest
+	(*EdgeExecRequest)(nil),             // 9: dsec.v1.EdgeExecRequest
+	(*EdgeRunRequest)(nil),              // 10: dsec.v1.EdgeRunRequest
+	(*EdgeWriteFileRequest)(nil),        // 11: dsec.v1.EdgeWriteFileRequest
+	(*EdgeReadFileRequest)(nil),         // 12: dsec.v1.EdgeReadFileRequest
+	(*EdgeSubmitRewardRequest)(nil),     // 13: dsec.v1.EdgeSubmitRewardRequest
+	(*EdgeSnapshotRequest)(nil),         // 14: dsec.v1.EdgeSnapshotRequest
+	(*EdgeCheckpointRequest)(nil),       // 15: dsec.v1.EdgeCheckpointRequest
+	(*EdgeRollbackRequest)(nil),         // 16: dsec.v1.EdgeRollbackRequest
+	(*EdgeDeleteCheckpointRequest)(nil), // 17: dsec.v1.EdgeDeleteCheckpointRequest
+	(*EdgeGetTrajectoryRequest)(nil),    // 18: dsec.v1.EdgeGetTrajectoryRequest
+	(*EdgeBatchExecRequest)(nil),        // 19: dsec.v1.EdgeBatchExecRequest
+	(*EdgeBatchRollbackRequest)(nil),    // 20: dsec.v1.EdgeBatchRollbackRequest
+	(*EdgeCreatePoolRequest)(nil),       // 21: dsec.v1.EdgeCreatePoolRequest
+	(*EdgeDeletePoolRequest)(nil),       // 22: dsec.v1.EdgeDeletePoolRequest
+	(*EdgeRunCodeRequest)(nil),          // 23: dsec.v1.EdgeRunCodeRequest
+	(*BackendCapacity)(nil),             // 24: dsec.v1.BackendCapacity
+	(*NodeStatus)(nil),                  // 25: dsec.v1.NodeStatus
+	(*SandboxSummary)(nil),              // 26: dsec.v1.SandboxSummary
+	(*HeartbeatRequest)(nil),            // 27: dsec.v1.HeartbeatRequest
+	(*PoolSummary)(nil),                 // 28: dsec.v1.PoolSummary
+	(*HeartbeatResponse)(nil),           // 29: dsec.v1.HeartbeatResponse
+	nil,                                 // 30: dsec.v1.EdgeListRequest.LabelsEntry
+	nil,                                 // 31: dsec.v1.SandboxSummary.LabelsEntry
+	(*SandboxSpec)(nil),                 // 32: dsec.v1.SandboxSpec
+	(*Resources)(nil),                   // 33: dsec.v1.Resources
+	(*InputRequest)(nil),                // 34: dsec.v1.InputRequest
+	(*VerifyRequest)(nil),               // 35: dsec.v1.VerifyRequest
+	(*SetNetworkRequest)(nil),           // 36: dsec.v1.SetNetworkRequest
+	(*ExecRequest)(nil),                 // 37: dsec.v1.ExecRequest
+	(*WriteFileRequest)(nil),            // 38: dsec.v1.WriteFileRequest
+	(*ReadFileRequest)(nil),             // 39: dsec.v1.ReadFileRequest
+	(*SubmitRewardRequest)(nil),         // 40: dsec.v1.SubmitRewardRequest
+	(*SnapshotRequest)(nil),             // 41: dsec.v1.SnapshotRequest
+	(*CheckpointRequest)(nil),           // 42: dsec.v1.CheckpointRequest
+	(*RollbackRequest)(nil),             // 43: dsec.v1.RollbackRequest
+	(*DeleteCheckpointRequest)(nil),     // 44: dsec.v1.DeleteCheckpointRequest
+	(*GetTrajectoryRequest)(nil),        // 45: dsec.v1.GetTrajectoryRequest
+	(*BatchExecRequest)(nil),            // 46: dsec.v1.BatchExecRequest
+	(*BatchRollbackRequest)(nil),        // 47: dsec.v1.BatchRollbackRequest
+	(*CreatePoolRequest)(nil),           // 48: dsec.v1.CreatePoolRequest
+	(*RunCodeRequest)(nil),              // 49: dsec.v1.RunCodeRequest
+	(*SandboxUsage)(nil),                // 50: dsec.v1.SandboxUsage
+	(*CreateSandboxResponse)(nil),       // 51: dsec.v1.CreateSandboxResponse
+	(*GetSandboxResponse)(nil),          // 52: dsec.v1.GetSandboxResponse
+	(*ListSandboxesResponse)(nil),       // 53: dsec.v1.ListSandboxesResponse
+	(*ExecResponse)(nil),                // 54: dsec.v1.ExecResponse
+	(*ExecStreamResponse)(nil),          // 55: dsec.v1.ExecStreamResponse
+	(*RunResponse)(nil),                 // 56: dsec.v1.RunResponse
+	(*WriteFileResponse)(nil),           // 57: dsec.v1.WriteFileResponse
+	(*ReadFileResponse)(nil),            // 58: dsec.v1.ReadFileResponse
+	(*DestroySandboxResponse)(nil),      // 59: dsec.v1.DestroySandboxResponse
+	(*SubmitRewardResponse)(nil),        // 60: dsec.v1.SubmitRewardResponse
+	(*GetTrajectoryResponse)(nil),       // 61: dsec.v1.GetTrajectoryResponse
+	(*SnapshotResponse)(nil),            // 62: dsec.v1.SnapshotResponse
+	(*CheckpointResponse)(nil),          // 63: dsec.v1.CheckpointResponse
+	(*RollbackResponse)(nil),            // 64: dsec.v1.RollbackResponse
+	(*DeleteCheckpointResponse)(nil),    // 65: dsec.v1.DeleteCheckpointResponse
+	(*FreezeResponse)(nil),              // 66: dsec.v1.FreezeResponse
+	(*ThawResponse)(nil),                // 67: dsec.v1.ThawResponse
+	(*ScreenshotResponse)(nil),          // 68: dsec.v1.ScreenshotResponse
+	(*InputResponse)(nil),               // 69: dsec.v1.InputResponse
+	(*SetNetworkResponse)(nil),          // 70: dsec.v1.SetNetworkResponse
+	(*VerifyResponse)(nil),              // 71: dsec.v1.VerifyResponse
+	(*JobResponse)(nil),                 // 72: dsec.v1.JobResponse
+	(*BatchExecResponse)(nil),           // 73: dsec.v1.BatchExecResponse
+	(*BatchRollbackResponse)(nil),       // 74: dsec.v1.BatchRollbackResponse
+	(*CreatePoolResponse)(nil),          // 75: dsec.v1.CreatePoolResponse
+	(*ListPoolsResponse)(nil),           // 76: dsec.v1.ListPoolsResponse
+	(*DeletePoolResponse)(nil),          // 77: dsec.v1.DeletePoolResponse
+	(*RunCodeResponse)(nil),             // 78: dsec.v1.RunCodeResponse
 }
 var file_dsec_v1_edge_proto_depIdxs = []int32{
 	0,  // 0: dsec.v1.EdgeCreateRequest.caller:type_name -> dsec.v1.Caller
-	31, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
-	32, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
+	32, // 1: dsec.v1.EdgeCreateRequest.spec:type_name -> dsec.v1.SandboxSpec
+	33, // 2: dsec.v1.EdgeCreateRequest.limits:type_name -> dsec.v1.Resources
 	2,  // 3: dsec.v1.EdgeCreateRequest.resolved:type_name -> dsec.v1.ResolvedImages
 	3,  // 4: dsec.v1.ResolvedImages.layers:type_name -> dsec.v1.ResolvedLayer
 	0,  // 5: dsec.v1.EdgeSandboxRequest.caller:type_name -> dsec.v1.Caller
 	0,  // 6: dsec.v1.EdgeInputRequest.caller:type_name -> dsec.v1.Caller
-	33, // 7: dsec.v1.EdgeInputRequest.request:type_name -> dsec.v1.InputRequest
-	0,  // 8: dsec.v1.EdgeSetNetworkRequest.caller:type_name -> dsec.v1.Caller
-	34, // 9: dsec.v1.EdgeSetNetworkRequest.request:type_name -> dsec.v1.SetNetworkRequest
-	0,  // 10: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
-	29, // 11: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
-	0,  // 12: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
-	35, // 13: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
-	0,  // 14: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
-	31, // 15: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
-	35, // 16: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
-	32, // 17: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
-	2,  // 18: dsec.v1.EdgeRunRequest.resolved:type_name -> dsec.v1.ResolvedImages
-	0,  // 19: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
-	36, // 20: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
-	0,  // 21: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
-	37, // 22: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
-	0,  // 23: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
-	38, // 24: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
-	0,  // 25: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
-	39, // 26: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
-	0,  // 27: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	40, // 28: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
-	0,  // 29: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
-	41, // 30: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
-	0,  // 31: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
-	42, // 32: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
-	0,  // 33: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
-	43, // 34: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
-	0,  // 35: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
-	44, // 36: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
-	0,  // 37: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
-	45, // 38: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
-	0,  // 39: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
-	46, // 40: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
-	32, // 41: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
-	2,  // 42: dsec.v1.EdgeCreatePoolRequest.resolved:type_name -> dsec.v1.ResolvedImages
-	0,  // 43: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
-	0,  // 44: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
-	47, // 45: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
-	30, // 46: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
-	48, // 47: dsec.v1.SandboxSummary.usage:type_name -> dsec.v1.SandboxUsage
-	23, // 48: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
-	25, // 49: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
-	27, // 50: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
-	32, // 51: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
-	24, // 52: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
-	1,  // 53: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
-	4,  // 54: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	7,  // 55: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
-	8,  // 56: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	8,  // 57: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
-	9,  // 58: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
-	10, // 59: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
-	11, // 60: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
-	4,  // 61: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	12, // 62: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
-	17, // 63: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
-	13, // 64: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
-	14, // 65: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
-	15, // 66: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
-	16, // 67: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
-	4,  // 68: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	4,  // 69: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	4,  // 70: dsec.v1.EdgeService.ScreenshotOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
-	5,  // 71: dsec.v1.EdgeService.InputOnEdge:input_type -> dsec.v1.EdgeInputRequest
-	6,  // 72: dsec.v1.EdgeService.SetNetworkOnEdge:input_type -> dsec.v1.EdgeSetNetworkRequest
-	7,  // 73: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	7,  // 74: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
-	18, // 75: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
-	19, // 76: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
-	20, // 77: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
-	7,  // 78: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
-	21, // 79: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
-	22, // 80: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
-	26, // 81: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	49, // 82: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
-	50, // 83: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
-	51, // 84: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
-	52, // 85: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
-	53, // 86: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
-	54, // 87: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
-	55, // 88: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
-	56, // 89: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
-	57, // 90: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
-	58, // 91: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
-	59, // 92: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
-	60, // 93: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
-	61, // 94: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
-	62, // 95: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
-	63, // 96: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
-	64, // 97: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
-	65, // 98: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
-	66, // 99: dsec.v1.EdgeService.ScreenshotOnEdge:output_type -> dsec.v1.ScreenshotResponse
-	67, // 100: dsec.v1.EdgeService.InputOnEdge:output_type -> dsec.v1.InputResponse
-	68, // 101: dsec.v1.EdgeService.SetNetworkOnEdge:output_type -> dsec.v1.SetNetworkResponse
-	69, // 102: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
-	69, // 103: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
-	70, // 104: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
-	71, // 105: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
-	72, // 106: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
-	73, // 107: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
-	74, // 108: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
-	75, // 109: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
-	28, // 110: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
-	82, // [82:111] is the sub-list for method output_type
-	53, // [53:82] is the sub-list for method input_type
-	53, // [53:53] is the sub-list for extension type_name
-	53, // [53:53] is the sub-list for extension extendee
-	0,  // [0:53] is the sub-list for field type_name
+	34, // 7: dsec.v1.EdgeInputRequest.request:type_name -> dsec.v1.InputRequest
+	0,  // 8: dsec.v1.EdgeVerifyRequest.caller:type_name -> dsec.v1.Caller
+	35, // 9: dsec.v1.EdgeVerifyRequest.request:type_name -> dsec.v1.VerifyRequest
+	0,  // 10: dsec.v1.EdgeSetNetworkRequest.caller:type_name -> dsec.v1.Caller
+	36, // 11: dsec.v1.EdgeSetNetworkRequest.request:type_name -> dsec.v1.SetNetworkRequest
+	0,  // 12: dsec.v1.EdgeListRequest.caller:type_name -> dsec.v1.Caller
+	30, // 13: dsec.v1.EdgeListRequest.labels:type_name -> dsec.v1.EdgeListRequest.LabelsEntry
+	0,  // 14: dsec.v1.EdgeExecRequest.caller:type_name -> dsec.v1.Caller
+	37, // 15: dsec.v1.EdgeExecRequest.request:type_name -> dsec.v1.ExecRequest
+	0,  // 16: dsec.v1.EdgeRunRequest.caller:type_name -> dsec.v1.Caller
+	32, // 17: dsec.v1.EdgeRunRequest.spec:type_name -> dsec.v1.SandboxSpec
+	37, // 18: dsec.v1.EdgeRunRequest.exec:type_name -> dsec.v1.ExecRequest
+	33, // 19: dsec.v1.EdgeRunRequest.limits:type_name -> dsec.v1.Resources
+	2,  // 20: dsec.v1.EdgeRunRequest.resolved:type_name -> dsec.v1.ResolvedImages
+	0,  // 21: dsec.v1.EdgeWriteFileRequest.caller:type_name -> dsec.v1.Caller
+	38, // 22: dsec.v1.EdgeWriteFileRequest.request:type_name -> dsec.v1.WriteFileRequest
+	0,  // 23: dsec.v1.EdgeReadFileRequest.caller:type_name -> dsec.v1.Caller
+	39, // 24: dsec.v1.EdgeReadFileRequest.request:type_name -> dsec.v1.ReadFileRequest
+	0,  // 25: dsec.v1.EdgeSubmitRewardRequest.caller:type_name -> dsec.v1.Caller
+	40, // 26: dsec.v1.EdgeSubmitRewardRequest.request:type_name -> dsec.v1.SubmitRewardRequest
+	0,  // 27: dsec.v1.EdgeSnapshotRequest.caller:type_name -> dsec.v1.Caller
+	41, // 28: dsec.v1.EdgeSnapshotRequest.request:type_name -> dsec.v1.SnapshotRequest
+	0,  // 29: dsec.v1.EdgeCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	42, // 30: dsec.v1.EdgeCheckpointRequest.request:type_name -> dsec.v1.CheckpointRequest
+	0,  // 31: dsec.v1.EdgeRollbackRequest.caller:type_name -> dsec.v1.Caller
+	43, // 32: dsec.v1.EdgeRollbackRequest.request:type_name -> dsec.v1.RollbackRequest
+	0,  // 33: dsec.v1.EdgeDeleteCheckpointRequest.caller:type_name -> dsec.v1.Caller
+	44, // 34: dsec.v1.EdgeDeleteCheckpointRequest.request:type_name -> dsec.v1.DeleteCheckpointRequest
+	0,  // 35: dsec.v1.EdgeGetTrajectoryRequest.caller:type_name -> dsec.v1.Caller
+	45, // 36: dsec.v1.EdgeGetTrajectoryRequest.request:type_name -> dsec.v1.GetTrajectoryRequest
+	0,  // 37: dsec.v1.EdgeBatchExecRequest.caller:type_name -> dsec.v1.Caller
+	46, // 38: dsec.v1.EdgeBatchExecRequest.request:type_name -> dsec.v1.BatchExecRequest
+	0,  // 39: dsec.v1.EdgeBatchRollbackRequest.caller:type_name -> dsec.v1.Caller
+	47, // 40: dsec.v1.EdgeBatchRollbackRequest.request:type_name -> dsec.v1.BatchRollbackRequest
+	0,  // 41: dsec.v1.EdgeCreatePoolRequest.caller:type_name -> dsec.v1.Caller
+	48, // 42: dsec.v1.EdgeCreatePoolRequest.request:type_name -> dsec.v1.CreatePoolRequest
+	33, // 43: dsec.v1.EdgeCreatePoolRequest.limits:type_name -> dsec.v1.Resources
+	2,  // 44: dsec.v1.EdgeCreatePoolRequest.resolved:type_name -> dsec.v1.ResolvedImages
+	0,  // 45: dsec.v1.EdgeDeletePoolRequest.caller:type_name -> dsec.v1.Caller
+	0,  // 46: dsec.v1.EdgeRunCodeRequest.caller:type_name -> dsec.v1.Caller
+	49, // 47: dsec.v1.EdgeRunCodeRequest.request:type_name -> dsec.v1.RunCodeRequest
+	31, // 48: dsec.v1.SandboxSummary.labels:type_name -> dsec.v1.SandboxSummary.LabelsEntry
+	50, // 49: dsec.v1.SandboxSummary.usage:type_name -> dsec.v1.SandboxUsage
+	24, // 50: dsec.v1.HeartbeatRequest.capacity:type_name -> dsec.v1.BackendCapacity
+	26, // 51: dsec.v1.HeartbeatRequest.sandboxes:type_name -> dsec.v1.SandboxSummary
+	28, // 52: dsec.v1.HeartbeatRequest.pools:type_name -> dsec.v1.PoolSummary
+	33, // 53: dsec.v1.HeartbeatRequest.defaults:type_name -> dsec.v1.Resources
+	25, // 54: dsec.v1.HeartbeatRequest.status:type_name -> dsec.v1.NodeStatus
+	1,  // 55: dsec.v1.EdgeService.CreateOnEdge:input_type -> dsec.v1.EdgeCreateRequest
+	4,  // 56: dsec.v1.EdgeService.GetOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	8,  // 57: dsec.v1.EdgeService.ListOnEdge:input_type -> dsec.v1.EdgeListRequest
+	9,  // 58: dsec.v1.EdgeService.ExecOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	9,  // 59: dsec.v1.EdgeService.ExecStreamOnEdge:input_type -> dsec.v1.EdgeExecRequest
+	10, // 60: dsec.v1.EdgeService.RunOnEdge:input_type -> dsec.v1.EdgeRunRequest
+	11, // 61: dsec.v1.EdgeService.WriteFileOnEdge:input_type -> dsec.v1.EdgeWriteFileRequest
+	12, // 62: dsec.v1.EdgeService.ReadFileOnEdge:input_type -> dsec.v1.EdgeReadFileRequest
+	4,  // 63: dsec.v1.EdgeService.DestroyOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	13, // 64: dsec.v1.EdgeService.SubmitRewardOnEdge:input_type -> dsec.v1.EdgeSubmitRewardRequest
+	18, // 65: dsec.v1.EdgeService.GetTrajectoryOnEdge:input_type -> dsec.v1.EdgeGetTrajectoryRequest
+	14, // 66: dsec.v1.EdgeService.SnapshotOnEdge:input_type -> dsec.v1.EdgeSnapshotRequest
+	15, // 67: dsec.v1.EdgeService.CheckpointOnEdge:input_type -> dsec.v1.EdgeCheckpointRequest
+	16, // 68: dsec.v1.EdgeService.RollbackOnEdge:input_type -> dsec.v1.EdgeRollbackRequest
+	17, // 69: dsec.v1.EdgeService.DeleteCheckpointOnEdge:input_type -> dsec.v1.EdgeDeleteCheckpointRequest
+	4,  // 70: dsec.v1.EdgeService.FreezeOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	4,  // 71: dsec.v1.EdgeService.ThawOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	4,  // 72: dsec.v1.EdgeService.ScreenshotOnEdge:input_type -> dsec.v1.EdgeSandboxRequest
+	5,  // 73: dsec.v1.EdgeService.InputOnEdge:input_type -> dsec.v1.EdgeInputRequest
+	7,  // 74: dsec.v1.EdgeService.SetNetworkOnEdge:input_type -> dsec.v1.EdgeSetNetworkRequest
+	6,  // 75: dsec.v1.EdgeService.VerifyOnEdge:input_type -> dsec.v1.EdgeVerifyRequest
+	8,  // 76: dsec.v1.EdgeService.FreezeJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	8,  // 77: dsec.v1.EdgeService.ThawJobOnEdge:input_type -> dsec.v1.EdgeListRequest
+	19, // 78: dsec.v1.EdgeService.BatchExecOnEdge:input_type -> dsec.v1.EdgeBatchExecRequest
+	20, // 79: dsec.v1.EdgeService.BatchRollbackOnEdge:input_type -> dsec.v1.EdgeBatchRollbackRequest
+	21, // 80: dsec.v1.EdgeService.CreatePoolOnEdge:input_type -> dsec.v1.EdgeCreatePoolRequest
+	8,  // 81: dsec.v1.EdgeService.ListPoolsOnEdge:input_type -> dsec.v1.EdgeListRequest
+	22, // 82: dsec.v1.EdgeService.DeletePoolOnEdge:input_type -> dsec.v1.EdgeDeletePoolRequest
+	23, // 83: dsec.v1.EdgeService.RunCodeOnEdge:input_type -> dsec.v1.EdgeRunCodeRequest
+	27, // 84: dsec.v1.NodeService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	51, // 85: dsec.v1.EdgeService.CreateOnEdge:output_type -> dsec.v1.CreateSandboxResponse
+	52, // 86: dsec.v1.EdgeService.GetOnEdge:output_type -> dsec.v1.GetSandboxResponse
+	53, // 87: dsec.v1.EdgeService.ListOnEdge:output_type -> dsec.v1.ListSandboxesResponse
+	54, // 88: dsec.v1.EdgeService.ExecOnEdge:output_type -> dsec.v1.ExecResponse
+	55, // 89: dsec.v1.EdgeService.ExecStreamOnEdge:output_type -> dsec.v1.ExecStreamResponse
+	56, // 90: dsec.v1.EdgeService.RunOnEdge:output_type -> dsec.v1.RunResponse
+	57, // 91: dsec.v1.EdgeService.WriteFileOnEdge:output_type -> dsec.v1.WriteFileResponse
+	58, // 92: dsec.v1.EdgeService.ReadFileOnEdge:output_type -> dsec.v1.ReadFileResponse
+	59, // 93: dsec.v1.EdgeService.DestroyOnEdge:output_type -> dsec.v1.DestroySandboxResponse
+	60, // 94: dsec.v1.EdgeService.SubmitRewardOnEdge:output_type -> dsec.v1.SubmitRewardResponse
+	61, // 95: dsec.v1.EdgeService.GetTrajectoryOnEdge:output_type -> dsec.v1.GetTrajectoryResponse
+	62, // 96: dsec.v1.EdgeService.SnapshotOnEdge:output_type -> dsec.v1.SnapshotResponse
+	63, // 97: dsec.v1.EdgeService.CheckpointOnEdge:output_type -> dsec.v1.CheckpointResponse
+	64, // 98: dsec.v1.EdgeService.RollbackOnEdge:output_type -> dsec.v1.RollbackResponse
+	65, // 99: dsec.v1.EdgeService.DeleteCheckpointOnEdge:output_type -> dsec.v1.DeleteCheckpointResponse
+	66, // 100: dsec.v1.EdgeService.FreezeOnEdge:output_type -> dsec.v1.FreezeResponse
+	67, // 101: dsec.v1.EdgeService.ThawOnEdge:output_type -> dsec.v1.ThawResponse
+	68, // 102: dsec.v1.EdgeService.ScreenshotOnEdge:output_type -> dsec.v1.ScreenshotResponse
+	69, // 103: dsec.v1.EdgeService.InputOnEdge:output_type -> dsec.v1.InputResponse
+	70, // 104: dsec.v1.EdgeService.SetNetworkOnEdge:output_type -> dsec.v1.SetNetworkResponse
+	71, // 105: dsec.v1.EdgeService.VerifyOnEdge:output_type -> dsec.v1.VerifyResponse
+	72, // 106: dsec.v1.EdgeService.FreezeJobOnEdge:output_type -> dsec.v1.JobResponse
+	72, // 107: dsec.v1.EdgeService.ThawJobOnEdge:output_type -> dsec.v1.JobResponse
+	73, // 108: dsec.v1.EdgeService.BatchExecOnEdge:output_type -> dsec.v1.BatchExecResponse
+	74, // 109: dsec.v1.EdgeService.BatchRollbackOnEdge:output_type -> dsec.v1.BatchRollbackResponse
+	75, // 110: dsec.v1.EdgeService.CreatePoolOnEdge:output_type -> dsec.v1.CreatePoolResponse
+	76, // 111: dsec.v1.EdgeService.ListPoolsOnEdge:output_type -> dsec.v1.ListPoolsResponse
+	77, // 112: dsec.v1.EdgeService.DeletePoolOnEdge:output_type -> dsec.v1.DeletePoolResponse
+	78, // 113: dsec.v1.EdgeService.RunCodeOnEdge:output_type -> dsec.v1.RunCodeResponse
+	29, // 114: dsec.v1.NodeService.Heartbeat:output_type -> dsec.v1.HeartbeatResponse
+	85, // [85:115] is the sub-list for method output_type
+	55, // [55:85] is the sub-list for method input_type
+	55, // [55:55] is the sub-list for extension type_name
+	55, // [55:55] is the sub-list for extension extendee
+	0,  // [0:55] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_edge_proto_init() }
@@ -2498,7 +2561,7 @@ func file_dsec_v1_edge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_edge_proto_rawDesc), len(file_dsec_v1_edge_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   31,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -1131,7 +1131,9 @@ func (x *PutArchiveRequest) GetDir() string {
 	return ""
 }
 
-// GetArchiveRequest: the agent answers with a tar stream as BODY Data.
+// GetArchiveRequest: the agent answers with a tar stream as BODY Data: of
+// the directory dir (names relative to it), or, when dir is a regular file,
+// of that file alone under its base name.
 type GetArchiveRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Dir           string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`

@@ -116,13 +116,25 @@ func TestConformance(t *testing.T) {
 	// TCG guests on a shared two-core machine can take a minute or more
 	// to boot when other work runs: a slow boot is not what this checks.
 	e := newEnv(t, func(o *microvm.Options) { o.BootTimeout = 4 * time.Minute })
+	// Every sandbox is a guest boot (≥3 s under TCG): the whole suite took
+	// 695 s on a loaded two-core machine (bench/RESULTS.md), more than CI's
+	// budget for the VM backends. CI runs the sections that hold the boundary (isolation,
+	// exec, files, lifecycle, the adversarial section, the leak checks);
+	// DSEC_VM_SUITE=full, the benchmark run and any machine without CI
+	// run all of it.
+	var sections []string
+	if os.Getenv("CI") != "" && os.Getenv("DSEC_VM_SUITE") != "full" {
+		sections = []string{"isolation", "exec", "files", "lifecycle", "adversarial"}
+	}
 	testsuite.Run(t, testsuite.Harness{
-		Backend:    e.backend,
-		NewSpec:    e.spec,
-		Leaks:      testsuite.HostLeaks(nil, []string{e.backend.StateDir()}),
-		AgentName:  "/init",
-		LeakCycles: 10,
-		OpTimeout:  5 * time.Minute,
+		Sections:    sections,
+		SectionsWhy: "CI runs the microVM's boundary sections only (DSEC_VM_SUITE=full runs all)",
+		Backend:     e.backend,
+		NewSpec:     e.spec,
+		Leaks:       testsuite.HostLeaks(nil, []string{e.backend.StateDir()}),
+		AgentName:   "/init",
+		LeakCycles:  10,
+		OpTimeout:   5 * time.Minute,
 		Lacks: map[testsuite.Capability]string{
 			testsuite.CPUQuota: "a microVM's CPU is whole vCPUs (-smp); fractions of a core are not enforced",
 		},

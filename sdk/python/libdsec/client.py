@@ -323,6 +323,28 @@ class DSecClient:
         http_timeout = None if timeout is None else timeout + _EXEC_GRACE_S
         return self._exec(body, sandbox, http_timeout, on_output)
 
+    async def verify(
+        self,
+        sandbox: Union[str, "Sandbox"],
+        cmd: Union[str, Sequence[str]],
+        artifacts: Sequence[str],
+        timeout: Optional[float] = None,
+        *,
+        env: Union[Mapping[str, str], Sequence[str], None] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        seq: Optional[int] = None,
+    ) -> ExecResult:
+        """Grades a sandbox's work: see :meth:`Sandbox.verify`."""
+        arts = [str(a) for a in artifacts]
+        if not arts:
+            raise ValueError("artifacts: at least one path to copy into the verifier is required")
+        exec_body = _exec_body(None, cmd, timeout, env, cwd, user, None, None)
+        body: Dict[str, Any] = {"sandboxId": _id(sandbox), "artifacts": arts, "exec": exec_body}
+        _number(body, sandbox, seq, None)
+        resp = await self._send(body, sandbox, lambda: self._t.unary(f"{_SANDBOX}/Verify", body))
+        return ExecResult.from_json(resp.get("result") or {})
+
     async def _exec(
         self, body: Dict[str, Any], sandbox: Union[str, "Sandbox"], http_timeout, on_output: Optional[OutputCallback]
     ) -> ExecResult:
@@ -1255,6 +1277,26 @@ class Sandbox:
             on_output=on_output,
             request_id=request_id,
         )
+
+    async def verify(
+        self,
+        cmd: Union[str, Sequence[str]],
+        artifacts: Sequence[str],
+        timeout: Optional[float] = None,
+        *,
+        env: Union[Mapping[str, str], Sequence[str], None] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> ExecResult:
+        """Runs a grading command in a verifier: a fresh sandbox of this
+        sandbox's images as created (its resources and environment, no
+        network) holding only ``artifacts`` copied from this sandbox
+        (absolute paths, files or directories, each to the same path).
+        Nothing else the agent changed (a ``conftest.py`` that passes every
+        test, a patched test runner, a trojaned binary) reaches the grade.
+        The verifier is destroyed afterwards; the step is the handle's next
+        trajectory step, like an exec."""
+        return await self._client.verify(self, cmd, artifacts, timeout, env=env, cwd=cwd, user=user)
 
     def write_file(
         self, path: str, data: Union[bytes, str], mode: Optional[int] = None, *, request_id: Optional[str] = None

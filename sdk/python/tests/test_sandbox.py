@@ -289,3 +289,21 @@ async def test_network_rules(server):
                 await client.create(spec(network_rules={"ex ample.org": True}))
         finally:
             await sb.destroy()
+
+
+async def test_verify_grades_only_the_artifacts(server):
+    async with await connect(server) as client:
+        sb = await client.create(spec())
+        try:
+            await sb.write_file("/work/answer", "42\n")
+            await sb.write_file("/work/check.sh", "exit 0\n")  # the agent's "always pass" hook
+            grade = "[ -f /work/check.sh ] && . /work/check.sh; [ \"$(cat /work/answer)\" = 42 ]"
+            assert (await sb.run(["sh", "-c", grade])).exit_code == 0
+            await sb.write_file("/work/answer", "41\n")
+            assert (await sb.run(["sh", "-c", grade])).exit_code == 0  # the hook passes it in place
+            res = await sb.verify(["sh", "-c", grade], artifacts=["/work/answer"])
+            assert res.exit_code == 1 and res.outcome == "failed"
+            with pytest.raises(InvalidArgumentError, match=r"artifacts\[0\]"):
+                await sb.verify("true", artifacts=["work/answer"])
+        finally:
+            await sb.destroy()

@@ -101,6 +101,8 @@ const (
 	// SandboxServiceSetNetworkProcedure is the fully-qualified name of the SandboxService's SetNetwork
 	// RPC.
 	SandboxServiceSetNetworkProcedure = "/dsec.v1.SandboxService/SetNetwork"
+	// SandboxServiceVerifyProcedure is the fully-qualified name of the SandboxService's Verify RPC.
+	SandboxServiceVerifyProcedure = "/dsec.v1.SandboxService/Verify"
 	// SandboxServiceFreezeJobProcedure is the fully-qualified name of the SandboxService's FreezeJob
 	// RPC.
 	SandboxServiceFreezeJobProcedure = "/dsec.v1.SandboxService/FreezeJob"
@@ -196,6 +198,8 @@ type SandboxServiceClient interface {
 	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
 	// SetNetwork changes (or, with no rules, reads) a sandbox's egress policy.
 	SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	// Verify grades a sandbox's work in a fresh one: see VerifyRequest.
+	Verify(context.Context, *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -360,6 +364,12 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("SetNetwork")),
 			connect.WithClientOptions(opts...),
 		),
+		verify: connect.NewClient[v1.VerifyRequest, v1.VerifyResponse](
+			httpClient,
+			baseURL+SandboxServiceVerifyProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Verify")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJob: connect.NewClient[v1.JobRequest, v1.JobResponse](
 			httpClient,
 			baseURL+SandboxServiceFreezeJobProcedure,
@@ -423,6 +433,7 @@ type sandboxServiceClient struct {
 	screenshot       *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
 	input            *connect.Client[v1.InputRequest, v1.InputResponse]
 	setNetwork       *connect.Client[v1.SetNetworkRequest, v1.SetNetworkResponse]
+	verify           *connect.Client[v1.VerifyRequest, v1.VerifyResponse]
 	freezeJob        *connect.Client[v1.JobRequest, v1.JobResponse]
 	thawJob          *connect.Client[v1.JobRequest, v1.JobResponse]
 	acquire          *connect.Client[v1.AcquireRequest, v1.AcquireResponse]
@@ -541,6 +552,11 @@ func (c *sandboxServiceClient) SetNetwork(ctx context.Context, req *connect.Requ
 	return c.setNetwork.CallUnary(ctx, req)
 }
 
+// Verify calls dsec.v1.SandboxService.Verify.
+func (c *sandboxServiceClient) Verify(ctx context.Context, req *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return c.verify.CallUnary(ctx, req)
+}
+
 // FreezeJob calls dsec.v1.SandboxService.FreezeJob.
 func (c *sandboxServiceClient) FreezeJob(ctx context.Context, req *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJob.CallUnary(ctx, req)
@@ -615,6 +631,8 @@ type SandboxServiceHandler interface {
 	Input(context.Context, *connect.Request[v1.InputRequest]) (*connect.Response[v1.InputResponse], error)
 	// SetNetwork changes (or, with no rules, reads) a sandbox's egress policy.
 	SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	// Verify grades a sandbox's work in a fresh one: see VerifyRequest.
+	Verify(context.Context, *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJob and ThawJob act on every matching sandbox on every node.
 	FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
 	ThawJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error)
@@ -775,6 +793,12 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("SetNetwork")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceVerifyHandler := connect.NewUnaryHandler(
+		SandboxServiceVerifyProcedure,
+		svc.Verify,
+		connect.WithSchema(sandboxServiceMethods.ByName("Verify")),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceFreezeJobHandler := connect.NewUnaryHandler(
 		SandboxServiceFreezeJobProcedure,
 		svc.FreezeJob,
@@ -857,6 +881,8 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceInputHandler.ServeHTTP(w, r)
 		case SandboxServiceSetNetworkProcedure:
 			sandboxServiceSetNetworkHandler.ServeHTTP(w, r)
+		case SandboxServiceVerifyProcedure:
+			sandboxServiceVerifyHandler.ServeHTTP(w, r)
 		case SandboxServiceFreezeJobProcedure:
 			sandboxServiceFreezeJobHandler.ServeHTTP(w, r)
 		case SandboxServiceThawJobProcedure:
@@ -964,6 +990,10 @@ func (UnimplementedSandboxServiceHandler) Input(context.Context, *connect.Reques
 
 func (UnimplementedSandboxServiceHandler) SetNetwork(context.Context, *connect.Request[v1.SetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SetNetwork is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Verify(context.Context, *connect.Request[v1.VerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Verify is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) FreezeJob(context.Context, *connect.Request[v1.JobRequest]) (*connect.Response[v1.JobResponse], error) {

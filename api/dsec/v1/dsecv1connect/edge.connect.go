@@ -94,6 +94,9 @@ const (
 	// EdgeServiceSetNetworkOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// SetNetworkOnEdge RPC.
 	EdgeServiceSetNetworkOnEdgeProcedure = "/dsec.v1.EdgeService/SetNetworkOnEdge"
+	// EdgeServiceVerifyOnEdgeProcedure is the fully-qualified name of the EdgeService's VerifyOnEdge
+	// RPC.
+	EdgeServiceVerifyOnEdgeProcedure = "/dsec.v1.EdgeService/VerifyOnEdge"
 	// EdgeServiceFreezeJobOnEdgeProcedure is the fully-qualified name of the EdgeService's
 	// FreezeJobOnEdge RPC.
 	EdgeServiceFreezeJobOnEdgeProcedure = "/dsec.v1.EdgeService/FreezeJobOnEdge"
@@ -147,6 +150,7 @@ type EdgeServiceClient interface {
 	ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error)
 	SetNetworkOnEdge(context.Context, *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	VerifyOnEdge(context.Context, *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
@@ -293,6 +297,12 @@ func NewEdgeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(edgeServiceMethods.ByName("SetNetworkOnEdge")),
 			connect.WithClientOptions(opts...),
 		),
+		verifyOnEdge: connect.NewClient[v1.EdgeVerifyRequest, v1.VerifyResponse](
+			httpClient,
+			baseURL+EdgeServiceVerifyOnEdgeProcedure,
+			connect.WithSchema(edgeServiceMethods.ByName("VerifyOnEdge")),
+			connect.WithClientOptions(opts...),
+		),
 		freezeJobOnEdge: connect.NewClient[v1.EdgeListRequest, v1.JobResponse](
 			httpClient,
 			baseURL+EdgeServiceFreezeJobOnEdgeProcedure,
@@ -366,6 +376,7 @@ type edgeServiceClient struct {
 	screenshotOnEdge       *connect.Client[v1.EdgeSandboxRequest, v1.ScreenshotResponse]
 	inputOnEdge            *connect.Client[v1.EdgeInputRequest, v1.InputResponse]
 	setNetworkOnEdge       *connect.Client[v1.EdgeSetNetworkRequest, v1.SetNetworkResponse]
+	verifyOnEdge           *connect.Client[v1.EdgeVerifyRequest, v1.VerifyResponse]
 	freezeJobOnEdge        *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	thawJobOnEdge          *connect.Client[v1.EdgeListRequest, v1.JobResponse]
 	batchExecOnEdge        *connect.Client[v1.EdgeBatchExecRequest, v1.BatchExecResponse]
@@ -476,6 +487,11 @@ func (c *edgeServiceClient) SetNetworkOnEdge(ctx context.Context, req *connect.R
 	return c.setNetworkOnEdge.CallUnary(ctx, req)
 }
 
+// VerifyOnEdge calls dsec.v1.EdgeService.VerifyOnEdge.
+func (c *edgeServiceClient) VerifyOnEdge(ctx context.Context, req *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return c.verifyOnEdge.CallUnary(ctx, req)
+}
+
 // FreezeJobOnEdge calls dsec.v1.EdgeService.FreezeJobOnEdge.
 func (c *edgeServiceClient) FreezeJobOnEdge(ctx context.Context, req *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
 	return c.freezeJobOnEdge.CallUnary(ctx, req)
@@ -541,6 +557,7 @@ type EdgeServiceHandler interface {
 	ScreenshotOnEdge(context.Context, *connect.Request[v1.EdgeSandboxRequest]) (*connect.Response[v1.ScreenshotResponse], error)
 	InputOnEdge(context.Context, *connect.Request[v1.EdgeInputRequest]) (*connect.Response[v1.InputResponse], error)
 	SetNetworkOnEdge(context.Context, *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error)
+	VerifyOnEdge(context.Context, *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error)
 	// FreezeJobOnEdge and ThawJobOnEdge act on the caller's sandboxes on this
 	// node matching the labels.
 	FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error)
@@ -683,6 +700,12 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(edgeServiceMethods.ByName("SetNetworkOnEdge")),
 		connect.WithHandlerOptions(opts...),
 	)
+	edgeServiceVerifyOnEdgeHandler := connect.NewUnaryHandler(
+		EdgeServiceVerifyOnEdgeProcedure,
+		svc.VerifyOnEdge,
+		connect.WithSchema(edgeServiceMethods.ByName("VerifyOnEdge")),
+		connect.WithHandlerOptions(opts...),
+	)
 	edgeServiceFreezeJobOnEdgeHandler := connect.NewUnaryHandler(
 		EdgeServiceFreezeJobOnEdgeProcedure,
 		svc.FreezeJobOnEdge,
@@ -773,6 +796,8 @@ func NewEdgeServiceHandler(svc EdgeServiceHandler, opts ...connect.HandlerOption
 			edgeServiceInputOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceSetNetworkOnEdgeProcedure:
 			edgeServiceSetNetworkOnEdgeHandler.ServeHTTP(w, r)
+		case EdgeServiceVerifyOnEdgeProcedure:
+			edgeServiceVerifyOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceFreezeJobOnEdgeProcedure:
 			edgeServiceFreezeJobOnEdgeHandler.ServeHTTP(w, r)
 		case EdgeServiceThawJobOnEdgeProcedure:
@@ -876,6 +901,10 @@ func (UnimplementedEdgeServiceHandler) InputOnEdge(context.Context, *connect.Req
 
 func (UnimplementedEdgeServiceHandler) SetNetworkOnEdge(context.Context, *connect.Request[v1.EdgeSetNetworkRequest]) (*connect.Response[v1.SetNetworkResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.SetNetworkOnEdge is not implemented"))
+}
+
+func (UnimplementedEdgeServiceHandler) VerifyOnEdge(context.Context, *connect.Request[v1.EdgeVerifyRequest]) (*connect.Response[v1.VerifyResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.EdgeService.VerifyOnEdge is not implemented"))
 }
 
 func (UnimplementedEdgeServiceHandler) FreezeJobOnEdge(context.Context, *connect.Request[v1.EdgeListRequest]) (*connect.Response[v1.JobResponse], error) {
