@@ -21,6 +21,7 @@ import (
 	"github.com/dsec-dev/dsec/internal/edge"
 	"github.com/dsec-dev/dsec/internal/ids"
 	"github.com/dsec-dev/dsec/internal/layer"
+	"github.com/dsec-dev/dsec/internal/lazyfs"
 	"github.com/dsec-dev/dsec/internal/placement"
 	"github.com/dsec-dev/dsec/internal/runtime"
 	"github.com/dsec-dev/dsec/internal/runtime/container"
@@ -61,6 +62,9 @@ type edgeFlags struct {
 	hosts     map[string][]netip.Addr
 	// vm: the VM backends (vm.go).
 	vm vmFlags
+	// lazyCache and lazyMin: the lazy layer loader of an s3 store
+	// (--lazy-cache, --lazy-min-size).
+	lazyCache, lazyMin string
 
 	capacity placement.Capacity // set by validate
 	defaults spec.Resources     // set by validate: every field set
@@ -68,6 +72,7 @@ type edgeFlags struct {
 	backend  *container.Backend // set by build
 	scratch  *scratchfs.FS      // set by build, nil with --scratch-size off
 	swap     *swap.Area         // set by build, nil with --swap 0
+	lazy     *lazyfs.FS         // set by build, nil unless the store is remote
 }
 
 // warmAgents is how many sandbox agents an edge keeps started ahead of
@@ -98,6 +103,8 @@ func (f *edgeFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.defMemory, "default-memory", "", fmt.Sprintf("memory limit a sandbox gets when neither its spec nor its tenant say, e.g. 512m (default %s)", cli.FormatSize(spec.Builtin.MemoryBytes)))
 	fl.Int64Var(&f.defPids, "default-pids", 0, fmt.Sprintf("process limit a sandbox gets when neither its spec nor its tenant say (default %d)", spec.Builtin.Pids))
 	fl.StringVar(&f.defDisk, "default-disk", "", fmt.Sprintf("writable-layer size a sandbox gets when neither its spec nor its tenant say (default %s)", cli.FormatSize(spec.Builtin.DiskBytes)))
+	fl.StringVar(&f.lazyCache, "lazy-cache", "8g", "with an s3:// store, the most disk the node's cache of layer chunks (fetched on demand) may use")
+	fl.StringVar(&f.lazyMin, "lazy-min-size", cli.FormatSize(lazyfs.DefaultMinLazyBytes), "with an s3:// store, layers smaller than this are fetched whole rather than on demand; \"off\" fetches every layer whole")
 	f.registerScratch(cmd)
 	f.registerSwap(cmd)
 	f.vm.register(cmd)
@@ -122,6 +129,9 @@ func (f *edgeFlags) validate() error {
 		return cli.Usagef("--auto-pool %d: must not be negative (0 disables recycling)", f.autoPool)
 	}
 	if _, err := f.scratchBytes(); err != nil {
+		return err
+	}
+	if _, _, err := f.lazyBytes(); err != nil {
 		return err
 	}
 	if err := f.vm.validate(); err != nil {
@@ -204,13 +214,19 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		return nil, fmt.Errorf("layer mounts: %w", err)
 	}
 	f.mounts = mounts
+	if store, err = f.openLazy(dataDir, store, log, reg); err != nil {
+		mounts.Close()
+		return nil, err
+	}
 	if f.scratch, err = f.openScratch(dataDir, log); err != nil {
+		f.closeLazy(log)
 		return nil, err
 	}
 	// Before the backend: it splits v2 memory limits between RAM and swap
 	// only when the host has swap.
 	if err := f.openSwap(dataDir, log); err != nil {
 		f.closeScratch(log)
+		f.closeLazy(log)
 		return nil, err
 	}
 	backend, err := container.New(container.Options{
@@ -230,6 +246,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 	if err != nil {
 		f.closeSwap(log)
 		f.closeScratch(log)
+		f.closeLazy(log)
 		return nil, err
 	}
 	f.backend = backend
@@ -239,6 +256,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		backend.Close()
 		f.closeSwap(log)
 		f.closeScratch(log)
+		f.closeLazy(log)
 		return nil, err
 	}
 	shares := map[runtime.Kind]placement.Share{}
@@ -273,6 +291,7 @@ func (f *edgeFlags) build(dataDir string, store blobstore.Repository, token, adv
 		backend.Close()
 		f.closeSwap(log)
 		f.closeScratch(log)
+		f.closeLazy(log)
 	}
 	return e, err
 }
@@ -305,6 +324,8 @@ func (f *edgeFlags) close(ctx context.Context, e *edge.Edge, log *slog.Logger) {
 			log.Warn("unmount layers", "err", err)
 		}
 	}
+	// After the layers: their EROFS mounts hold the lazy files open.
+	f.closeLazy(log)
 	f.closeScratch(log)
 	f.closeSwap(log)
 }

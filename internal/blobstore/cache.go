@@ -158,6 +158,11 @@ func (c *Cache) Ingest(ctx context.Context, path string) (Descriptor, error) {
 	return desc, nil
 }
 
+// Cached returns the node's whole copy of the blob, without fetching;
+// ErrNotFound when there is none (the lazy loader serves such layers in
+// chunks).
+func (c *Cache) Cached(digest string) (string, error) { return c.local.Path(digest) }
+
 // Path returns the blob's local file, fetching it first with no deadline
 // (Fetch takes a context).
 func (c *Cache) Path(digest string) (string, error) {

@@ -629,6 +629,31 @@ func startRecorder(t *testing.T) (*recorder, string) {
 	return r, srv.URL
 }
 
+// cachedStore is the world's store on a node whose chunk cache holds a
+// layer it has not mounted (what lazyfs.Store reports).
+type cachedStore struct {
+	*blobstore.Dir
+	cached []string
+}
+
+func (c cachedStore) CachedLayers() []string { return c.cached }
+
+// Heartbeats report the layers a node's chunk cache holds beside the
+// mounted ones, so that placement's locality counts them.
+func TestHeartbeatReportsCachedLayers(t *testing.T) {
+	w := newWorld(t)
+	rec, url := startRecorder(t)
+	other := "sha256:" + strings.Repeat("ab", 32)
+	w.startNode(t, "hbc", func(c *edge.Config) {
+		c.Servers = []string{url}
+		c.Store = cachedStore{Dir: w.store, cached: []string{other}}
+	})
+	beat := rec.waitFor(t, func(b *dsecv1.HeartbeatRequest) bool { return len(b.Layers) > 0 })
+	if len(beat.Layers) != 1 || beat.Layers[0] != other {
+		t.Fatalf("layers %v, want the cached %s", beat.Layers, other)
+	}
+}
+
 func TestHeartbeats(t *testing.T) {
 	w := newWorld(t)
 	rec1, url1 := startRecorder(t)

@@ -12,6 +12,13 @@ import (
 	"github.com/dsec-dev/dsec/api/dsec/v1/dsecv1connect"
 )
 
+// CachedLayerer is implemented by layer stores that keep layers' chunks on
+// the node without holding them mounted (lazyfs.Store): heartbeats report
+// those layers so that placement prefers this node for their images.
+type CachedLayerer interface {
+	CachedLayers() []string
+}
+
 // heartbeat describes the node as servers need it to place and route: a
 // full snapshot each time rather than a delta, so a server that starts (or
 // misses beats) catches up with the next one and keeps no other state.
@@ -51,6 +58,14 @@ func (e *Edge) heartbeat() *dsecv1.HeartbeatRequest {
 	req.Status = st.proto(st.full(since, e.cfg.MemoryReserve))
 	for d := range e.layers {
 		held[d]++
+	}
+	// Layers whose chunks this node has cached (opened lazily) count as
+	// held too: a create placed here reads them from its disk, not the
+	// store.
+	if c, ok := e.local.(CachedLayerer); ok {
+		for _, d := range c.CachedLayers() {
+			held[d] += 0
+		}
 	}
 	req.Layers = slices.Sorted(maps.Keys(held))
 	e.mu.Unlock()

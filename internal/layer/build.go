@@ -75,6 +75,11 @@ func Build(ctx context.Context, store blobstore.Store, dir string) (blobstore.De
 	if err := normalizeSuperblock(out); err != nil {
 		return blobstore.Descriptor{}, fmt.Errorf("build layer from %s: %w", dir, err)
 	}
+	// Indexed before it is stored: Ingest moves the file away.
+	index, err := IndexFile(out)
+	if err != nil {
+		return blobstore.Descriptor{}, fmt.Errorf("build layer from %s: %w", dir, err)
+	}
 	var desc blobstore.Descriptor
 	if canIngest {
 		desc, err = ing.Ingest(ctx, out)
@@ -83,6 +88,11 @@ func Build(ctx context.Context, store blobstore.Store, dir string) (blobstore.De
 	}
 	if err != nil {
 		return blobstore.Descriptor{}, fmt.Errorf("build layer from %s: store: %w", dir, err)
+	}
+	// Every layer entering the store (import, pull, snapshot, merge) passes
+	// here, so every one gets the chunk index lazy loading needs.
+	if err := storeChunkIndex(ctx, store, desc, index); err != nil {
+		return blobstore.Descriptor{}, fmt.Errorf("build layer from %s: %w", dir, err)
 	}
 	return desc, nil
 }

@@ -52,11 +52,12 @@ func TestS3Store(t *testing.T) {
 		}
 		return out
 	}
-	up := func(data string) cli {
+	up := func(data string, extra ...string) cli {
 		addr := freeAddr(t)
-		d := startDaemon(t, "dsec up "+data, bins.dsec, "up", "--data-dir", data, "--listen", addr,
+		args := append([]string{"up", "--data-dir", data, "--listen", addr,
 			"--store", store, "--s3-endpoint", srv.Endpoint,
-			"--agent", bins.agent, "--node-id", "solo", "--log-level", "warn")
+			"--agent", bins.agent, "--node-id", "solo", "--log-level", "warn"}, extra...)
+		d := startDaemon(t, "dsec up "+data, bins.dsec, args...)
 		d.waitHealthy(t, "http://"+addr)
 		return cli{bin: bins.dsec, endpoint: "http://" + addr, token: readToken(t, filepath.Join(data, "admin.token"))}
 	}
@@ -116,9 +117,10 @@ func TestS3Store(t *testing.T) {
 		t.Fatalf("sandbox log of a shipped trajectory:\n%s", log)
 	}
 
-	// A second node: a fresh data dir, the same bucket.
+	// A second node: a fresh data dir, the same bucket. Every layer with a
+	// chunk index (busybox's, over one chunk) is loaded on demand there.
 	data2 := t.TempDir()
-	c2 := up(data2)
+	c2 := up(data2, "--lazy-min-size", "1")
 	if got := c2.ok(t, "image", "ls"); !strings.Contains(got, "busybox:latest") {
 		t.Fatalf("the second node's image ls:\n%s", got)
 	}
@@ -135,6 +137,22 @@ func TestS3Store(t *testing.T) {
 	var cached int
 	cache.Walk(ctx, func(blobstore.Descriptor) error { cached++; return nil })
 	if cached == 0 {
-		t.Fatal("the second node ran the image without fetching its layer into its cache")
+		t.Fatal("the second node ran the snapshot without fetching its small layer (no chunk index) into its cache")
+	}
+	// busybox's layer came in chunks, verified, into the lazy cache, and
+	// is not in the whole-blob cache.
+	chunks, _ := os.ReadDir(filepath.Join(data2, "lazy", "chunks"))
+	if len(chunks) == 0 {
+		t.Fatal("the second node ran busybox without fetching any chunk: its layer was not loaded on demand")
+	}
+	if idx := keys("refs/lazy/chunks/"); len(idx) == 0 {
+		t.Fatal("no chunk index stored beside the imported layers")
+	} else {
+		for _, k := range idx {
+			hex := k[strings.LastIndex(k, "/")+1:]
+			if _, err := cache.Path("sha256:" + hex); err == nil {
+				t.Fatalf("layer %s has a chunk index but was fetched whole", hex)
+			}
+		}
 	}
 }

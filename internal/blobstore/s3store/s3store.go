@@ -407,12 +407,10 @@ func (s *Store) OpenRange(ctx context.Context, digest string, off, n int64) (io.
 	if err := opts.SetRange(off, off+n-1); err != nil {
 		return nil, fmt.Errorf("blob %s: %w", digest, err)
 	}
-	obj, err := s.client.GetObject(ctx, s.bucket, key, opts)
+	// One GET with the range (Core's): the plain client's object sends a
+	// HEAD before its first read, doubling the lazy loader's requests.
+	obj, _, _, err := minio.Core{Client: s.client}.GetObject(ctx, s.bucket, key, opts)
 	if err != nil {
-		return nil, s.errorf(err, "blob %s", digest)
-	}
-	if _, err := obj.Stat(); err != nil {
-		obj.Close()
 		// Past the end: S3 answers 416 InvalidRange (SeaweedFS without
 		// the code).
 		if resp := minio.ToErrorResponse(err); resp.Code == "InvalidRange" || resp.StatusCode == http.StatusRequestedRangeNotSatisfiable {
