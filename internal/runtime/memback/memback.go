@@ -44,6 +44,11 @@ type Options struct {
 	// Screen pixels whose colour follows the input received), standing for
 	// a fullvm's screen, keyboard and mouse.
 	Display bool
+	// Disk makes sandboxes implement runtime.DiskSnapshotter, standing for
+	// a fullvm's whole disk: the "disk" is a tar of the sandbox's files
+	// (what GetArchive of / writes), SnapshotDisk writes one, and Create
+	// loads the one its first layer's path names, if it is a file.
+	Disk bool
 	// CreateHook, when set, is called by every Create before it builds the
 	// sandbox; an error it returns is Create's (say runtime.ErrBusy, to
 	// stand for a saturated node).
@@ -105,6 +110,11 @@ func (b *Backend) Create(ctx context.Context, spec runtime.Spec) (runtime.Sandbo
 		}
 	}
 	sb := newSandbox(b, spec)
+	if b.opts.Disk && len(spec.Layers) > 0 {
+		if err := sb.loadDisk(ctx, spec.Layers[0].Path); err != nil {
+			return nil, err
+		}
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if _, dup := b.live[spec.ID]; dup {
@@ -113,6 +123,8 @@ func (b *Backend) Create(ctx context.Context, spec runtime.Spec) (runtime.Sandbo
 	b.live[spec.ID] = sb
 	b.created++
 	switch {
+	case b.opts.Disk:
+		return withDisk{sb}, nil
 	case b.opts.Reset && b.opts.Display:
 		return resettableDisplay{&resettable{sb}}, nil
 	case b.opts.Reset:
