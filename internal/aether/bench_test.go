@@ -61,6 +61,16 @@ func startRelay(tb testing.TB, policy aether.Policy) (proxyURL *url.URL, sb *aet
 		c.Close()
 		<-done
 	})
+	// The agent listens from the first EgressAccept on (in a sandbox, the
+	// edge sends it as the sandbox starts): wait until the port is taken.
+	for {
+		l, err := net.Listen("tcp", listen)
+		if err != nil {
+			break
+		}
+		l.Close()
+		time.Sleep(time.Millisecond)
+	}
 	u, _ := url.Parse("http://" + listen)
 	return u, sb, c
 }
